@@ -1,0 +1,73 @@
+"""Process-group setup and the rank-0 helper every piece of rank-0-only I/O goes through."""
+import functools
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed():
+    """Join the process group the launcher set up (deepspeed, torchrun), or form a group of one.
+
+    NCCL on Linux GPUs; gloo elsewhere (CPU, Windows), which is what DeepSpeed's CPU accelerator uses.
+    """
+    import deepspeed
+
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        os.environ.setdefault(key, value)
+    use_nccl = torch.cuda.is_available() and os.name != "nt"
+    deepspeed.init_distributed(dist_backend="nccl" if use_nccl else "gloo", verbose=False)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def rank() -> int:
+    return dist.get_rank() if _initialized() else 0
+
+
+def is_main_process() -> bool:
+    return rank() == 0
+
+
+def rank_zero_only(fn):
+    """Run `fn` on rank 0 only; other ranks get None."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs) if is_main_process() else None
+    return wrapper
+
+
+def _initialized():
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_reduce(values, device, op=dist.ReduceOp.SUM):
+    """Reduce a dict of numbers over all ranks (sum by default)."""
+    if not _initialized():
+        return dict(values)
+    keys = sorted(values)
+    tensor = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op)
+    return dict(zip(keys, tensor.tolist()))
+
+
+@torch.no_grad()
+def average_buffers(module):
+    """Average floating-point buffers (batch-norm running statistics) over all ranks.
+
+    Each rank updates its statistics from its own shard, and DeepSpeed saves rank 0's; averaging
+    makes every rank validate the same model and the checkpoint hold the statistics validated with.
+    """
+    if not _initialized() or dist.get_world_size() == 1:
+        return
+    for buffer in module.buffers():
+        if buffer.is_floating_point():
+            dist.all_reduce(buffer)
+            buffer /= dist.get_world_size()
+
+
+def barrier():
+    if _initialized():
+        dist.barrier()

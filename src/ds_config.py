@@ -1,0 +1,196 @@
+"""Flags + an optional base JSON -> the DeepSpeed config. Pure: no DeepSpeed, no processes, no GPUs."""
+import copy
+import json
+from pathlib import Path
+
+from options import UsageError
+
+AUTO = "auto"
+
+DEFAULT_FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
+                "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+OFFLOAD_TO_CPU = {"device": "cpu", "pin_memory": True}
+# What "auto" means for ZeRO settings that no flag controls: DeepSpeed's own defaults.
+ZERO_AUTO_DEFAULTS = {
+    "allgather_bucket_size": 500_000_000,
+    "reduce_bucket_size": 500_000_000,
+    "sub_group_size": 1_000_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+    "stage3_gather_16bit_weights_on_model_save": False,
+}
+# gradient_clipping "auto" follows Hugging Face's Trainer (max_grad_norm=1.0), where such configs come from.
+AUTO_GRADIENT_CLIPPING = 1.0
+
+
+def load_base_config(path):
+    """The user's JSON as a dict; {} when no path is given."""
+    if not path:
+        return {}
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"--deepspeed_config {path}: file not found")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UsageError(f"--deepspeed_config {path}: not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"--deepspeed_config {path}: expected a JSON object")
+    return config
+
+
+def steps_per_epoch(num_train_images, world_size, micro_batch_size, gradient_accumulation_steps):
+    """Optimizer steps per epoch: each rank gets an equal shard and drops its last partial micro-batch."""
+    micro_batches = num_train_images // world_size // micro_batch_size
+    return micro_batches // gradient_accumulation_steps
+
+
+def build_ds_config(args, world_size, num_train_images, base=None):
+    """The DeepSpeed config for this run.
+
+    `base` (the user's JSON) is the starting point; flags in `args.explicit` override it; flag values
+    fill whatever it leaves out; every "auto" is resolved here, so DeepSpeed never sees one.
+    """
+    config = copy.deepcopy(base or {})
+    micro = _pick(config, "train_micro_batch_size_per_gpu", args, "batch_size")
+    accumulation = _pick(config, "gradient_accumulation_steps", args, "gradient_accumulation_steps")
+    for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accumulation)):
+        if not isinstance(value, int) or value < 1:
+            raise UsageError(f"{key} must be a positive integer, got {value!r}")
+    config["train_micro_batch_size_per_gpu"] = micro
+    config["gradient_accumulation_steps"] = accumulation
+    config["train_batch_size"] = micro * accumulation * world_size
+    steps = steps_per_epoch(num_train_images, world_size, micro, accumulation)
+    if steps < 1:
+        raise UsageError(
+            f"the training set has {num_train_images} images: too few for {world_size} rank(s) x "
+            f"micro-batch {micro} x {accumulation} accumulation step(s); lower --batch_size")
+
+    _resolve_precision(config, args)
+    _resolve_zero(config, args)
+    _resolve_optimizer(config, args)
+    _resolve_scheduler(config, args, total_steps=args.epochs * steps,
+                       warmup_steps=max(1, round(args.warmup_epochs * steps)))
+    if config.get("gradient_clipping") == AUTO:
+        config["gradient_clipping"] = AUTO_GRADIENT_CLIPPING
+    config.setdefault("steps_per_print", 1_000_000)  # the progress bar reports; keep DeepSpeed's log quiet
+
+    leftover = _auto_paths(config)
+    if leftover:
+        raise UsageError(f"cannot resolve \"auto\" for {', '.join(leftover)}: set a value in the JSON")
+    return config
+
+
+def _resolve_precision(config, args):
+    enabled = {name: _pick(config.get(name, {}), "enabled", args, name, missing=False)
+               for name in ("fp16", "bf16")}
+    # An explicit precision flag replaces the other precision of the base config.
+    if "fp16" in args.explicit and args.fp16 and "bf16" not in args.explicit:
+        enabled["bf16"] = False
+    if "bf16" in args.explicit and args.bf16 and "fp16" not in args.explicit:
+        enabled["fp16"] = False
+    if enabled["fp16"] and enabled["bf16"]:
+        raise UsageError("fp16 and bf16 are both enabled: choose one")
+    autocast = config.get("torch_autocast", {}).get("enabled", False)
+    if autocast and (enabled["fp16"] or enabled["bf16"]):
+        raise UsageError("torch_autocast cannot be combined with fp16/bf16 in the DeepSpeed config")
+    for name, default in (("fp16", DEFAULT_FP16), ("bf16", {"enabled": True})):
+        if name in config:
+            config[name]["enabled"] = enabled[name]
+        elif enabled[name]:
+            config[name] = dict(default)
+
+
+def _resolve_zero(config, args):
+    zero = config.setdefault("zero_optimization", {})
+    zero["stage"] = stage = _pick(zero, "stage", args, "zero_stage")
+    for key, flag in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
+        if flag in args.explicit:
+            if getattr(args, flag):
+                zero[key] = {**OFFLOAD_TO_CPU, **zero.get(key, {}), "device": "cpu"}
+            else:
+                zero.pop(key, None)
+        elif key not in zero and getattr(args, flag):
+            zero[key] = dict(OFFLOAD_TO_CPU)
+    for key, value in ZERO_AUTO_DEFAULTS.items():
+        if zero.get(key) == AUTO:
+            zero[key] = value
+    if stage not in (0, 1, 2, 3):
+        raise UsageError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    if _offloads(zero, "offload_param") and stage != 3:
+        raise UsageError(f"offload_param needs ZeRO stage 3 (this run uses stage {stage})")
+    if _offloads(zero, "offload_optimizer") and stage == 0:
+        raise UsageError("offload_optimizer needs ZeRO stage 1, 2 or 3 (this run uses stage 0)")
+    if "offload_param" in zero and stage != 3:
+        zero.pop("offload_param")
+
+
+def _resolve_optimizer(config, args):
+    optimizer = config.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    params = optimizer.setdefault("params", {})
+    auto_values = {"lr": args.learning_rate, "betas": [0.9, 0.999], "eps": 1e-8,
+                   "weight_decay": args.weight_decay}
+    for key, value in auto_values.items():
+        flag = {"lr": "learning_rate", "weight_decay": "weight_decay"}.get(key)
+        if params.get(key, AUTO) == AUTO or (flag and flag in args.explicit):
+            params[key] = value
+    offloaded = _offloads(config["zero_optimization"], "offload_optimizer")
+    if optimizer.get("type", "").lower() in ("adam", "adamw") and "torch_adam" not in params and not offloaded:
+        # torch's AdamW needs no compiled extension; with offload DeepSpeed's CPUAdam is the fast path.
+        params["torch_adam"] = True
+
+
+def _resolve_scheduler(config, args, total_steps, warmup_steps):
+    scheduler = config.setdefault("scheduler", {
+        "type": "WarmupCosineLR",
+        "params": {"warmup_type": "linear", "warmup_min_ratio": 0.0, "cos_min_ratio": 0.01},
+    })
+    params = scheduler.setdefault("params", {})
+    auto_values = {"total_num_steps": total_steps, "warmup_num_steps": warmup_steps,
+                   "warmup_min_lr": 0.0, "warmup_max_lr": config["optimizer"]["params"]["lr"]}
+    if scheduler.get("type") == "WarmupCosineLR":
+        params.setdefault("total_num_steps", AUTO)
+        params.setdefault("warmup_num_steps", AUTO)
+    for key, value in auto_values.items():
+        if params.get(key) == AUTO:
+            params[key] = value
+
+
+def _pick(section, key, args, flag, missing=AUTO):
+    """The flag's value if it was given explicitly or the base says "auto", else the base's value;
+    a key the base lacks counts as `missing`."""
+    value = section.get(key, missing)
+    return getattr(args, flag) if flag in args.explicit or value == AUTO else value
+
+
+def _offloads(zero, key):
+    return zero.get(key, {}).get("device", "none") not in ("none", None)
+
+
+def _auto_paths(node, path=""):
+    if node == AUTO:
+        return [path]
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in _auto_paths(v, f"{path}.{k}" if path else k)]
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in _auto_paths(v, f"{path}[{i}]")]
+    return []
+
+
+def precision(config):
+    """'fp16', 'bf16', 'autocast-fp16/bf16' or 'fp32': how the engine configured by `config` computes."""
+    for name in ("fp16", "bf16"):
+        if config.get(name, {}).get("enabled"):
+            return name
+    autocast = config.get("torch_autocast", {})
+    if autocast.get("enabled"):
+        return "autocast-" + ("fp16" if autocast.get("dtype") in ("float16", "fp16", "torch.float16") else "bf16")
+    return "fp32"
+
+
+def check_device_support(config, device_type):
+    if device_type == "cpu" and precision(config) in ("fp16", "autocast-fp16"):
+        raise UsageError("fp16 needs a GPU: DeepSpeed's CPU accelerator supports bf16 only "
+                         "(pass --bf16, or --no-fp16 for fp32)")

@@ -1,0 +1,40 @@
+"""logs/training_history.json: the run's settings, one record per epoch and the best epoch."""
+import json
+import os
+from pathlib import Path
+
+from distributed import rank_zero_only
+
+EPOCH_KEYS = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "lr", "epoch_time_s", "images_per_s",
+              "peak_gpu_memory_gib")
+
+
+def write_json_atomic(path, data):
+    """Write JSON so that readers see the old file or the new one, never a partial one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class TrainingHistory:
+    def __init__(self, path, config):
+        self.path = Path(path)
+        self.data = {"config": config, "epochs": [], "best": {"epoch": None, "val_acc": None}}
+
+    def add(self, record):
+        """Append one epoch's record; return True when it is the best validation accuracy so far."""
+        self.data["epochs"].append({key: record[key] for key in EPOCH_KEYS})
+        best = self.data["best"]
+        if best["val_acc"] is None or record["val_acc"] > best["val_acc"]:
+            self.data["best"] = {"epoch": record["epoch"], "val_acc": record["val_acc"]}
+            return True
+        return False
+
+    @rank_zero_only
+    def save(self):
+        write_json_atomic(self.path, self.data)

@@ -1,0 +1,109 @@
+"""Train ResNet18Animals90 with DeepSpeed.
+
+    deepspeed --num_gpus=1 src/train_deepspeed.py --train_dir data/train --val_dir data/val
+    python launch_deepspeed.py --num_gpus 2 --bf16          # builds the config and runs the line above
+"""
+import argparse
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import checkpoints
+from data import build_loaders, load_datasets
+from distributed import init_distributed, is_main_process
+from ds_config import build_ds_config, check_device_support, load_base_config, precision
+from history import TrainingHistory
+from model import MODEL_NAME, ResNet18Animals90
+from options import UsageError, add_training_args, parse_args, run_cli
+from training import evaluate, input_dtype, peak_gpu_memory_gib, train_one_epoch
+
+HISTORY_FILE = "training_history.json"
+
+
+def get_args_parser():
+    parser = argparse.ArgumentParser(description="Train ResNet18 on an image folder with DeepSpeed.")
+    add_training_args(parser)
+    parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by `deepspeed`
+    return parser
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def main(argv=None):
+    args = parse_args(get_args_parser, argv)
+    if args.pretrained and not Path(args.pretrained).is_file():
+        raise UsageError(f"--pretrained {args.pretrained}: file not found")
+    base_config = load_base_config(args.deepspeed_config)
+    train_set, val_set = load_datasets(args.train_dir, args.val_dir, args.image_size)
+
+    rank, world_size = init_distributed()
+    ds_config = build_ds_config(args, world_size, len(train_set), base=base_config)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    check_device_support(ds_config, device_type)
+    seed_everything(args.seed)
+    if device_type == "cuda":
+        torch.backends.cudnn.benchmark = True
+
+    import deepspeed
+
+    model = ResNet18Animals90(num_classes=len(train_set.classes), pretrained=args.pretrained or False)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    micro_batch = ds_config["train_micro_batch_size_per_gpu"]
+    accumulation = ds_config["gradient_accumulation_steps"]
+    train_loader, val_loader, train_sampler = build_loaders(
+        train_set, val_set, micro_batch, args.num_workers, rank, world_size, args.seed,
+        pin_memory=device_type == "cuda")
+    micro_batches = len(train_loader) // accumulation * accumulation
+    dtype = input_dtype(precision(ds_config))
+
+    run_config = {
+        "model": MODEL_NAME, "num_classes": len(train_set.classes), "image_size": args.image_size,
+        "train_dir": str(args.train_dir), "val_dir": str(args.val_dir),
+        "train_images": len(train_set), "val_images": len(val_set),
+        "epochs": args.epochs, "world_size": world_size, "device": device_type,
+        "precision": precision(ds_config), "zero_stage": ds_config["zero_optimization"]["stage"],
+        "seed": args.seed, "deepspeed": ds_config,
+    }
+    history = TrainingHistory(Path(args.log_dir) / HISTORY_FILE, run_config)
+    extra_info = {"model": MODEL_NAME, "image_size": args.image_size, "class_names": train_set.classes}
+    if is_main_process():
+        print(f"{MODEL_NAME}: {len(train_set)} train / {len(val_set)} val images, {len(train_set.classes)} "
+              f"classes; {world_size} rank(s) on {device_type}, ZeRO-{run_config['zero_stage']}, "
+              f"{run_config['precision']}, global batch {ds_config['train_batch_size']}", flush=True)
+
+    for epoch in range(1, args.epochs + 1):
+        train_sampler.set_epoch(epoch)
+        train = train_one_epoch(engine, train_loader, epoch, dtype, micro_batches)
+        val = evaluate(engine, val_loader, dtype)
+        record = {"epoch": epoch, "train_loss": train["loss"], "train_acc": train["acc"],
+                  "val_loss": val["loss"], "val_acc": val["acc"], "lr": train["lr"],
+                  "epoch_time_s": train["time_s"], "images_per_s": train["images_per_s"],
+                  "peak_gpu_memory_gib": peak_gpu_memory_gib(engine.device)}
+        is_best = history.add(record)
+        history.save()
+        if is_main_process():
+            print(f"Epoch {epoch}/{args.epochs}: train loss {train['loss']:.4f} acc {train['acc']:.4f} | "
+                  f"val loss {val['loss']:.4f} acc {val['acc']:.4f} | {train['images_per_s']:.1f} img/s"
+                  + (f" | peak GPU memory {record['peak_gpu_memory_gib']:.2f} GiB"
+                     if record["peak_gpu_memory_gib"] is not None else "")
+                  + (" | best" if is_best else ""), flush=True)
+        info = {**extra_info, "metrics": record}
+        if is_best:
+            checkpoints.save(engine, args.checkpoint_dir, "best", epoch, info)
+        if args.save_every and epoch % args.save_every == 0:
+            checkpoints.save(engine, args.checkpoint_dir, "epoch", epoch, info)
+
+    if is_main_process():
+        best = history.data["best"]
+        print(f"Best val acc {best['val_acc']:.4f} at epoch {best['epoch']}; history in {history.path}, "
+              f"checkpoints in {args.checkpoint_dir}", flush=True)
+
+
+if __name__ == "__main__":
+    run_cli(main)

@@ -1,0 +1,78 @@
+"""One training epoch and one evaluation pass over a DeepSpeed engine; metrics are plain dicts."""
+import time
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from distributed import all_reduce, average_buffers, is_main_process
+
+INPUT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def input_dtype(precision):
+    """DeepSpeed's fp16/bf16 modes hold half-precision weights, so images must match; autocast takes fp32."""
+    return INPUT_DTYPES.get(precision, torch.float32)
+
+
+def train_one_epoch(engine, loader, epoch, dtype, micro_batches):
+    """Train on the first `micro_batches` batches of `loader`; return metrics summed over all ranks."""
+    engine.train()
+    totals = {"loss": 0.0, "correct": 0, "count": 0}
+    lr = engine.get_lr()[0]
+    start = time.perf_counter()
+    progress = tqdm(total=micro_batches, desc=f"Epoch {epoch} train", disable=not is_main_process(),
+                    dynamic_ncols=True, leave=True)
+    for step, (images, labels) in enumerate(loader):
+        if step == micro_batches:
+            break
+        images = images.to(engine.device, dtype=dtype, non_blocking=True)
+        labels = labels.to(engine.device, non_blocking=True)
+        logits = engine(images)
+        loss = F.cross_entropy(logits.float(), labels)
+        lr = engine.get_lr()[0]
+        engine.backward(loss)
+        engine.step()
+
+        count = labels.numel()
+        totals["loss"] += loss.item() * count
+        totals["correct"] += (logits.argmax(dim=1) == labels).sum().item()
+        totals["count"] += count
+        progress.update()
+        seen = totals["count"]
+        progress.set_postfix(loss=f"{totals['loss'] / seen:.4f}", acc=f"{totals['correct'] / seen:.3f}",
+                             img_s=f"{seen / (time.perf_counter() - start):.1f}", lr=f"{lr:.2e}",
+                             refresh=False)
+    progress.close()
+    elapsed = time.perf_counter() - start
+    average_buffers(engine.module)
+    summed = all_reduce(totals, engine.device)
+    return {"loss": summed["loss"] / summed["count"], "acc": summed["correct"] / summed["count"],
+            "lr": lr, "time_s": elapsed, "images_per_s": summed["count"] / elapsed}
+
+
+def peak_gpu_memory_gib(device):
+    """Peak GPU memory allocated by PyTorch on any rank since the last call, in GiB; None on CPU."""
+    if device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    torch.cuda.reset_peak_memory_stats(device)
+    return all_reduce({"peak": peak}, device, op=torch.distributed.ReduceOp.MAX)["peak"]
+
+
+@torch.no_grad()
+def evaluate(engine, loader, dtype):
+    """Loss and top-1 accuracy over the whole validation set (every rank's shard)."""
+    engine.eval()
+    totals = {"loss": 0.0, "correct": 0, "count": 0}
+    for images, labels in tqdm(loader, desc="  validate", disable=not is_main_process(),
+                               dynamic_ncols=True, leave=False):
+        images = images.to(engine.device, dtype=dtype, non_blocking=True)
+        labels = labels.to(engine.device, non_blocking=True)
+        logits = engine(images).float()
+        totals["loss"] += F.cross_entropy(logits, labels, reduction="sum").item()
+        totals["correct"] += (logits.argmax(dim=1) == labels).sum().item()
+        totals["count"] += labels.numel()
+    summed = all_reduce(totals, engine.device)
+    count = max(summed["count"], 1)
+    return {"loss": summed["loss"] / count, "acc": summed["correct"] / count}

@@ -1,0 +1,44 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from prepare_data import make_sample_dataset  # noqa: E402
+
+TINY_CLASSES = 4
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """A tiny generated image folder: 4 classes, 12 train and 4 val images each, 32 px."""
+    root = tmp_path_factory.mktemp("tiny_data")
+    make_sample_dataset(root, num_classes=TINY_CLASSES, train_per_class=12, val_per_class=4,
+                        image_size=32, seed=0)
+    return root
+
+
+def run(command, cwd, timeout=600):
+    """Run a command of the project the way a user would; return the CompletedProcess."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHON": sys.executable}
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def launch(args, cwd, timeout=600):
+    return run([sys.executable, str(ROOT / "launch_deepspeed.py"), *args], cwd, timeout)
+
+
+def data_args(data_root):
+    return ["--train_dir", str(data_root / "train"), "--val_dir", str(data_root / "val")]
+
+
+def assert_usage_error(result, message):
+    """The process failed the way bad input must: exit status 2 and one line on stderr naming the problem."""
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
+    assert message in lines[0]

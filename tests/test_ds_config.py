@@ -1,0 +1,214 @@
+import argparse
+import json
+
+import pytest
+
+from conftest import ROOT
+from ds_config import build_ds_config, check_device_support, load_base_config, precision, steps_per_epoch
+from options import UsageError, add_training_args, parse_args
+
+
+def make_args(*argv):
+    return parse_args(lambda: add_training_args(argparse.ArgumentParser()), list(argv))
+
+
+def build(*argv, world_size=1, images=1000, base=None):
+    return build_ds_config(make_args(*argv), world_size, images, base=base)
+
+
+def test_explicit_flags_are_recorded():
+    args = make_args("--batch_size", "8", "--bf16", "--no-offload_optimizer")
+    assert args.explicit == {"batch_size", "bf16", "offload_optimizer"}
+    assert args.epochs == 50 and args.zero_stage == 2
+
+
+def test_defaults():
+    config = build()
+    assert config["train_micro_batch_size_per_gpu"] == 16
+    assert config["gradient_accumulation_steps"] == 1
+    assert config["train_batch_size"] == 16
+    assert config["zero_optimization"] == {"stage": 2}
+    assert "fp16" not in config and "bf16" not in config
+    assert config["optimizer"] == {"type": "AdamW", "params": {
+        "lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.05, "torch_adam": True}}
+    # 1000 images // 16 = 62 steps per epoch, 50 epochs, 1 warmup epoch
+    assert config["scheduler"]["params"]["total_num_steps"] == 62 * 50
+    assert config["scheduler"]["params"]["warmup_num_steps"] == 62
+    assert precision(config) == "fp32"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 8])
+@pytest.mark.parametrize("micro, accumulation", [(1, 1), (16, 1), (4, 8)])
+def test_train_batch_size_is_consistent(world_size, micro, accumulation):
+    config = build("--batch_size", str(micro), "--gradient_accumulation_steps", str(accumulation),
+                   world_size=world_size, images=10_000)
+    assert config["train_batch_size"] == micro * accumulation * world_size
+    expected_steps = steps_per_epoch(10_000, world_size, micro, accumulation)
+    assert config["scheduler"]["params"]["total_num_steps"] == 50 * expected_steps
+
+
+def test_steps_per_epoch_drops_partial_batches():
+    assert steps_per_epoch(100, world_size=3, micro_batch_size=4, gradient_accumulation_steps=2) == 4  # 33 -> 8 -> 4
+    assert steps_per_epoch(7, 1, 8, 1) == 0
+
+
+def test_too_few_images_is_a_usage_error():
+    with pytest.raises(UsageError, match="too few"):
+        build("--batch_size", "64", images=100, world_size=2)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("precision_flag", [None, "--fp16", "--bf16"])
+@pytest.mark.parametrize("offload_optimizer", [False, True])
+@pytest.mark.parametrize("offload_param", [False, True])
+def test_every_flag_combination(stage, precision_flag, offload_optimizer, offload_param):
+    argv = ["--zero_stage", str(stage)] + ([precision_flag] if precision_flag else [])
+    argv += ["--offload_optimizer"] * offload_optimizer + ["--offload_param"] * offload_param
+    if (offload_param and stage != 3) or (offload_optimizer and stage == 0):
+        with pytest.raises(UsageError, match="offload_(param|optimizer) needs ZeRO stage"):
+            build(*argv)
+        return
+    config = build(*argv)
+    zero = config["zero_optimization"]
+    assert zero["stage"] == stage
+    assert ("offload_optimizer" in zero) == offload_optimizer
+    assert ("offload_param" in zero) == offload_param
+    for key in ("offload_optimizer", "offload_param"):
+        if key in zero:
+            assert zero[key] == {"device": "cpu", "pin_memory": True}
+    assert precision(config) == (precision_flag or "--fp32")[2:]
+    if precision_flag == "--fp16":
+        assert config["fp16"]["loss_scale"] == 0  # dynamic loss scaling
+    # DeepSpeed's CPUAdam is the optimizer for offload; torch's AdamW otherwise (no compiled op).
+    assert config["optimizer"]["params"].get("torch_adam", False) == (not offload_optimizer)
+
+
+def test_fp16_and_bf16_together_is_a_usage_error():
+    with pytest.raises(UsageError, match="both enabled"):
+        build("--fp16", "--bf16")
+
+
+def test_base_json_values_win_over_flag_defaults_and_lose_to_explicit_flags():
+    base = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2,
+            "zero_optimization": {"stage": 1, "overlap_comm": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
+    config = build(world_size=2, base=base)
+    assert config["train_micro_batch_size_per_gpu"] == 8
+    assert config["train_batch_size"] == 8 * 2 * 2
+    assert config["zero_optimization"] == {"stage": 1, "overlap_comm": True}
+    assert config["optimizer"]["params"]["lr"] == 0.01
+    config = build("--batch_size", "4", "--zero_stage", "3", "--learning_rate", "0.5", world_size=2, base=base)
+    assert config["train_micro_batch_size_per_gpu"] == 4
+    assert config["train_batch_size"] == 4 * 2 * 2
+    assert config["zero_optimization"]["stage"] == 3
+    assert config["optimizer"]["params"]["lr"] == 0.5
+    assert base["zero_optimization"]["stage"] == 1  # the base itself is not modified
+
+
+def test_stale_train_batch_size_in_base_is_recomputed():
+    config = build(world_size=4, base={"train_batch_size": 32, "train_micro_batch_size_per_gpu": 16})
+    assert config["train_batch_size"] == 16 * 1 * 4
+
+
+def test_auto_values_are_resolved_from_flags():
+    base = {
+        "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+        "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                                  "weight_decay": "auto"}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                     "warmup_num_steps": "auto"}},
+        "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                              "stage3_param_persistence_threshold": "auto",
+                              "stage3_gather_16bit_weights_on_model_save": True},
+    }
+    config = build("--batch_size", "10", "--gradient_accumulation_steps", "3", "--bf16",
+                   "--learning_rate", "0.02", "--warmup_epochs", "2", world_size=2, images=600, base=base)
+    assert "auto" not in json.dumps(config)
+    assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
+            config["train_batch_size"]) == (10, 3, 60)
+    assert config["gradient_clipping"] == 1.0
+    assert config["bf16"]["enabled"] is True and config["fp16"]["enabled"] is False
+    assert config["optimizer"]["params"] == {"lr": 0.02, "betas": [0.9, 0.999], "eps": 1e-8,
+                                             "weight_decay": 0.05, "torch_adam": True}
+    assert config["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02,
+                                             "warmup_num_steps": 20}  # 600 / 2 / 10 / 3 = 10 steps x 2
+    zero = config["zero_optimization"]
+    assert (zero["reduce_bucket_size"], zero["stage3_prefetch_bucket_size"],
+            zero["stage3_param_persistence_threshold"]) == (500_000_000, 50_000_000, 100_000)
+
+
+def test_unknown_auto_is_a_usage_error():
+    with pytest.raises(UsageError, match='"auto" for wall_clock_breakdown'):
+        build(base={"wall_clock_breakdown": "auto"})
+
+
+def test_explicit_precision_flag_replaces_the_base_precision():
+    base = {"fp16": {"enabled": True, "loss_scale_window": 500}}
+    assert precision(build(base=base)) == "fp16"
+    config = build("--bf16", base=base)
+    assert precision(config) == "bf16"
+    assert config["fp16"] == {"enabled": False, "loss_scale_window": 500}
+    assert precision(build("--no-fp16", base=base)) == "fp32"
+
+
+def test_explicit_no_offload_removes_the_base_offload():
+    base = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    assert "offload_optimizer" in build(base=base)["zero_optimization"]
+    assert "offload_optimizer" not in build("--no-offload_optimizer", base=base)["zero_optimization"]
+    with pytest.raises(UsageError, match="needs ZeRO stage 1, 2 or 3"):
+        build("--zero_stage", "0", base=base)
+
+
+def test_lower_stage_than_base_drops_disabled_param_offload():
+    base = {"zero_optimization": {"stage": 3, "offload_param": {"device": "none"}}}
+    assert "offload_param" not in build("--zero_stage", "2", base=base)["zero_optimization"]
+
+
+def test_fp16_on_cpu_is_refused_with_a_hint():
+    with pytest.raises(UsageError, match="fp16 needs a GPU.*--bf16"):
+        check_device_support(build("--fp16"), "cpu")
+    check_device_support(build("--fp16"), "cuda")
+    check_device_support(build("--bf16"), "cpu")
+
+
+def test_reference_zero2_config():
+    base = load_base_config(ROOT / "ds_config_zero2.json")
+    config = build(world_size=2, base=base)
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 2
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    for key in ("allgather_partitions", "overlap_comm", "reduce_scatter", "contiguous_gradients"):
+        assert zero[key] is True
+    assert config["fp16"]["enabled"] is True
+    assert (config["fp16"]["loss_scale"], config["fp16"]["initial_scale_power"]) == (0, 16)
+    assert config["train_batch_size"] == 16 * 2
+    assert "auto" not in json.dumps(config)
+
+
+def test_reference_zero3_config():
+    base = load_base_config(ROOT / "ds_config_zero3.json")
+    config = build("--batch_size", "4", base=base)
+    zero = config["zero_optimization"]
+    assert zero["stage"] == 3
+    assert zero["offload_optimizer"]["device"] == zero["offload_param"]["device"] == "cpu"
+    assert zero["offload_optimizer"]["pin_memory"] and zero["offload_param"]["pin_memory"]
+    for key in ("overlap_comm", "contiguous_gradients", "stage3_gather_16bit_weights_on_model_save"):
+        assert zero[key] is True
+    for key in ("sub_group_size", "reduce_bucket_size", "stage3_prefetch_bucket_size",
+                "stage3_param_persistence_threshold", "stage3_max_live_parameters", "stage3_max_reuse_distance"):
+        assert isinstance(zero[key], int) and zero[key] > 0
+    assert (config["fp16"]["loss_scale_window"], config["fp16"]["hysteresis"]) == (1000, 2)
+    assert config["train_micro_batch_size_per_gpu"] == 4
+    assert "auto" not in json.dumps(config)
+
+
+@pytest.mark.parametrize("content, message", [("{not json", "not valid JSON"), ("[1, 2]", "JSON object")])
+def test_bad_base_config_is_a_usage_error(tmp_path, content, message):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(UsageError, match=message):
+        load_base_config(path)
+    with pytest.raises(UsageError, match="file not found"):
+        load_base_config(tmp_path / "missing.json")

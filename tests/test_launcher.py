@@ -1,0 +1,62 @@
+import json
+import shlex
+import sys
+
+import pytest
+
+from conftest import ROOT, assert_usage_error, data_args, launch, run
+
+
+def split_dry_run(stdout):
+    """Dry-run output: the config as JSON, then the command on the last line."""
+    *config_lines, command = stdout.strip().splitlines()
+    return json.loads("\n".join(config_lines)), shlex.split(command)
+
+
+def test_dry_run_prints_config_and_command_and_spawns_nothing(tiny_data, tmp_path):
+    result = launch(data_args(tiny_data) + ["--dry_run", "--num_gpus", "2", "--bf16", "--zero_stage", "3",
+                                            "--batch_size", "2", "--epochs", "3", "--offload_param"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    config, command = split_dry_run(result.stdout)
+    assert config["train_batch_size"] == 2 * 1 * 2
+    assert config["bf16"] == {"enabled": True}
+    assert config["zero_optimization"]["stage"] == 3
+    assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
+    # 48 train images / 2 ranks / micro-batch 2 = 12 steps per epoch.
+    assert config["scheduler"]["params"]["total_num_steps"] == 36
+    assert command[:5] == [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
+    assert command[5] == str(ROOT / "src/train_deepspeed.py")
+    assert command[6:8] == ["--deepspeed_config", "logs/ds_config.json"]
+    for flag in (["--bf16"], ["--offload_param"], ["--zero_stage", "3"], ["--epochs", "3"]):
+        assert " ".join(flag) in " ".join(command[8:])
+    assert "--dry_run" not in command and "--num_gpus" not in command[5:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_wrapper_script_passes_arguments_through(tiny_data, tmp_path):
+    result = run(["bash", str(ROOT / "train_deepspeed.sh"), *data_args(tiny_data), "--dry_run",
+                  "--gradient_accumulation_steps", "3", "--batch_size", "2"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    config, command = split_dry_run(result.stdout)
+    assert config["gradient_accumulation_steps"] == 3 and config["train_batch_size"] == 6
+    assert "--gradient_accumulation_steps" in command
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--train_dir", "nowhere"], "image folder not found: nowhere"),
+    (["--fp16"], "fp16 needs a GPU"),
+    (["--zero_stage", "2", "--offload_param"], "offload_param needs ZeRO stage 3"),
+    (["--zero_stage", "0", "--offload_optimizer"], "offload_optimizer needs ZeRO stage 1, 2 or 3"),
+    (["--deepspeed_config", "missing.json"], "--deepspeed_config missing.json: file not found"),
+    (["--batch_size", "100"], "too few"),
+    (["--pretrained", "missing.pth"], "file not found"),
+    (["--num_gpus", "0"], "--num_gpus and --num_nodes must be at least 1"),
+])
+def test_bad_input_is_one_line_and_exit_status_2(tiny_data, tmp_path, extra, message):
+    assert_usage_error(launch(data_args(tiny_data) + extra, tmp_path), message)
+    assert not (tmp_path / "logs").exists()
+
+
+def test_unknown_flag_is_rejected_by_argparse_with_status_2(tmp_path):
+    result = launch(["--no_such_flag"], tmp_path)
+    assert result.returncode == 2 and "unrecognized arguments: --no_such_flag" in result.stderr

@@ -1,0 +1,85 @@
+import sys
+
+import pytest
+from torchvision.datasets import ImageFolder
+
+from conftest import ROOT, assert_usage_error, run
+from prepare_data import ANIMALS_90, make_sample_dataset, split_dataset
+from options import UsageError
+
+
+def test_animals90_class_list():
+    assert len(ANIMALS_90) == len(set(ANIMALS_90)) == 90
+    assert ANIMALS_90 == sorted(ANIMALS_90)  # ImageFolder's index order
+
+
+def test_sample_dataset_is_an_image_folder(tmp_path):
+    counts = make_sample_dataset(tmp_path, num_classes=6, train_per_class=3, val_per_class=2, image_size=40, seed=1)
+    assert counts == {"train": 18, "val": 12}
+    train, val = ImageFolder(tmp_path / "train"), ImageFolder(tmp_path / "val")
+    assert train.classes == val.classes == ANIMALS_90[:6]
+    assert len(train) == 18 and len(val) == 12
+    image, label = train[0]
+    assert image.size == (40, 40) and label == 0
+
+
+def test_sample_dataset_is_made_once_and_never_overwritten(tmp_path):
+    make_sample_dataset(tmp_path, 3, 2, 1, 32, seed=5)
+    jpeg = tmp_path / "train/bat/bat_0001.jpg"
+    before = jpeg.stat().st_mtime_ns
+    assert make_sample_dataset(tmp_path, 3, 2, 1, 32, seed=5) == {"train": 6, "val": 3}
+    assert jpeg.stat().st_mtime_ns == before
+    with pytest.raises(UsageError, match="already holds data"):
+        make_sample_dataset(tmp_path, 4, 2, 1, 32, seed=5)
+    assert jpeg.stat().st_mtime_ns == before
+
+
+def test_sample_dataset_is_seeded(tmp_path):
+    make_sample_dataset(tmp_path / "a", 3, 2, 1, 32, seed=5)
+    make_sample_dataset(tmp_path / "b", 3, 2, 1, 32, seed=5)
+    make_sample_dataset(tmp_path / "c", 3, 2, 1, 32, seed=6)
+    first = (tmp_path / "a/train/bat/bat_0001.jpg").read_bytes()
+    assert first == (tmp_path / "b/train/bat/bat_0001.jpg").read_bytes()
+    assert first != (tmp_path / "c/train/bat/bat_0001.jpg").read_bytes()
+
+
+def make_raw(root, sizes):
+    for name, count in sizes.items():
+        (root / name).mkdir(parents=True)
+        for i in range(count):
+            (root / name / f"{i}.jpg").write_bytes(b"jpeg")
+    (root / "cat" / "notes.txt").write_text("not an image")
+
+
+def test_split_is_stratified_seeded_and_complete(tmp_path):
+    raw = tmp_path / "raw"
+    make_raw(raw, {"cat": 10, "dog": 20, "owl": 2})
+    counts = split_dataset(raw, tmp_path / "out", val_fraction=0.2, seed=3)
+    assert counts == {"train": 25, "val": 7}
+    for name, n_val in (("cat", 2), ("dog", 4), ("owl", 1)):
+        val = {p.name for p in (tmp_path / "out/val" / name).iterdir()}
+        train = {p.name for p in (tmp_path / "out/train" / name).iterdir()}
+        assert len(val) == n_val and not val & train
+        assert val | train == {p.name for p in (raw / name).iterdir() if p.suffix == ".jpg"}
+    split_dataset(raw, tmp_path / "again", val_fraction=0.2, seed=3)
+    assert sorted(p.name for p in (tmp_path / "again/val/dog").iterdir()) == \
+        sorted(p.name for p in (tmp_path / "out/val/dog").iterdir())
+
+
+def test_split_refuses_to_overwrite_existing_data(tmp_path):
+    raw = tmp_path / "raw"
+    make_raw(raw, {"cat": 4})
+    split_dataset(raw, tmp_path / "out", 0.25, 0)
+    before = sorted(p.name for p in (tmp_path / "out/train/cat").iterdir())
+    with pytest.raises(UsageError, match="already holds data"):
+        split_dataset(raw, tmp_path / "out", 0.5, 1)
+    assert sorted(p.name for p in (tmp_path / "out/train/cat").iterdir()) == before
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["split", "does-not-exist"], "expected one folder per class"),
+    (["sample", "--num_classes", "500"], "--num_classes must be between 2 and 90"),
+    (["split", ".", "--val_fraction", "1.5"], "--val_fraction must be between 0 and 1"),
+])
+def test_cli_errors_are_one_line_with_status_2(tmp_path, argv, message):
+    assert_usage_error(run([sys.executable, str(ROOT / "src/prepare_data.py"), *argv], tmp_path), message)
