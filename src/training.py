@@ -8,6 +8,7 @@ from tqdm import tqdm
 from distributed import all_reduce, average_buffers, is_main_process
 
 INPUT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+PROGRESS_EVERY = 10  # steps between progress-bar updates
 
 
 def input_dtype(precision):
@@ -15,10 +16,27 @@ def input_dtype(precision):
     return INPUT_DTYPES.get(precision, torch.float32)
 
 
+class RunningTotals:
+    """Loss and accuracy sums kept on the device, so that a step never waits for the GPU to report."""
+
+    def __init__(self, device):
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)
+        self.correct = torch.zeros((), dtype=torch.int64, device=device)
+        self.count = 0
+
+    def add(self, loss_sum, logits, labels):
+        self.loss += loss_sum.detach().double()
+        self.correct += (logits.argmax(dim=1) == labels).sum()
+        self.count += labels.numel()
+
+    def summed_over_ranks(self, device):
+        return all_reduce({"loss": self.loss.item(), "correct": self.correct.item(), "count": self.count}, device)
+
+
 def train_one_epoch(engine, loader, epoch, dtype, micro_batches):
     """Train on the first `micro_batches` batches of `loader`; return metrics summed over all ranks."""
     engine.train()
-    totals = {"loss": 0.0, "correct": 0, "count": 0}
+    totals = RunningTotals(engine.device)
     lr = engine.get_lr()[0]
     start = time.perf_counter()
     progress = tqdm(total=micro_batches, desc=f"Epoch {epoch} train", disable=not is_main_process(),
@@ -33,22 +51,34 @@ def train_one_epoch(engine, loader, epoch, dtype, micro_batches):
         lr = engine.get_lr()[0]
         engine.backward(loss)
         engine.step()
-
-        count = labels.numel()
-        totals["loss"] += loss.item() * count
-        totals["correct"] += (logits.argmax(dim=1) == labels).sum().item()
-        totals["count"] += count
+        totals.add(loss * labels.numel(), logits, labels)
         progress.update()
-        seen = totals["count"]
-        progress.set_postfix(loss=f"{totals['loss'] / seen:.4f}", acc=f"{totals['correct'] / seen:.3f}",
-                             img_s=f"{seen / (time.perf_counter() - start):.1f}", lr=f"{lr:.2e}",
-                             refresh=False)
+        if progress.n % PROGRESS_EVERY == 0 or progress.n == micro_batches:
+            seen = totals.count  # reading the sums waits for the GPU: only every PROGRESS_EVERY steps
+            progress.set_postfix(loss=f"{totals.loss.item() / seen:.4f}", acc=f"{totals.correct.item() / seen:.3f}",
+                                 img_s=f"{seen / (time.perf_counter() - start):.1f}", lr=f"{lr:.2e}")
     progress.close()
-    elapsed = time.perf_counter() - start
     average_buffers(engine.module)
-    summed = all_reduce(totals, engine.device)
+    summed = totals.summed_over_ranks(engine.device)
+    elapsed = time.perf_counter() - start
     return {"loss": summed["loss"] / summed["count"], "acc": summed["correct"] / summed["count"],
             "lr": lr, "time_s": elapsed, "images_per_s": summed["count"] / elapsed}
+
+
+@torch.no_grad()
+def evaluate(engine, loader, dtype):
+    """Loss and top-1 accuracy over the whole validation set (every rank's shard)."""
+    engine.eval()
+    totals = RunningTotals(engine.device)
+    for images, labels in tqdm(loader, desc="  validate", disable=not is_main_process(),
+                               dynamic_ncols=True, leave=False):
+        images = images.to(engine.device, dtype=dtype, non_blocking=True)
+        labels = labels.to(engine.device, non_blocking=True)
+        logits = engine(images).float()
+        totals.add(F.cross_entropy(logits, labels, reduction="sum"), logits, labels)
+    summed = totals.summed_over_ranks(engine.device)
+    count = max(summed["count"], 1)
+    return {"loss": summed["loss"] / count, "acc": summed["correct"] / count}
 
 
 def peak_gpu_memory_gib(device):
@@ -58,21 +88,3 @@ def peak_gpu_memory_gib(device):
     peak = torch.cuda.max_memory_allocated(device) / 2**30
     torch.cuda.reset_peak_memory_stats(device)
     return all_reduce({"peak": peak}, device, op=torch.distributed.ReduceOp.MAX)["peak"]
-
-
-@torch.no_grad()
-def evaluate(engine, loader, dtype):
-    """Loss and top-1 accuracy over the whole validation set (every rank's shard)."""
-    engine.eval()
-    totals = {"loss": 0.0, "correct": 0, "count": 0}
-    for images, labels in tqdm(loader, desc="  validate", disable=not is_main_process(),
-                               dynamic_ncols=True, leave=False):
-        images = images.to(engine.device, dtype=dtype, non_blocking=True)
-        labels = labels.to(engine.device, non_blocking=True)
-        logits = engine(images).float()
-        totals["loss"] += F.cross_entropy(logits, labels, reduction="sum").item()
-        totals["correct"] += (logits.argmax(dim=1) == labels).sum().item()
-        totals["count"] += labels.numel()
-    summed = all_reduce(totals, engine.device)
-    count = max(summed["count"], 1)
-    return {"loss": summed["loss"] / count, "acc": summed["correct"] / count}
