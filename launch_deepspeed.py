@@ -7,13 +7,16 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "src"))
 
+from checkpoints import check_resumable, find_checkpoint  # noqa: E402
 from data import image_folder  # noqa: E402
 from ds_config import build_ds_config, check_device_support, load_base_config  # noqa: E402
 from options import UsageError, add_training_args, parse_args, run_cli  # noqa: E402
@@ -83,6 +86,9 @@ def main(argv=None):
     import torch
 
     check_device_support(config, "cuda" if torch.cuda.is_available() else "cpu")
+    resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
+    if resume_from is not None:
+        check_resumable(resume_from, num_gpus * args.num_nodes, config["zero_optimization"]["stage"])
     config_path = Path(args.log_dir) / "ds_config.json"
     command = build_command(args, num_gpus, config_path)
     if args.dry_run:
@@ -92,7 +98,33 @@ def main(argv=None):
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(json.dumps(config, indent=2) + "\n")
     print(f"DeepSpeed config written to {config_path}\n$ {shlex.join(command)}", flush=True)
-    return subprocess.call(command)
+    return run_and_forward_signals(command)
+
+
+def run_and_forward_signals(command):
+    """Run `command` in its own process group; SIGINT/SIGTERM reach every process of it as SIGTERM.
+
+    The training ranks then finish their step, save a resumable checkpoint and exit; this waits for
+    all of them (the `deepspeed` runner alone would exit first) and returns the runner's status.
+    """
+    child = subprocess.Popen(command, start_new_session=True)
+
+    def forward(signum, frame):
+        try:
+            os.killpg(child.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, forward)
+    status = child.wait()
+    status = 128 - status if status < 0 else status  # killed by a signal: the shell's convention
+    while True:  # the group outlives the runner while ranks save
+        try:
+            os.killpg(child.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return status
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":

@@ -43,14 +43,14 @@ def reference_run(dtype, args, device):
     """Plain PyTorch: torchvision ResNet18, AdamW, torch.autocast (+ GradScaler for fp16)."""
     torch.manual_seed(0)
     train_set, val_set = load_datasets(args.data / "train", args.data / "val", args.image_size)
-    loader, _, sampler = build_loaders(train_set, val_set, args.batch_size, args.num_workers, 0, 1, 0,
-                                       pin_memory=device.type == "cuda")
+    train_loader, _ = build_loaders(train_set, val_set, args.batch_size, args.num_workers, 0, 1, 0,
+                                    pin_memory=device.type == "cuda")
     model = torchvision.models.resnet18(num_classes=len(train_set.classes)).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.05)
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     epochs = []
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
+        loader = train_loader.epoch(epoch)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         start, seen = time.perf_counter(), 0

@@ -1,25 +1,164 @@
-"""Checkpoints in the layout users know: best_model/best/ and epoch_N/epoch_N/, each with extra_info.json.
+"""Checkpoint policy in one place: what is saved when, how it is published, and how a run resumes.
 
-Every rank must call save(): DeepSpeed's save_checkpoint is collective (each rank writes its shards).
+Layout under --checkpoint_dir (each folder is DeepSpeed's save_dir, holding the tag folder, DeepSpeed's
+`latest` file and extra_info.json):
+
+    last/last/           every epoch (--save_last_every), and on SIGINT/SIGTERM: what `--resume auto` finds
+    best_model/best/     the best validation accuracy so far
+    epoch_N/epoch_N/     every --save_every epochs; --keep_last K keeps the newest K
+
+Each epoch DeepSpeed writes one checkpoint into a staging folder (every rank its own shards); rank 0
+then hard-links it into the published names and swaps each in with renames, so a reader sees the old
+checkpoint or the new one, never a half-written one. A crash between the two renames of a swap leaves
+`.old-<name>`, which readers fall back to.
 """
+import json
+import os
+import shutil
 from pathlib import Path
 
-from distributed import barrier, rank_zero_only
+from distributed import barrier, is_main_process
 from history import write_json_atomic
+from options import UsageError
 
 EXTRA_INFO = "extra_info.json"
+LAST, BEST = "last", "best_model"
+STAGING = ".staging"
 
 
-def save(engine, checkpoint_dir, kind, epoch, extra_info):
-    """Save `kind` ("best" or "epoch") and return the checkpoint's folder (best_model or epoch_N)."""
-    name, tag = ("best_model", "best") if kind == "best" else (f"epoch_{epoch}", f"epoch_{epoch}")
-    folder = Path(checkpoint_dir) / name
-    engine.save_checkpoint(str(folder), tag=tag)
-    barrier()
-    _write_extra_info(folder, {**extra_info, "epoch": epoch, "tag": tag})
-    return folder
+def _tag(name):
+    return {LAST: "last", BEST: "best"}.get(name, name)
 
 
-@rank_zero_only
-def _write_extra_info(folder, info):
-    write_json_atomic(Path(folder) / EXTRA_INFO, info)
+def _link_or_copy(src, dst):
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _copy_as(staging, target, tag):
+    """Copy the staged checkpoint into `target` with its tag folder renamed to `tag` (hard links)."""
+    target.mkdir()
+    for entry in staging.iterdir():
+        if entry.is_dir():
+            shutil.copytree(entry, target / tag, copy_function=_link_or_copy)
+        elif entry.name == "latest":
+            (target / "latest").write_text(tag)
+        elif entry.name != EXTRA_INFO:
+            _link_or_copy(entry, target / entry.name)
+
+
+def _publish(ready, final):
+    old = final.with_name(f".old-{final.name}")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.rename(final, old)
+    os.rename(ready, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def readable(folder):
+    """`folder`, or the copy a crash in the middle of a swap left behind, or None."""
+    folder = Path(folder)
+    candidates = [folder, folder.with_name(f".old-{folder.name}")] if folder.name else [folder]
+    for candidate in candidates:
+        if (candidate / EXTRA_INFO).is_file():
+            return candidate
+    return None
+
+
+def read_info(folder):
+    return json.loads((Path(folder) / EXTRA_INFO).read_text())
+
+
+class CheckpointSaver:
+    def __init__(self, engine, checkpoint_dir, save_every, keep_last, save_last_every=1):
+        self.engine = engine
+        self.dir = Path(checkpoint_dir)
+        self.save_every = save_every
+        self.keep_last = keep_last
+        self.save_last_every = save_last_every
+
+    def save(self, epoch, info, state, best=False, interrupted=False):
+        """Save after `epoch` (or mid-epoch when interrupted) and publish it under the names due.
+
+        Every rank must call this: DeepSpeed's save_checkpoint is collective. Returns the names published.
+        """
+        names = []
+        if best:
+            names.append(BEST)
+        if not interrupted and self.save_every and epoch % self.save_every == 0:
+            names.append(f"epoch_{epoch}")
+        if interrupted or (self.save_last_every and epoch % self.save_last_every == 0):
+            names.append(LAST)
+        if not names:
+            return names
+        staging = self.dir / STAGING
+        if is_main_process():
+            shutil.rmtree(staging, ignore_errors=True)
+        barrier()
+        self.engine.save_checkpoint(str(staging), tag="staged", client_state=state)
+        barrier()
+        if is_main_process():
+            for name in names:
+                ready = self.dir / f".ready-{name}"
+                shutil.rmtree(ready, ignore_errors=True)
+                _copy_as(staging, ready, _tag(name))
+                write_json_atomic(ready / EXTRA_INFO, {**info, "epoch": epoch, "tag": _tag(name)})
+                _publish(ready, self.dir / name)
+            shutil.rmtree(staging, ignore_errors=True)
+            self._prune()
+        barrier()
+        return names
+
+    def _prune(self):
+        if not self.keep_last:
+            return
+        numbered = sorted((int(p.name.split("_")[1]), p) for p in self.dir.glob("epoch_*")
+                          if p.name.split("_")[1].isdigit())
+        for _, folder in numbered[:-self.keep_last]:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def find_checkpoint(resume, checkpoint_dir):
+    """The folder to resume from: for "auto", the newest under checkpoint_dir (None when there is none);
+    otherwise a checkpoint folder, its tag folder, or a name under checkpoint_dir (last, best, epoch_N)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if resume == "auto":
+        names = {p.name.removeprefix(".old-") for p in checkpoint_dir.iterdir()} if checkpoint_dir.is_dir() else ()
+        found = [f for f in (readable(checkpoint_dir / n) for n in sorted(names) if not n.startswith("."))
+                 if f is not None]
+        if not found:
+            return None
+        # Newest epoch first; at the same epoch prefer `last`, which may hold a mid-epoch interruption.
+        return max(found, key=lambda f: (read_info(f)["epoch"], f.name.endswith(LAST)))
+    path = Path(resume)
+    candidates = [path, path.parent, checkpoint_dir / resume, checkpoint_dir / {"best": BEST}.get(resume, resume)]
+    for candidate in candidates:
+        folder = readable(candidate)
+        if folder is not None:
+            return folder
+    raise UsageError(f"no checkpoint at {resume} (looked for {EXTRA_INFO} in {path} and {checkpoint_dir / resume})")
+
+
+def check_resumable(folder, world_size, zero_stage):
+    """Stop with a message naming what differs when `folder` was saved by another world size or stage:
+    DeepSpeed's ZeRO checkpoints hold one optimizer shard per rank, laid out for that stage."""
+    info = read_info(folder)
+    expected = {"world_size": world_size, "zero_stage": zero_stage}
+    differs = [f"{key} {info.get(key)} (this run: {value})" for key, value in expected.items()
+               if info.get(key) != value]
+    if differs:
+        raise UsageError(f"cannot resume from {folder}: it was saved with " + ", ".join(differs)
+                         + "; resume with the same --num_gpus/--num_nodes and --zero_stage, or start a new run")
+    return info
+
+
+def load(engine, folder, world_size, zero_stage):
+    """Load model, optimizer, loss scaler and LR scheduler from `folder`; return the saved training state."""
+    info = check_resumable(folder, world_size, zero_stage)
+    load_path, state = engine.load_checkpoint(str(folder), tag=info["tag"])
+    if load_path is None or state is None:
+        raise UsageError(f"cannot resume from {folder}: DeepSpeed found no checkpoint there")
+    return state

@@ -1,4 +1,5 @@
 """Image-folder datasets, transforms and the per-rank data loaders."""
+import signal
 from pathlib import Path
 
 import torch
@@ -40,17 +41,59 @@ def load_datasets(train_dir, val_dir, image_size):
     return train_set, val_set
 
 
+def ignore_stop_signals(worker_id):
+    """DataLoader workers leave SIGINT/SIGTERM to the training process, which stops after its step
+    and saves; a worker killed by them would abort that step instead."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+class EpochSampler(DistributedSampler):
+    """DistributedSampler whose epoch can start part-way through, for a run resumed mid-epoch."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.start = 0
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.start:])
+
+    def __len__(self):
+        return self.num_samples - self.start
+
+
+class TrainLoader:
+    """The training DataLoader of one rank. `epoch(e, start_batch)` fixes the shuffle and the
+    augmentation randomness from (seed, rank, epoch) alone, so a resumed run sees what an
+    uninterrupted one would have seen."""
+
+    def __init__(self, dataset, micro_batch_size, num_workers, rank, world_size, seed, pin_memory):
+        self.sampler = EpochSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                    seed=seed, drop_last=True)
+        self.generator = torch.Generator()
+        self.seed, self.rank, self.micro_batch_size = seed, rank, micro_batch_size
+        # Workers restart every epoch: each epoch's worker seeds come from the generator reseeded below.
+        self.loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=self.sampler, drop_last=True,
+                                 num_workers=num_workers, pin_memory=pin_memory, generator=self.generator,
+                                 worker_init_fn=ignore_stop_signals)
+        self.batches_per_epoch = self.sampler.num_samples // micro_batch_size
+
+    def epoch(self, epoch, start_batch=0):
+        self.sampler.set_epoch(epoch)
+        self.sampler.start = start_batch * self.micro_batch_size
+        self.generator.manual_seed(hash((self.seed, self.rank, epoch)) % 2**63)
+        return self.loader
+
+
 def build_loaders(train_set, val_set, micro_batch_size, num_workers, rank, world_size, seed, pin_memory):
-    """Training loader (DistributedSampler: call set_epoch every epoch) and validation loader.
+    """Training loader (see TrainLoader) and validation loader.
 
     Validation shards are disjoint and unpadded (rank r takes images r, r + world_size, ...), so
     metrics summed over ranks count every image exactly once.
     """
-    train_sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True,
-                                       seed=seed, drop_last=True)
-    common = dict(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0)
-    train_loader = DataLoader(train_set, batch_size=micro_batch_size, sampler=train_sampler, drop_last=True,
-                              generator=torch.Generator().manual_seed(seed + rank), **common)
+    train_loader = TrainLoader(train_set, micro_batch_size, num_workers, rank, world_size, seed, pin_memory)
     val_shard = Subset(val_set, range(rank, len(val_set), world_size))
-    val_loader = DataLoader(val_shard, batch_size=micro_batch_size, shuffle=False, **common)
-    return train_loader, val_loader, train_sampler
+    val_loader = DataLoader(val_shard, batch_size=micro_batch_size, shuffle=False, num_workers=num_workers,
+                            pin_memory=pin_memory, persistent_workers=num_workers > 0,
+                            worker_init_fn=ignore_stop_signals)
+    return train_loader, val_loader

@@ -35,6 +35,11 @@ class TrainingHistory:
             return True
         return False
 
+    def restore(self, saved):
+        """Take the epochs and best of a resumed run's saved history; keep this run's config."""
+        self.data["epochs"] = list(saved["epochs"])
+        self.data["best"] = dict(saved["best"])
+
     @rank_zero_only
     def save(self):
         write_json_atomic(self.path, self.data)

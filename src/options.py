@@ -42,6 +42,12 @@ def add_training_args(parser):
     out.add_argument("--checkpoint_dir", default="checkpoints_deepspeed")
     out.add_argument("--log_dir", default="logs")
     out.add_argument("--save_every", type=int, default=10, help="save epoch_N every this many epochs (0: never)")
+    out.add_argument("--save_last_every", type=int, default=1,
+                     help="refresh the rolling `last` checkpoint every this many epochs (0: never)")
+    out.add_argument("--keep_last", type=int, default=0, help="keep only the newest K epoch_N checkpoints (0: all)")
+    out.add_argument("--resume", metavar="auto|PATH", default=None,
+                     help="auto: continue from the newest checkpoint in --checkpoint_dir (or start fresh); "
+                          "PATH: a checkpoint folder or a name in --checkpoint_dir (last, best, epoch_N)")
     return parser
 
 
@@ -57,7 +63,7 @@ def parse_args(make_parser, argv=None):
     for name in ("epochs", "batch_size", "image_size", "gradient_accumulation_steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
-    for name in ("num_workers", "save_every"):
+    for name in ("num_workers", "save_every", "save_last_every", "keep_last"):
         if getattr(args, name) < 0:
             parser.error(f"--{name} must not be negative")
     return args

@@ -4,19 +4,20 @@
     python launch_deepspeed.py --num_gpus 2 --bf16          # builds the config and runs the line above
 """
 import argparse
-import random
+import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
-import checkpoints
+from checkpoints import CheckpointSaver, find_checkpoint, load
 from data import build_loaders, load_datasets
 from distributed import init_distributed, is_main_process
 from ds_config import build_ds_config, check_device_support, load_base_config, precision
 from history import TrainingHistory
+from interrupt import StopOnSignal
 from model import MODEL_NAME, ResNet18Animals90
 from options import UsageError, add_training_args, parse_args, run_cli
+from reproducibility import restore_rng_state, rng_state, seed_everything
 from training import evaluate, input_dtype, peak_gpu_memory_gib, train_one_epoch
 
 HISTORY_FILE = "training_history.json"
@@ -29,10 +30,9 @@ def get_args_parser():
     return parser
 
 
-def seed_everything(seed):
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+def say(message):
+    if is_main_process():
+        print(message, flush=True)
 
 
 def main(argv=None):
@@ -41,6 +41,7 @@ def main(argv=None):
         raise UsageError(f"--pretrained {args.pretrained}: file not found")
     base_config = load_base_config(args.deepspeed_config)
     train_set, val_set = load_datasets(args.train_dir, args.val_dir, args.image_size)
+    resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
 
     rank, world_size = init_distributed()
     ds_config = build_ds_config(args, world_size, len(train_set), base=base_config)
@@ -56,54 +57,74 @@ def main(argv=None):
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     micro_batch = ds_config["train_micro_batch_size_per_gpu"]
     accumulation = ds_config["gradient_accumulation_steps"]
-    train_loader, val_loader, train_sampler = build_loaders(
-        train_set, val_set, micro_batch, args.num_workers, rank, world_size, args.seed,
-        pin_memory=device_type == "cuda")
-    micro_batches = len(train_loader) // accumulation * accumulation
+    train_loader, val_loader = build_loaders(train_set, val_set, micro_batch, args.num_workers, rank, world_size,
+                                             args.seed, pin_memory=device_type == "cuda")
+    micro_batches = train_loader.batches_per_epoch // accumulation * accumulation
     dtype = input_dtype(precision(ds_config))
+    zero_stage = ds_config["zero_optimization"]["stage"]
 
     run_config = {
         "model": MODEL_NAME, "num_classes": len(train_set.classes), "image_size": args.image_size,
         "train_dir": str(args.train_dir), "val_dir": str(args.val_dir),
         "train_images": len(train_set), "val_images": len(val_set),
         "epochs": args.epochs, "world_size": world_size, "device": device_type,
-        "precision": precision(ds_config), "zero_stage": ds_config["zero_optimization"]["stage"],
-        "seed": args.seed, "deepspeed": ds_config,
+        "precision": precision(ds_config), "zero_stage": zero_stage, "seed": args.seed, "deepspeed": ds_config,
     }
     history = TrainingHistory(Path(args.log_dir) / HISTORY_FILE, run_config)
-    extra_info = {"model": MODEL_NAME, "image_size": args.image_size, "class_names": train_set.classes}
-    if is_main_process():
-        print(f"{MODEL_NAME}: {len(train_set)} train / {len(val_set)} val images, {len(train_set.classes)} "
-              f"classes; {world_size} rank(s) on {device_type}, ZeRO-{run_config['zero_stage']}, "
-              f"{run_config['precision']}, global batch {ds_config['train_batch_size']}", flush=True)
+    saver = CheckpointSaver(engine, args.checkpoint_dir, args.save_every, args.keep_last, args.save_last_every)
+    extra_info = {"model": MODEL_NAME, "image_size": args.image_size, "class_names": train_set.classes,
+                  "world_size": world_size, "zero_stage": zero_stage, "precision": precision(ds_config)}
 
-    for epoch in range(1, args.epochs + 1):
-        train_sampler.set_epoch(epoch)
-        train = train_one_epoch(engine, train_loader, epoch, dtype, micro_batches)
-        val = evaluate(engine, val_loader, dtype)
-        record = {"epoch": epoch, "train_loss": train["loss"], "train_acc": train["acc"],
-                  "val_loss": val["loss"], "val_acc": val["acc"], "lr": train["lr"],
-                  "epoch_time_s": train["time_s"], "images_per_s": train["images_per_s"],
-                  "peak_gpu_memory_gib": peak_gpu_memory_gib(engine.device)}
-        is_best = history.add(record)
-        history.save()
-        if is_main_process():
-            print(f"Epoch {epoch}/{args.epochs}: train loss {train['loss']:.4f} acc {train['acc']:.4f} | "
-                  f"val loss {val['loss']:.4f} acc {val['acc']:.4f} | {train['images_per_s']:.1f} img/s"
-                  + (f" | peak GPU memory {record['peak_gpu_memory_gib']:.2f} GiB"
-                     if record["peak_gpu_memory_gib"] is not None else "")
-                  + (" | best" if is_best else ""), flush=True)
-        info = {**extra_info, "metrics": record}
-        if is_best:
-            checkpoints.save(engine, args.checkpoint_dir, "best", epoch, info)
-        if args.save_every and epoch % args.save_every == 0:
-            checkpoints.save(engine, args.checkpoint_dir, "epoch", epoch, info)
+    start_epoch, start_step, carried = 1, 0, None
+    if resume_from is not None:
+        state = load(engine, resume_from, world_size, zero_stage)
+        history.restore(state["history"])
+        restore_rng_state(state["rng"])
+        start_epoch, start_step, carried = state["next_epoch"], state["next_step"], state["carried"]
+        say(f"Resumed from {resume_from}: epoch {start_epoch}"
+            + (f", step {start_step} of {micro_batches}" if start_step else ""))
+    say(f"{MODEL_NAME}: {len(train_set)} train / {len(val_set)} val images, {len(train_set.classes)} classes; "
+        f"{world_size} rank(s) on {device_type}, ZeRO-{zero_stage}, {run_config['precision']}, "
+        f"global batch {ds_config['train_batch_size']}")
 
-    if is_main_process():
-        best = history.data["best"]
-        print(f"Best val acc {best['val_acc']:.4f} at epoch {best['epoch']}; history in {history.path}, "
-              f"checkpoints in {args.checkpoint_dir}", flush=True)
+    def training_state(next_epoch, next_step=0, carried=None):
+        return {"next_epoch": next_epoch, "next_step": next_step, "carried": carried,
+                "history": history.data, "rng": rng_state()}
+
+    with StopOnSignal(engine.device, world_size) as stop:
+        for epoch in range(start_epoch, args.epochs + 1):
+            loader = train_loader.epoch(epoch, start_batch=start_step)
+            train = train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step, carried, stop)
+            if train.get("interrupted"):
+                saver.save(epoch - 1, {**extra_info, "interrupted_at": {"epoch": epoch, "step": train["step"]}},
+                           training_state(epoch, train["step"], train["carried"]), interrupted=True)
+                say(f"Stopped by {stop.name} at epoch {epoch}, step {train['step']} of {micro_batches}: saved "
+                    f"{Path(args.checkpoint_dir) / 'last'}; continue with --resume auto")
+                return 128 + stop.signal
+            start_step, carried = 0, None
+            val = evaluate(engine, val_loader, dtype)
+            record = {"epoch": epoch, "train_loss": train["loss"], "train_acc": train["acc"],
+                      "val_loss": val["loss"], "val_acc": val["acc"], "lr": train["lr"],
+                      "epoch_time_s": train["time_s"], "images_per_s": train["images_per_s"],
+                      "peak_gpu_memory_gib": peak_gpu_memory_gib(engine.device)}
+            is_best = history.add(record)
+            saver.save(epoch, {**extra_info, "metrics": record}, training_state(epoch + 1), best=is_best)
+            history.save()
+            say(f"Epoch {epoch}/{args.epochs}: train loss {train['loss']:.4f} acc {train['acc']:.4f} | "
+                f"val loss {val['loss']:.4f} acc {val['acc']:.4f} | {train['images_per_s']:.1f} img/s"
+                + (f" | peak GPU memory {record['peak_gpu_memory_gib']:.2f} GiB"
+                   if record["peak_gpu_memory_gib"] is not None else "")
+                + (" | best" if is_best else ""))
+            if stop.signal is not None:
+                say(f"Stopped by {stop.name} after epoch {epoch}; continue with --resume auto")
+                return 128 + stop.signal
+
+    best = history.data["best"]
+    if best["epoch"] is not None:
+        say(f"Best val acc {best['val_acc']:.4f} at epoch {best['epoch']}; history in {history.path}, "
+            f"checkpoints in {args.checkpoint_dir}")
+    return 0
 
 
 if __name__ == "__main__":
-    run_cli(main)
+    sys.exit(run_cli(main))

@@ -17,12 +17,16 @@ def input_dtype(precision):
 
 
 class RunningTotals:
-    """Loss and accuracy sums kept on the device, so that a step never waits for the GPU to report."""
+    """Loss and accuracy sums kept on the device, so that a step never waits for the GPU to report.
 
-    def __init__(self, device):
-        self.loss = torch.zeros((), dtype=torch.float64, device=device)
-        self.correct = torch.zeros((), dtype=torch.int64, device=device)
-        self.count = 0
+    `carried` holds the sums over all ranks that an interrupted run had reached in this epoch.
+    """
+
+    def __init__(self, device, carried=None):
+        carried = carried if carried and is_main_process() else {}  # counted once, on rank 0
+        self.loss = torch.tensor(carried.get("loss", 0.0), dtype=torch.float64, device=device)
+        self.correct = torch.tensor(int(carried.get("correct", 0)), dtype=torch.int64, device=device)
+        self.count = int(carried.get("count", 0))
 
     def add(self, loss_sum, logits, labels):
         self.loss += loss_sum.detach().double()
@@ -33,15 +37,22 @@ class RunningTotals:
         return all_reduce({"loss": self.loss.item(), "correct": self.correct.item(), "count": self.count}, device)
 
 
-def train_one_epoch(engine, loader, epoch, dtype, micro_batches):
-    """Train on the first `micro_batches` batches of `loader`; return metrics summed over all ranks."""
+def train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step=0, carried=None, stop=None):
+    """Train micro-batches start_step .. micro_batches-1 of `loader`; return metrics summed over ranks.
+
+    When `stop` asks for it (SIGINT/SIGTERM), stop at the next optimizer-step boundary and return
+    {"interrupted": True, "step": ..., "carried": ...} instead, for a checkpoint to carry on from.
+    """
     engine.train()
-    totals = RunningTotals(engine.device)
+    accumulation = engine.gradient_accumulation_steps()
+    totals = RunningTotals(engine.device, carried)
+    earlier_s = (carried or {}).get("time_s", 0.0)  # time the interrupted run spent on this epoch
     lr = engine.get_lr()[0]
-    start = time.perf_counter()
-    progress = tqdm(total=micro_batches, desc=f"Epoch {epoch} train", disable=not is_main_process(),
-                    dynamic_ncols=True, leave=True)
-    for step, (images, labels) in enumerate(loader):
+    start = time.perf_counter() - earlier_s
+    progress = tqdm(total=micro_batches, initial=start_step, desc=f"Epoch {epoch} train",
+                    disable=not is_main_process(), dynamic_ncols=True, leave=True)
+    step = start_step
+    for images, labels in loader:
         if step == micro_batches:
             break
         images = images.to(engine.device, dtype=dtype, non_blocking=True)
@@ -52,12 +63,19 @@ def train_one_epoch(engine, loader, epoch, dtype, micro_batches):
         engine.backward(loss)
         engine.step()
         totals.add(loss * labels.numel(), logits, labels)
+        step += 1
         progress.update()
         if progress.n % PROGRESS_EVERY == 0 or progress.n == micro_batches:
             seen = totals.count  # reading the sums waits for the GPU: only every PROGRESS_EVERY steps
             progress.set_postfix(loss=f"{totals.loss.item() / seen:.4f}", acc=f"{totals.correct.item() / seen:.3f}",
-                                 img_s=f"{seen / (time.perf_counter() - start):.1f}", lr=f"{lr:.2e}")
+                                 img_s=f"{seen / (time.perf_counter() - start):.1f}",
+                                 lr=f"{lr:.2e}")
+        if stop is not None and step % accumulation == 0 and step < micro_batches and stop.requested():
+            break
     progress.close()
+    if step < micro_batches:
+        summed = totals.summed_over_ranks(engine.device)
+        return {"interrupted": True, "step": step, "carried": {**summed, "time_s": time.perf_counter() - start}}
     average_buffers(engine.module)
     summed = totals.summed_over_ranks(engine.device)
     elapsed = time.perf_counter() - start

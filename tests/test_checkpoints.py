@@ -1,0 +1,71 @@
+"""Checkpoint publishing and lookup, on folders laid out as DeepSpeed writes them (no engine needed)."""
+import json
+
+import pytest
+
+from checkpoints import EXTRA_INFO, _copy_as, _publish, check_resumable, find_checkpoint, readable
+from options import UsageError
+
+
+def fake_checkpoint(folder, epoch, tag, world_size=1, zero_stage=2, payload="weights"):
+    (folder / tag).mkdir(parents=True)
+    (folder / tag / "mp_rank_00_model_states.pt").write_text(payload)
+    (folder / "latest").write_text(tag)
+    (folder / EXTRA_INFO).write_text(json.dumps({"epoch": epoch, "tag": tag, "world_size": world_size,
+                                                 "zero_stage": zero_stage}))
+    return folder
+
+
+def test_publish_replaces_and_a_crash_between_renames_leaves_a_readable_copy(tmp_path):
+    final = fake_checkpoint(tmp_path / "last", 1, "last", payload="old")
+    ready = fake_checkpoint(tmp_path / ".ready-last", 2, "last", payload="new")
+    _publish(ready, final)
+    assert (final / "last/mp_rank_00_model_states.pt").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]
+    # A crash after `last` was moved aside and before the new one was moved in:
+    final.rename(tmp_path / ".old-last")
+    assert readable(final) == tmp_path / ".old-last"
+    assert find_checkpoint("auto", tmp_path) == tmp_path / ".old-last"
+    # A half-written folder (no extra_info.json yet) is not a checkpoint.
+    (tmp_path / "epoch_5" / "epoch_5").mkdir(parents=True)
+    assert readable(tmp_path / "epoch_5") is None
+
+
+def test_copy_as_renames_the_tag_and_shares_the_files(tmp_path):
+    staged = fake_checkpoint(tmp_path / ".staging", 3, "staged")
+    _copy_as(staged, tmp_path / "best_model", "best")
+    assert (tmp_path / "best_model/latest").read_text() == "best"
+    copied = tmp_path / "best_model/best/mp_rank_00_model_states.pt"
+    assert copied.read_text() == "weights"
+    assert copied.stat().st_ino == (staged / "staged/mp_rank_00_model_states.pt").stat().st_ino  # hard link
+    assert not (tmp_path / "best_model" / EXTRA_INFO).exists()  # written per published name
+
+
+def test_resume_auto_picks_the_newest_and_prefers_last_on_a_tie(tmp_path):
+    assert find_checkpoint("auto", tmp_path / "missing") is None
+    assert find_checkpoint("auto", tmp_path) is None
+    fake_checkpoint(tmp_path / "epoch_2", 2, "epoch_2")
+    fake_checkpoint(tmp_path / "best_model", 1, "best")
+    assert find_checkpoint("auto", tmp_path) == tmp_path / "epoch_2"
+    fake_checkpoint(tmp_path / "last", 2, "last")
+    assert find_checkpoint("auto", tmp_path) == tmp_path / "last"
+
+
+def test_resume_path_forms(tmp_path):
+    fake_checkpoint(tmp_path / "epoch_4", 4, "epoch_4")
+    fake_checkpoint(tmp_path / "best_model", 3, "best")
+    assert find_checkpoint(str(tmp_path / "epoch_4"), tmp_path) == tmp_path / "epoch_4"
+    assert find_checkpoint(str(tmp_path / "epoch_4/epoch_4"), tmp_path) == tmp_path / "epoch_4"
+    assert find_checkpoint("epoch_4", tmp_path) == tmp_path / "epoch_4"
+    assert find_checkpoint("best", tmp_path) == tmp_path / "best_model"
+    with pytest.raises(UsageError, match="no checkpoint at epoch_9"):
+        find_checkpoint("epoch_9", tmp_path)
+
+
+def test_resuming_with_another_world_size_or_stage_is_refused(tmp_path):
+    folder = fake_checkpoint(tmp_path / "last", 2, "last", world_size=2, zero_stage=3)
+    assert check_resumable(folder, 2, 3)["epoch"] == 2
+    with pytest.raises(UsageError, match=r"world_size 2 \(this run: 1\)"):
+        check_resumable(folder, 1, 3)
+    with pytest.raises(UsageError, match=r"zero_stage 3 \(this run: 2\)"):
+        check_resumable(folder, 2, 2)

@@ -1,0 +1,128 @@
+"""Resume after kill -9 and after SIGTERM, through the launcher, on the real engine (CPU, gloo)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from conftest import ROOT, assert_usage_error, data_args, launch
+
+METRICS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
+
+
+def train_args(tiny_data, epochs=3):
+    return data_args(tiny_data) + ["--epochs", str(epochs), "--batch_size", "2", "--image_size", "32",
+                                   "--num_workers", "1", "--save_every", "1", "--keep_last", "2"]
+
+
+def start(args, workdir, log):
+    """The launcher in the background, in its own process group; output to `log`."""
+    return subprocess.Popen([sys.executable, str(ROOT / "launch_deepspeed.py"), *args], cwd=workdir,
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def wait_for(condition, process, timeout=300):
+    deadline = time.time() + timeout
+    while not condition():
+        assert process.poll() is None, "the run ended before the moment the test waits for"
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def kill_9_everything(process):
+    """SIGKILL the launcher and every process under it (the deepspeed runner, ranks, loader workers)."""
+    tree = [process.pid] + [child.pid for child in psutil.Process(process.pid).children(recursive=True)]
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    process.wait()
+    psutil.wait_procs([p for p in map(_process, tree[1:]) if p], timeout=30)
+
+
+def _process(pid):
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
+
+
+def last_epoch_saved(workdir):
+    info = workdir / "checkpoints_deepspeed/last/extra_info.json"
+    try:
+        return json.loads(info.read_text())["epoch"]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+
+
+def history(workdir):
+    return json.loads((workdir / "logs/training_history.json").read_text())
+
+
+def metrics(workdir):
+    return [{k: e[k] for k in METRICS} for e in history(workdir)["epochs"]]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_data, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    result = launch(train_args(tiny_data) + ["--resume", "auto"], workdir)  # nothing to resume: starts fresh
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Resumed" not in result.stdout
+    return workdir
+
+
+def test_keep_last_prunes_old_epoch_checkpoints(uninterrupted):
+    names = sorted(p.name for p in (uninterrupted / "checkpoints_deepspeed").iterdir())
+    assert names == ["best_model", "epoch_2", "epoch_3", "last"]
+
+
+def test_kill_9_then_resume_equals_an_uninterrupted_run(tiny_data, tmp_path, uninterrupted):
+    run = start(train_args(tiny_data), tmp_path, tmp_path / "killed.log")
+    wait_for(lambda: last_epoch_saved(tmp_path) == 2, run)
+    kill_9_everything(run)
+    assert len(history(tmp_path)["epochs"]) == 2, "the kill came after epoch 3 had finished"
+
+    result = launch(train_args(tiny_data) + ["--resume", "auto"], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Resumed from checkpoints_deepspeed/last: epoch 3" in result.stdout
+    assert [e["epoch"] for e in history(tmp_path)["epochs"]] == [1, 2, 3]
+    assert metrics(tmp_path) == metrics(uninterrupted)
+    assert history(tmp_path)["best"] == history(uninterrupted)["best"]
+
+
+def test_sigterm_finishes_the_step_saves_and_resumes(tiny_data, tmp_path):
+    run = start(train_args(tiny_data), tmp_path, tmp_path / "stopped.log")
+    wait_for(lambda: last_epoch_saved(tmp_path) == 1, run)
+    time.sleep(1.0)  # into epoch 2
+    os.kill(run.pid, signal.SIGTERM)
+    assert run.wait(timeout=120) == 128 + signal.SIGTERM
+    output = (tmp_path / "stopped.log").read_text()
+    assert "Stopped by SIGTERM at epoch 2, step" in output and "--resume auto" in output
+    info = json.loads((tmp_path / "checkpoints_deepspeed/last/extra_info.json").read_text())
+    assert info["epoch"] == 1 and info["interrupted_at"]["epoch"] == 2 and info["interrupted_at"]["step"] > 0
+
+    result = launch(train_args(tiny_data) + ["--resume", "auto"], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"Resumed from checkpoints_deepspeed/last: epoch 2, step {info['interrupted_at']['step']}" in result.stdout
+    epochs = history(tmp_path)["epochs"]
+    assert [e["epoch"] for e in epochs] == [1, 2, 3]
+    assert all(0 <= e["train_acc"] <= 1 and e["train_loss"] > 0 for e in epochs)
+
+
+def test_resume_with_another_world_size_is_refused_before_anything_starts(tiny_data, uninterrupted):
+    before = (uninterrupted / "logs/training_history.json").read_bytes()
+    result = launch(train_args(tiny_data, epochs=4) + ["--resume", "auto", "--num_gpus", "2"], uninterrupted)
+    assert_usage_error(result, "world_size 1 (this run: 2)")
+    assert (uninterrupted / "logs/training_history.json").read_bytes() == before
+
+
+def test_resume_from_a_missing_path_is_a_usage_error(tiny_data, tmp_path):
+    assert_usage_error(launch(train_args(tiny_data) + ["--resume", "nowhere"], tmp_path),
+                       "no checkpoint at nowhere")
