@@ -2,6 +2,7 @@
 import json
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +15,8 @@ from model import ResNet18Animals90
 EPOCHS = 2
 RUNS = {
     "zero0": ["--zero_stage", "0"],
-    "zero1-2ranks": ["--zero_stage", "1", "--num_gpus", "2"],
-    "zero2-bf16-accumulation": ["--zero_stage", "2", "--bf16", "--gradient_accumulation_steps", "2"],
+    "zero1-bf16-accumulation": ["--zero_stage", "1", "--bf16", "--gradient_accumulation_steps", "2"],
+    "zero2-2ranks": ["--zero_stage", "2", "--num_gpus", "2"],
     "zero3": ["--zero_stage", "3"],
 }
 _finished = {}
@@ -37,10 +38,8 @@ def load_history(workdir):
     return json.loads((workdir / "logs/training_history.json").read_text())
 
 
-def accuracy_of_checkpoint(model_states_file, val_dir):
-    """Top-1 of a fresh ResNet18Animals90 loaded the way the README shows, on the whole val set."""
-    model = ResNet18Animals90(num_classes=TINY_CLASSES)
-    model.load_state_dict(torch.load(model_states_file, map_location="cpu")["module"])
+def accuracy(model, val_dir):
+    """Top-1 of `model` on the whole val set, preprocessed as in validation."""
     model.eval()
     dataset = ImageFolder(val_dir, transform=build_transform(32, train=False))
     loader = torch.utils.data.DataLoader(dataset, batch_size=8)
@@ -81,19 +80,58 @@ def test_training_run_writes_history_and_checkpoints(name, tmp_path_factory, tin
         assert (ckpt / f"epoch_{epoch}/epoch_{epoch}").is_dir()
         info = json.loads((ckpt / f"epoch_{epoch}/extra_info.json").read_text())
         assert info["epoch"] == epoch and info["metrics"] == epochs[epoch - 1]
+    assert (ckpt / "last/latest").read_text().strip() == "last"
+    assert json.loads((ckpt / "last/extra_info.json").read_text())["epoch"] == EPOCHS
     info = json.loads((ckpt / "best_model/extra_info.json").read_text())
     assert info["epoch"] == history["best"]["epoch"]
+    assert (info["world_size"], info["zero_stage"]) == (config["world_size"], config["zero_stage"])
     assert info["class_names"] == ImageFolder(tiny_data / "train").classes
     assert (info["model"], info["image_size"]) == ("ResNet18Animals90", 32)
     assert "Best val acc" in result.stdout
 
 
-@pytest.mark.parametrize("name", ["zero0", "zero1-2ranks"])
+@pytest.mark.parametrize("name", ["zero0", "zero2-2ranks"])
 def test_best_checkpoint_reproduces_logged_val_acc(name, tmp_path_factory, tiny_data):
     workdir, _ = run_training(name, tmp_path_factory, tiny_data)
     history = load_history(workdir)
     states = workdir / "checkpoints_deepspeed/best_model/best/mp_rank_00_model_states.pt"
-    assert accuracy_of_checkpoint(states, tiny_data / "val") == pytest.approx(history["best"]["val_acc"])
+    model = ResNet18Animals90(num_classes=TINY_CLASSES)
+    model.load_state_dict(torch.load(states, map_location="cpu")["module"])
+    assert accuracy(model, tiny_data / "val") == pytest.approx(history["best"]["val_acc"])
+
+
+@pytest.mark.parametrize("name, suffix", [("zero0", ".pt"), ("zero2-2ranks", ".safetensors"), ("zero3", ".pt")])
+def test_export_from_any_stage_reproduces_logged_val_acc(name, suffix, tmp_path_factory, tiny_data, tmp_path):
+    workdir, _ = run_training(name, tmp_path_factory, tiny_data)
+    history = load_history(workdir)
+    output = tmp_path / f"model{suffix}"
+    result = run([sys.executable, str(ROOT / "src/export_model.py"),
+                  str(workdir / "checkpoints_deepspeed/best_model"), "--output", str(output)], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metadata = json.loads(output.with_name(output.name + ".json").read_text())
+    assert metadata["class_names"] == ImageFolder(tiny_data / "train").classes
+    assert metadata["image_size"] == 32 and metadata["epoch"] == history["best"]["epoch"]
+    if suffix == ".safetensors":
+        from safetensors.torch import load_file, safe_open
+
+        state_dict = load_file(output)
+        with safe_open(output, "pt") as f:
+            assert json.loads(f.metadata()["class_names"]) == metadata["class_names"]
+    else:
+        state_dict = torch.load(output, map_location="cpu")
+    assert all(v.dtype == torch.float32 for k, v in state_dict.items() if "num_batches" not in k)
+    model = ResNet18Animals90(num_classes=len(metadata["class_names"]))
+    model.load_state_dict(state_dict)
+    assert accuracy(model, tiny_data / "val") == pytest.approx(history["best"]["val_acc"])
+
+
+def test_zero3_model_states_file_holds_no_weights(tmp_path_factory, tiny_data):
+    """Why the README points ZeRO-3 users to export_model.py."""
+    workdir, _ = run_training("zero3", tmp_path_factory, tiny_data)
+    folder = workdir / "checkpoints_deepspeed/best_model/best"
+    assert not (folder / "mp_rank_00_model_states.pt").exists()
+    states = torch.load(folder / "zero_pp_rank_0_mp_rank_00_model_states.pt", map_location="cpu")["module"]
+    assert states["conv1.weight"].numel() == 0
 
 
 def test_seeded_runs_repeat_and_deepspeed_cli_matches_launcher(tmp_path_factory, tiny_data, tmp_path):
@@ -144,7 +182,12 @@ def test_reference_zero3_config_trains_in_bf16_with_param_and_optimizer_offload(
     zero = history["config"]["deepspeed"]["zero_optimization"]
     assert zero["stage"] == 3 and zero["offload_param"]["device"] == zero["offload_optimizer"]["device"] == "cpu"
     assert len(history["epochs"]) == 1
-    assert (tmp_path / "checkpoints_deepspeed/best_model/best").is_dir()
+    # A ZeRO-3 checkpoint with parameter and optimizer offload exports like any other.
+    result = run([sys.executable, str(ROOT / "src/export_model.py"), "checkpoints_deepspeed/best_model",
+                  "--output", "model.pt"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    state_dict = torch.load(tmp_path / "model.pt")
+    assert state_dict["fc.weight"].shape == (TINY_CLASSES, 512) and state_dict["fc.weight"].dtype == torch.float32
 
 
 def test_a_failed_run_leaves_earlier_outputs_intact(tmp_path_factory, tiny_data, tmp_path):
@@ -156,3 +199,62 @@ def test_a_failed_run_leaves_earlier_outputs_intact(tmp_path_factory, tiny_data,
     assert_usage_error(result, "--pretrained missing.pth: file not found")
     assert (tmp_path / "logs/training_history.json").read_bytes() == before
     assert (tmp_path / "checkpoints_deepspeed/best_model/extra_info.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, tiny_data):
+    """The zero0 run's best checkpoint, exported."""
+    workdir, _ = run_training("zero0", tmp_path_factory, tiny_data)
+    output = workdir / "model.pt"
+    result = run([sys.executable, str(ROOT / "src/export_model.py"),
+                  str(workdir / "checkpoints_deepspeed/best_model"), "--output", str(output)], workdir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return workdir, output
+
+
+@pytest.mark.parametrize("source", ["exported file", "checkpoint folder"])
+def test_evaluate_reports_the_logged_accuracy(source, exported, tiny_data, tmp_path):
+    workdir, model_file = exported
+    model = model_file if source == "exported file" else workdir / "checkpoints_deepspeed/best_model"
+    result = run([sys.executable, str(ROOT / "src/evaluate.py"), "--model", str(model), "--data_dir",
+                  str(tiny_data / "val"), "--output_dir", str(tmp_path / "eval"), "--num_workers", "0"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "eval/report.json").read_text())
+    assert report["top1"] == pytest.approx(load_history(workdir)["best"]["val_acc"])
+    assert report["top1"] <= report["top4"] == 1.0  # 4 classes: the top 4 always hold the answer
+    confusion = report["confusion_matrix"]
+    assert sum(map(sum, confusion)) == report["images"] == 16
+    assert sum(confusion[i][i] for i in range(TINY_CLASSES)) / 16 == pytest.approx(report["top1"])
+    assert report["per_class_accuracy"] == {name: confusion[i][i] / 4 for i, name in enumerate(report["class_names"])}
+    assert (tmp_path / "eval/confusion_matrix.png").read_bytes()[:4] == b"\x89PNG"
+    assert f"top-1 {report['top1']:.4f}" in result.stdout
+
+
+def test_predict_agrees_with_evaluate(exported, tiny_data, tmp_path):
+    workdir, model_file = exported
+    result = run([sys.executable, str(ROOT / "src/predict.py"), "--model", str(model_file), "--top_k", "2",
+                  "--json", str(tiny_data / "val")], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    predictions = json.loads(result.stdout)
+    assert len(predictions) == 16
+    for item in predictions:
+        probabilities = [p["probability"] for p in item["predictions"]]
+        assert len(probabilities) == 2 and probabilities == sorted(probabilities, reverse=True)
+        assert 0 < sum(probabilities) <= 1 + 1e-6
+    correct = sum(Path(p["image"]).parent.name == p["predictions"][0]["class"] for p in predictions)
+    assert correct / 16 == pytest.approx(load_history(workdir)["best"]["val_acc"])
+
+    one_image = predictions[0]["image"]
+    text = run([sys.executable, str(ROOT / "src/predict.py"), "--model", str(model_file), one_image], tmp_path)
+    assert text.returncode == 0
+    assert text.stdout.startswith(f"{one_image}: {predictions[0]['predictions'][0]['class']} ")
+
+
+def test_predict_and_evaluate_bad_input(exported, tmp_path):
+    _, model_file = exported
+    (tmp_path / "broken.jpg").write_bytes(b"not a jpeg")
+    predict = [sys.executable, str(ROOT / "src/predict.py"), "--model", str(model_file)]
+    assert_usage_error(run(predict + [str(tmp_path / "broken.jpg")], tmp_path), "not a readable image")
+    assert_usage_error(run(predict + ["missing.jpg"], tmp_path), "missing.jpg: no such image or folder")
+    evaluate = [sys.executable, str(ROOT / "src/evaluate.py"), "--data_dir", str(tmp_path)]
+    assert_usage_error(run(evaluate + ["--model", "missing.pt"], tmp_path), "no such file or checkpoint folder")
