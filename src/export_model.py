@@ -9,7 +9,9 @@ statistics are the ones the checkpoint was validated with. Class names, image si
 checkpoint go into `<output>.json` beside the file (and into the metadata of a .safetensors file).
 """
 import argparse
+import contextlib
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -29,9 +31,12 @@ def consolidated_state_dict(folder):
     if info.get("zero_stage", 0) == 0:
         module = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
     else:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        # DeepSpeed logs and reports progress on stdout, which may carry JSON: send it all to stderr.
+        # The import goes inside too, since DeepSpeed's logger binds the stream when it is created.
+        with contextlib.redirect_stdout(sys.stderr):
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        module = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=info["tag"])
+            module = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=info["tag"])
     # Floating tensors become fp32; integer buffers (num_batches_tracked) keep their type.
     return {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in module.items()}, info
 

@@ -230,7 +230,7 @@ def test_evaluate_reports_the_logged_accuracy(source, exported, tiny_data, tmp_p
     assert f"top-1 {report['top1']:.4f}" in result.stdout
 
 
-def test_predict_agrees_with_evaluate(exported, tiny_data, tmp_path):
+def test_predict_agrees_with_evaluate(exported, tiny_data, tmp_path, tmp_path_factory):
     workdir, model_file = exported
     result = run([sys.executable, str(ROOT / "src/predict.py"), "--model", str(model_file), "--top_k", "2",
                   "--json", str(tiny_data / "val")], tmp_path)
@@ -243,6 +243,13 @@ def test_predict_agrees_with_evaluate(exported, tiny_data, tmp_path):
         assert 0 < sum(probabilities) <= 1 + 1e-6
     correct = sum(Path(p["image"]).parent.name == p["predictions"][0]["class"] for p in predictions)
     assert correct / 16 == pytest.approx(load_history(workdir)["best"]["val_acc"])
+
+    # A ZeRO checkpoint folder works too, and DeepSpeed's consolidation notes stay off stdout.
+    zero2, _ = run_training("zero2-2ranks", tmp_path_factory, tiny_data)
+    from_checkpoint = run([sys.executable, str(ROOT / "src/predict.py"), "--model",
+                           str(zero2 / "checkpoints_deepspeed/last"), "--json", str(tiny_data / "val")], tmp_path)
+    assert from_checkpoint.returncode == 0, from_checkpoint.stderr[-3000:]
+    assert len(json.loads(from_checkpoint.stdout)) == 16
 
     one_image = predictions[0]["image"]
     text = run([sys.executable, str(ROOT / "src/predict.py"), "--model", str(model_file), one_image], tmp_path)
