@@ -8,6 +8,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -32,7 +33,8 @@ def get_args_parser():
                         help="GPUs per node (default: all visible GPUs; 1 without GPUs)")
     launch.add_argument("--num_nodes", type=int, default=1)
     launch.add_argument("--hostfile", default=None, help="DeepSpeed hostfile for multi-node runs")
-    launch.add_argument("--master_port", type=int, default=None)
+    launch.add_argument("--master_port", type=int, default=None,
+                        help="rendezvous port (default: a free one on a single node, DeepSpeed's 29500 otherwise)")
     launch.add_argument("--dry_run", action="store_true",
                         help="print the resolved DeepSpeed config and the command, then exit")
     return add_training_args(parser)
@@ -56,6 +58,12 @@ def forwarded_args(args, config_path):
     return argv
 
 
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def build_command(args, num_gpus, config_path):
     if os.name == "nt":
         # The deepspeed launcher needs pdsh/NCCL-style multi-process support that Windows lacks.
@@ -67,6 +75,9 @@ def build_command(args, num_gpus, config_path):
         command += ["--hostfile", args.hostfile]
     if args.master_port:
         command += ["--master_port", str(args.master_port)]
+    elif args.num_nodes == 1 and not args.hostfile:
+        # DeepSpeed's fixed default (29500) makes two runs on one machine collide.
+        command += ["--master_port", str(free_port())]
     return command + [str(TRAIN_SCRIPT), *forwarded_args(args, config_path)]
 
 

@@ -25,11 +25,12 @@ def test_dry_run_prints_config_and_command_and_spawns_nothing(tiny_data, tmp_pat
     # 48 train images / 2 ranks / micro-batch 2 = 12 steps per epoch.
     assert config["scheduler"]["params"]["total_num_steps"] == 36
     assert command[:5] == [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
-    assert command[5] == str(ROOT / "src/train_deepspeed.py")
-    assert command[6:8] == ["--deepspeed_config", "logs/ds_config.json"]
+    assert command[5] == "--master_port" and 1024 <= int(command[6]) < 65536
+    assert command[7] == str(ROOT / "src/train_deepspeed.py")
+    assert command[8:10] == ["--deepspeed_config", "logs/ds_config.json"]
     for flag in (["--bf16"], ["--offload_param"], ["--zero_stage", "3"], ["--epochs", "3"]):
-        assert " ".join(flag) in " ".join(command[8:])
-    assert "--dry_run" not in command and "--num_gpus" not in command[5:]
+        assert " ".join(flag) in " ".join(command[10:])
+    assert "--dry_run" not in command and "--num_gpus" not in command[7:]
     assert list(tmp_path.iterdir()) == []
 
 
