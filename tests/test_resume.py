@@ -15,7 +15,7 @@ METRICS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
 
 
 def train_args(tiny_data, epochs=3):
-    return data_args(tiny_data) + ["--epochs", str(epochs), "--batch_size", "2", "--image_size", "32",
+    return data_args(tiny_data) + ["--epochs", str(epochs), "--batch_size", "4", "--image_size", "32",
                                    "--num_workers", "1", "--save_every", "1", "--keep_last", "2"]
 
 
