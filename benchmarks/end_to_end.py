@@ -86,13 +86,19 @@ def trainer_run(flags, args, workdir):
     log = result.stdout + result.stderr
     (workdir / "output.log").write_text(log)
     if result.returncode != 0:
-        return {"command": shlex.join(command), "error": log[-2000:]}
+        return {"command": shown(command), "error": log[-2000:]}
     history = json.loads((workdir / "logs" / "training_history.json").read_text())
     last = history["epochs"][-1]
-    return {"command": shlex.join(command), "images_per_s": last["images_per_s"],
+    return {"command": shown(command), "images_per_s": last["images_per_s"],
             "peak_gpu_memory_gib": last["peak_gpu_memory_gib"], "val_acc": last["val_acc"],
             "best_val_acc": history["best"]["val_acc"], "wall_s": wall,
             "loss_scale_overflows": len(re.findall(r"OVERFLOW", log))}
+
+
+def shown(command):
+    """The command as a user would type it in the repository root."""
+    return shlex.join("python" if part == sys.executable else os.path.relpath(part, ROOT)
+                      if part.startswith(str(ROOT)) else part for part in command)
 
 
 def environment():
@@ -103,7 +109,7 @@ def environment():
             "python": platform.python_version(), "torch": torch.__version__,
             "torchvision": torchvision.__version__, "deepspeed": deepspeed.__version__,
             "cuda": torch.version.cuda if cuda else None,
-            "command": shlex.join([sys.executable, *sys.argv])}
+            "command": shown([sys.executable, *sys.argv])}
 
 
 def main():
