@@ -17,7 +17,7 @@ import os
 import shutil
 from pathlib import Path
 
-from distributed import barrier, is_main_process
+from distributed import barrier, rank_zero_only
 from history import write_json_atomic
 from options import UsageError
 
@@ -95,22 +95,24 @@ class CheckpointSaver:
         if not names:
             return names
         staging = self.dir / STAGING
-        if is_main_process():
-            shutil.rmtree(staging, ignore_errors=True)
+        rank_zero_only(shutil.rmtree)(staging, ignore_errors=True)
         barrier()
         self.engine.save_checkpoint(str(staging), tag="staged", client_state=state)
         barrier()
-        if is_main_process():
-            for name in names:
-                ready = self.dir / f".ready-{name}"
-                shutil.rmtree(ready, ignore_errors=True)
-                _copy_as(staging, ready, _tag(name))
-                write_json_atomic(ready / EXTRA_INFO, {**info, "epoch": epoch, "tag": _tag(name)})
-                _publish(ready, self.dir / name)
-            shutil.rmtree(staging, ignore_errors=True)
-            self._prune()
+        self._publish_staged(staging, names, {**info, "epoch": epoch})
         barrier()
         return names
+
+    @rank_zero_only
+    def _publish_staged(self, staging, names, info):
+        for name in names:
+            ready = self.dir / f".ready-{name}"
+            shutil.rmtree(ready, ignore_errors=True)
+            _copy_as(staging, ready, _tag(name))
+            write_json_atomic(ready / EXTRA_INFO, {**info, "tag": _tag(name)})
+            _publish(ready, self.dir / name)
+        shutil.rmtree(staging, ignore_errors=True)
+        self._prune()
 
     def _prune(self):
         if not self.keep_last:

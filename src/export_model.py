@@ -24,9 +24,11 @@ from options import UsageError, run_cli
 SUFFIXES = (".pt", ".pth", ".safetensors")
 
 
-def consolidated_state_dict(folder):
-    """The fp32 state_dict of the checkpoint in `folder` (a folder written by the trainer)."""
-    info = read_info(folder)
+def consolidated_state_dict(checkpoint):
+    """(fp32 state_dict, extra_info) of a checkpoint written by the trainer: its folder, its tag
+    folder, or a name like checkpoints_deepspeed/best_model."""
+    folder = find_checkpoint(str(checkpoint), ".")
+    info = {**read_info(folder), "folder": str(folder)}
     tag_dir = Path(folder) / info["tag"]
     if info.get("zero_stage", 0) == 0:
         module = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
@@ -49,12 +51,11 @@ def export(checkpoint, output):
     output = Path(output)
     if output.suffix not in SUFFIXES:
         raise UsageError(f"--output {output}: use a .pt, .pth or .safetensors file name")
-    folder = find_checkpoint(checkpoint, ".")
-    state_dict, info = consolidated_state_dict(folder)
+    state_dict, info = consolidated_state_dict(checkpoint)
     model = ResNet18Animals90(num_classes=len(info["class_names"]))
     model.load_state_dict(state_dict)  # strict: the export must load as it is
     metadata = {"model": info["model"], "image_size": info["image_size"], "class_names": info["class_names"],
-                "source_checkpoint": str(folder), "epoch": info["epoch"], "metrics": info.get("metrics")}
+                "source_checkpoint": info["folder"], "epoch": info["epoch"], "metrics": info.get("metrics")}
     output.parent.mkdir(parents=True, exist_ok=True)
     if output.suffix == ".safetensors":
         from safetensors.torch import save_file

@@ -7,7 +7,6 @@ from torch.utils.data import DataLoader
 
 from data import build_transform
 from export_model import consolidated_state_dict, sidecar_path
-from checkpoints import find_checkpoint
 from model import ResNet18Animals90
 from options import UsageError
 
@@ -17,7 +16,7 @@ def load_model(path, device):
     .pt/.safetensors file (with its .json sidecar) or a checkpoint folder."""
     path = Path(path)
     if path.is_dir():
-        state_dict, metadata = consolidated_state_dict(find_checkpoint(str(path), "."))
+        state_dict, metadata = consolidated_state_dict(path)
     elif path.is_file():
         metadata = _metadata(path)
         if path.suffix == ".safetensors":

@@ -11,7 +11,7 @@ import torch
 
 from checkpoints import CheckpointSaver, find_checkpoint, load
 from data import build_loaders, load_datasets
-from distributed import init_distributed, is_main_process
+from distributed import init_distributed, rank_zero_only
 from ds_config import build_ds_config, check_device_support, load_base_config, precision
 from history import TrainingHistory
 from interrupt import StopOnSignal
@@ -30,9 +30,9 @@ def get_args_parser():
     return parser
 
 
+@rank_zero_only
 def say(message):
-    if is_main_process():
-        print(message, flush=True)
+    print(message, flush=True)
 
 
 def main(argv=None):
