@@ -92,11 +92,12 @@ def main(argv=None):
         raise UsageError(f"--pretrained {args.pretrained}: file not found")
     num_train_images = len(image_folder(args.train_dir))
     image_folder(args.val_dir)
-    config = build_ds_config(args, num_gpus * args.num_nodes, num_train_images,
-                             base=load_base_config(args.deepspeed_config))
     import torch
 
-    check_device_support(config, "cuda" if torch.cuda.is_available() else "cpu")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    config = build_ds_config(args, num_gpus * args.num_nodes, num_train_images,
+                             base=load_base_config(args.deepspeed_config), device_type=device_type)
+    check_device_support(config, device_type)
     resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
     if resume_from is not None:
         check_resumable(resume_from, num_gpus * args.num_nodes, config["zero_optimization"]["stage"])

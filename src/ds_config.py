@@ -21,8 +21,11 @@ ZERO_AUTO_DEFAULTS = {
     "stage3_max_reuse_distance": 1_000_000_000,
     "stage3_gather_16bit_weights_on_model_save": False,
 }
-# gradient_clipping "auto" follows Hugging Face's Trainer (max_grad_norm=1.0), where such configs come from.
-AUTO_GRADIENT_CLIPPING = 1.0
+AUTOCAST_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+# The names DeepSpeed accepts for torch_autocast's dtype.
+AUTOCAST_DTYPE_NAMES = {name: half for half, names in
+                        (("fp16", ("float16", "fp16", "half", "torch.float16")),
+                         ("bf16", ("bfloat16", "bf16", "torch.bfloat16"))) for name in names}
 
 
 def load_base_config(path):
@@ -47,11 +50,12 @@ def steps_per_epoch(num_train_images, world_size, micro_batch_size, gradient_acc
     return micro_batches // gradient_accumulation_steps
 
 
-def build_ds_config(args, world_size, num_train_images, base=None):
+def build_ds_config(args, world_size, num_train_images, base=None, device_type="cpu"):
     """The DeepSpeed config for this run.
 
     `base` (the user's JSON) is the starting point; flags in `args.explicit` override it; flag values
     fill whatever it leaves out; every "auto" is resolved here, so DeepSpeed never sees one.
+    `device_type` ("cuda" or "cpu") picks how --fp16/--bf16 run when --precision_mode is auto.
     """
     config = copy.deepcopy(base or {})
     micro = _pick(config, "train_micro_batch_size_per_gpu", args, "batch_size")
@@ -68,13 +72,14 @@ def build_ds_config(args, world_size, num_train_images, base=None):
             f"the training set has {num_train_images} images: too few for {world_size} rank(s) x "
             f"micro-batch {micro} x {accumulation} accumulation step(s); lower --batch_size")
 
-    _resolve_precision(config, args)
+    _resolve_precision(config, args, device_type)
     _resolve_zero(config, args)
     _resolve_optimizer(config, args)
     _resolve_scheduler(config, args, total_steps=args.epochs * steps,
                        warmup_steps=max(1, round(args.warmup_epochs * steps)))
-    if config.get("gradient_clipping") == AUTO:
-        config["gradient_clipping"] = AUTO_GRADIENT_CLIPPING
+    # Always written: a config without it would get DeepSpeed's default of 1.0, not --clip_grad's 0.
+    config["gradient_clipping"] = _pick(config, "gradient_clipping", args, "clip_grad", missing=args.clip_grad)
+    _skip_unused_grad_norm(config)
     config.setdefault("steps_per_print", 1_000_000)  # the progress bar reports; keep DeepSpeed's log quiet
 
     leftover = _auto_paths(config)
@@ -83,9 +88,15 @@ def build_ds_config(args, world_size, num_train_images, base=None):
     return config
 
 
-def _resolve_precision(config, args):
-    enabled = {name: _pick(config.get(name, {}), "enabled", args, name, missing=False)
+def _resolve_precision(config, args, device_type):
+    """fp16/bf16 from the flags or the base, run either as DeepSpeed's torch_autocast section (fp32
+    weights, half-precision compute) or as its fp16/bf16 modes (half-precision weights)."""
+    autocast = config.get("torch_autocast", {})
+    base_autocast = _autocast_half(autocast)
+    enabled = {name: _pick(config.get(name, {}), "enabled", args, name, missing=base_autocast == name)
                for name in ("fp16", "bf16")}
+    if base_autocast and any(config.get(name, {}).get("enabled") is True for name in ("fp16", "bf16")):
+        raise UsageError("torch_autocast cannot be combined with fp16/bf16 in the DeepSpeed config")
     # An explicit precision flag replaces the other precision of the base config.
     if "fp16" in args.explicit and args.fp16 and "bf16" not in args.explicit:
         enabled["bf16"] = False
@@ -93,14 +104,33 @@ def _resolve_precision(config, args):
         enabled["fp16"] = False
     if enabled["fp16"] and enabled["bf16"]:
         raise UsageError("fp16 and bf16 are both enabled: choose one")
-    autocast = config.get("torch_autocast", {}).get("enabled", False)
-    if autocast and (enabled["fp16"] or enabled["bf16"]):
-        raise UsageError("torch_autocast cannot be combined with fp16/bf16 in the DeepSpeed config")
+    half = "fp16" if enabled["fp16"] else "bf16" if enabled["bf16"] else None
+
+    mode = args.precision_mode
+    if mode == "auto" and "precision_mode" not in args.explicit and not {"fp16", "bf16"} & args.explicit and half:
+        mode = "autocast" if base_autocast else "half_weights"  # the form the base config chose
+    if mode == "auto":
+        mode = "autocast" if device_type == "cuda" else "half_weights"
     for name, default in (("fp16", DEFAULT_FP16), ("bf16", {"enabled": True})):
+        on = enabled[name] and mode == "half_weights"
         if name in config:
-            config[name]["enabled"] = enabled[name]
-        elif enabled[name]:
+            config[name]["enabled"] = on
+        elif on:
             config[name] = dict(default)
+    if half and mode == "autocast":
+        config["torch_autocast"] = {**autocast, "enabled": True, "dtype": AUTOCAST_DTYPES[half]}
+    elif "torch_autocast" in config:
+        config["torch_autocast"]["enabled"] = False
+
+
+def _autocast_half(section):
+    """'fp16' or 'bf16' when a torch_autocast section is enabled, else None."""
+    if section.get("enabled") is not True:
+        return None
+    dtype = str(section.get("dtype", "bfloat16"))
+    if dtype not in AUTOCAST_DTYPE_NAMES:
+        raise UsageError(f"torch_autocast dtype must be float16 or bfloat16, got {dtype!r}")
+    return AUTOCAST_DTYPE_NAMES[dtype]
 
 
 def _resolve_zero(config, args):
@@ -125,6 +155,16 @@ def _resolve_zero(config, args):
         raise UsageError("offload_optimizer needs ZeRO stage 1, 2 or 3 (this run uses stage 0)")
     if "offload_param" in zero and stage != 3:
         zero.pop("offload_param")
+
+
+def _skip_unused_grad_norm(config):
+    """ZeRO-1/2 compute the global gradient norm every step even when nothing clips with it, and with
+    fp32 weights (fp32, torch_autocast) they then check it on the host: a GPU sync per step. Skip it
+    where DeepSpeed allows (no clipping, no optimizer offload, fp32 weights)."""
+    zero = config["zero_optimization"]
+    if (zero["stage"] in (1, 2) and not config.get("gradient_clipping") and not _offloads(zero, "offload_optimizer")
+            and precision(config) in ("fp32", "autocast-fp16", "autocast-bf16")):
+        zero.setdefault("compute_grad_norm", False)
 
 
 def _resolve_optimizer(config, args):
@@ -180,14 +220,12 @@ def _auto_paths(node, path=""):
 
 
 def precision(config):
-    """'fp16', 'bf16', 'autocast-fp16/bf16' or 'fp32': how the engine configured by `config` computes."""
+    """'fp16', 'bf16', 'autocast-fp16', 'autocast-bf16' or 'fp32': how the engine configured by `config` computes."""
     for name in ("fp16", "bf16"):
         if config.get(name, {}).get("enabled"):
             return name
-    autocast = config.get("torch_autocast", {})
-    if autocast.get("enabled"):
-        return "autocast-" + ("fp16" if autocast.get("dtype") in ("float16", "fp16", "torch.float16") else "bf16")
-    return "fp32"
+    half = _autocast_half(config.get("torch_autocast", {}))
+    return f"autocast-{half}" if half else "fp32"
 
 
 def check_device_support(config, device_type):

@@ -5,8 +5,9 @@ from pathlib import Path
 
 from distributed import rank_zero_only
 
+# data_wait_s: time the training loop waited for batches; compute_s: the rest of epoch_time_s.
 EPOCH_KEYS = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "lr", "epoch_time_s", "images_per_s",
-              "peak_gpu_memory_gib")
+              "data_wait_s", "compute_s", "peak_gpu_memory_gib")
 
 
 def write_json_atomic(path, data):

@@ -16,11 +16,12 @@ class BatchNorm2dFP32(nn.BatchNorm2d):
 
     DeepSpeed's fp16/bf16 modes cast every parameter to half precision but leave buffers in fp32,
     which plain BatchNorm2d rejects; half-precision statistics would also lose accuracy. This layer
-    upcasts the input and its affine weights, and returns the input's dtype.
+    then upcasts the input and its affine weights, and returns the input's dtype. With fp32 weights
+    (fp32 or autocast) BatchNorm2d's own kernels already take half-precision input and compute in fp32.
     """
 
     def forward(self, x):
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+        if self.weight.dtype == torch.float32:
             return super().forward(x)
         if self.training and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)

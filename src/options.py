@@ -13,12 +13,19 @@ def add_training_args(parser):
     data.add_argument("--val_dir", default="data/val", help="ImageFolder root of the validation set")
     data.add_argument("--image_size", type=int, default=224, help="side of the square crops fed to the model")
     data.add_argument("--num_workers", type=int, default=2, help="DataLoader worker processes per rank")
+    data.add_argument("--data_on_device", choices=["auto", "on", "off"], default="auto",
+                      help="on: decode every image once, keep the dataset as uint8 on the training device "
+                           "and crop/flip/normalise there per batch; off: DataLoader workers decode and "
+                           "augment every epoch; auto: on for a GPU with room for it, off on CPU")
 
     train = parser.add_argument_group("Training")
     train.add_argument("--epochs", type=int, default=50)
     train.add_argument("--batch_size", type=int, default=16, help="micro-batch per GPU (per rank)")
     train.add_argument("--learning_rate", type=float, default=0.001, help="peak AdamW learning rate")
     train.add_argument("--weight_decay", type=float, default=0.05, help="AdamW weight decay")
+    train.add_argument("--clip_grad", type=float, default=0.0,
+                       help="clip the global gradient norm to this value (0: no clipping, as in torchvision's "
+                            "and timm's references; costs a GPU sync per step)")
     train.add_argument("--warmup_epochs", type=float, default=1.0,
                        help="linear LR warmup before the cosine decay, in epochs")
     train.add_argument("--seed", type=int, default=42)
@@ -28,13 +35,20 @@ def add_training_args(parser):
     ds = parser.add_argument_group("DeepSpeed")
     ds.add_argument("--zero_stage", type=int, choices=[0, 1, 2, 3], default=2)
     ds.add_argument("--fp16", action=argparse.BooleanOptionalAction, default=False,
-                    help="fp16 weights with dynamic loss scaling (GPU only)")
-    ds.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False, help="bf16 weights")
+                    help="fp16 compute with dynamic loss scaling (GPU only)")
+    ds.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False, help="bf16 compute")
+    ds.add_argument("--precision_mode", choices=["auto", "autocast", "half_weights"], default="auto",
+                    help="how --fp16/--bf16 run: autocast keeps fp32 weights and computes under torch.autocast "
+                         "(DeepSpeed's torch_autocast, the fast path on GPU); half_weights uses DeepSpeed's "
+                         "fp16/bf16 modes (half-precision weights, fp32 master copy); auto: autocast on GPU, "
+                         "half_weights on CPU")
     ds.add_argument("--offload_optimizer", action=argparse.BooleanOptionalAction, default=False,
                     help="keep optimizer state on the CPU (ZeRO 1-3)")
     ds.add_argument("--offload_param", action=argparse.BooleanOptionalAction, default=False,
                     help="keep parameters on the CPU (ZeRO 3)")
     ds.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    ds.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                    help="torch.compile the model through DeepSpeed (engine.compile); the first steps are slower")
     ds.add_argument("--deepspeed_config", metavar="PATH", default=None,
                     help="base DeepSpeed JSON; flags given explicitly override it")
 
@@ -63,7 +77,7 @@ def parse_args(make_parser, argv=None):
     for name in ("epochs", "batch_size", "image_size", "gradient_accumulation_steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be at least 1")
-    for name in ("num_workers", "save_every", "save_last_every", "keep_last"):
+    for name in ("num_workers", "save_every", "save_last_every", "keep_last", "clip_grad"):
         if getattr(args, name) < 0:
             parser.error(f"--{name} must not be negative")
     return args

@@ -11,6 +11,7 @@ import torch
 
 from checkpoints import CheckpointSaver, find_checkpoint, load
 from data import build_loaders, load_datasets
+from device_data import build_device_loaders, choose_device_data
 from distributed import init_distributed, rank_zero_only
 from ds_config import build_ds_config, check_device_support, load_base_config, precision
 from history import TrainingHistory
@@ -44,8 +45,8 @@ def main(argv=None):
     resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
 
     rank, world_size = init_distributed()
-    ds_config = build_ds_config(args, world_size, len(train_set), base=base_config)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    ds_config = build_ds_config(args, world_size, len(train_set), base=base_config, device_type=device_type)
     check_device_support(ds_config, device_type)
     seed_everything(args.seed)
     if device_type == "cuda":
@@ -55,12 +56,22 @@ def main(argv=None):
 
     model = ResNet18Animals90(num_classes=len(train_set.classes), pretrained=args.pretrained or False)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    if args.compile:
+        engine.compile()
     micro_batch = ds_config["train_micro_batch_size_per_gpu"]
     accumulation = ds_config["gradient_accumulation_steps"]
-    train_loader, val_loader = build_loaders(train_set, val_set, micro_batch, args.num_workers, rank, world_size,
-                                             args.seed, pin_memory=device_type == "cuda")
-    micro_batches = train_loader.batches_per_epoch // accumulation * accumulation
     dtype = input_dtype(precision(ds_config))
+    on_device, why = choose_device_data(args.data_on_device, engine.device, len(train_set), len(val_set),
+                                        args.image_size)
+    if on_device:
+        train_loader, val_loader, decode_s = build_device_loaders(
+            train_set, val_set, micro_batch, args.image_size, rank, world_size, args.seed, engine.device, dtype)
+        say(f"Data on {device_type} ({why}): decoded {len(train_set) + len(val_set)} images in {decode_s:.1f} s")
+    else:
+        train_loader, val_loader = build_loaders(train_set, val_set, micro_batch, args.num_workers, rank,
+                                                 world_size, args.seed, pin_memory=device_type == "cuda")
+        say(f"Data from {args.num_workers} DataLoader worker(s) per rank ({why})")
+    micro_batches = train_loader.batches_per_epoch // accumulation * accumulation
     zero_stage = ds_config["zero_optimization"]["stage"]
 
     run_config = {
@@ -68,7 +79,8 @@ def main(argv=None):
         "train_dir": str(args.train_dir), "val_dir": str(args.val_dir),
         "train_images": len(train_set), "val_images": len(val_set),
         "epochs": args.epochs, "world_size": world_size, "device": device_type,
-        "precision": precision(ds_config), "zero_stage": zero_stage, "seed": args.seed, "deepspeed": ds_config,
+        "precision": precision(ds_config), "zero_stage": zero_stage, "seed": args.seed,
+        "data_on_device": on_device, "deepspeed": ds_config,
     }
     history = TrainingHistory(Path(args.log_dir) / HISTORY_FILE, run_config)
     saver = CheckpointSaver(engine, args.checkpoint_dir, args.save_every, args.keep_last, args.save_last_every)
@@ -106,12 +118,14 @@ def main(argv=None):
             record = {"epoch": epoch, "train_loss": train["loss"], "train_acc": train["acc"],
                       "val_loss": val["loss"], "val_acc": val["acc"], "lr": train["lr"],
                       "epoch_time_s": train["time_s"], "images_per_s": train["images_per_s"],
+                      "data_wait_s": train["data_wait_s"], "compute_s": train["compute_s"],
                       "peak_gpu_memory_gib": peak_gpu_memory_gib(engine.device)}
             is_best = history.add(record)
             saver.save(epoch, {**extra_info, "metrics": record}, training_state(epoch + 1), best=is_best)
             history.save()
             say(f"Epoch {epoch}/{args.epochs}: train loss {train['loss']:.4f} acc {train['acc']:.4f} | "
-                f"val loss {val['loss']:.4f} acc {val['acc']:.4f} | {train['images_per_s']:.1f} img/s"
+                f"val loss {val['loss']:.4f} acc {val['acc']:.4f} | {train['images_per_s']:.1f} img/s, "
+                f"{train['data_wait_s'] / train['time_s']:.0%} waiting for data"
                 + (f" | peak GPU memory {record['peak_gpu_memory_gib']:.2f} GiB"
                    if record["peak_gpu_memory_gib"] is not None else "")
                 + (" | best" if is_best else ""))

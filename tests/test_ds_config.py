@@ -12,8 +12,8 @@ def make_args(*argv):
     return parse_args(lambda: add_training_args(argparse.ArgumentParser()), list(argv))
 
 
-def build(*argv, world_size=1, images=1000, base=None):
-    return build_ds_config(make_args(*argv), world_size, images, base=base)
+def build(*argv, world_size=1, images=1000, base=None, device_type="cpu"):
+    return build_ds_config(make_args(*argv), world_size, images, base=base, device_type=device_type)
 
 
 def test_explicit_flags_are_recorded():
@@ -27,7 +27,8 @@ def test_defaults():
     assert config["train_micro_batch_size_per_gpu"] == 16
     assert config["gradient_accumulation_steps"] == 1
     assert config["train_batch_size"] == 16
-    assert config["zero_optimization"] == {"stage": 2}
+    assert config["zero_optimization"] == {"stage": 2, "compute_grad_norm": False}  # nothing clips with it
+    assert config["gradient_clipping"] == 0.0
     assert "fp16" not in config and "bf16" not in config
     assert config["optimizer"] == {"type": "AdamW", "params": {
         "lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.05, "torch_adam": True}}
@@ -95,7 +96,7 @@ def test_base_json_values_win_over_flag_defaults_and_lose_to_explicit_flags():
     config = build(world_size=2, base=base)
     assert config["train_micro_batch_size_per_gpu"] == 8
     assert config["train_batch_size"] == 8 * 2 * 2
-    assert config["zero_optimization"] == {"stage": 1, "overlap_comm": True}
+    assert config["zero_optimization"] == {"stage": 1, "overlap_comm": True, "compute_grad_norm": False}
     assert config["optimizer"]["params"]["lr"] == 0.01
     config = build("--batch_size", "4", "--zero_stage", "3", "--learning_rate", "0.5", world_size=2, base=base)
     assert config["train_micro_batch_size_per_gpu"] == 4
@@ -128,7 +129,7 @@ def test_auto_values_are_resolved_from_flags():
     assert "auto" not in json.dumps(config)
     assert (config["train_micro_batch_size_per_gpu"], config["gradient_accumulation_steps"],
             config["train_batch_size"]) == (10, 3, 60)
-    assert config["gradient_clipping"] == 1.0
+    assert config["gradient_clipping"] == 0.0  # "auto": --clip_grad
     assert config["bf16"]["enabled"] is True and config["fp16"]["enabled"] is False
     assert config["optimizer"]["params"] == {"lr": 0.02, "betas": [0.9, 0.999], "eps": 1e-8,
                                              "weight_decay": 0.05, "torch_adam": True}
@@ -212,3 +213,39 @@ def test_bad_base_config_is_a_usage_error(tmp_path, content, message):
         load_base_config(path)
     with pytest.raises(UsageError, match="file not found"):
         load_base_config(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("flag,dtype", [("--bf16", "bfloat16"), ("--fp16", "float16")])
+def test_half_precision_runs_under_torch_autocast_on_gpu(flag, dtype):
+    config = build(flag, device_type="cuda")
+    assert config["torch_autocast"] == {"enabled": True, "dtype": dtype}
+    assert "fp16" not in config and "bf16" not in config
+    assert precision(config) == f"autocast-{flag[2:]}"
+    # On CPU, and on request, DeepSpeed's own half-precision weights.
+    assert precision(build(flag, "--precision_mode", "half_weights", device_type="cuda")) == flag[2:]
+    assert precision(build("--bf16")) == "bf16"
+    assert precision(build("--bf16", "--precision_mode", "autocast")) == "autocast-bf16"
+
+
+def test_base_precision_form_is_kept_unless_a_flag_changes_it():
+    native = {"fp16": {"enabled": True}}
+    assert precision(build(base=native, device_type="cuda")) == "fp16"
+    config = build("--bf16", base=native, device_type="cuda")
+    assert precision(config) == "autocast-bf16" and config["fp16"]["enabled"] is False
+    autocast = {"torch_autocast": {"enabled": True, "dtype": "float16"}}
+    assert precision(build(base=autocast)) == "autocast-fp16"
+    config = build("--no-fp16", base=autocast)
+    assert precision(config) == "fp32" and config["torch_autocast"]["enabled"] is False
+    with pytest.raises(UsageError, match="torch_autocast cannot be combined"):
+        build(base={**autocast, "bf16": {"enabled": True}})
+    with pytest.raises(UsageError, match="torch_autocast dtype"):
+        build(base={"torch_autocast": {"enabled": True, "dtype": "int8"}})
+
+
+def test_gradient_norm_is_computed_only_when_something_uses_it():
+    assert build("--bf16", device_type="cuda")["zero_optimization"]["compute_grad_norm"] is False
+    clipped = build("--bf16", "--clip_grad", "1", device_type="cuda")
+    assert clipped["gradient_clipping"] == 1.0 and "compute_grad_norm" not in clipped["zero_optimization"]
+    for argv in (["--offload_optimizer"], ["--zero_stage", "3"], ["--zero_stage", "0"], ["--fp16", "--precision_mode",
+                                                                                           "half_weights"]):
+        assert "compute_grad_norm" not in build(*argv, device_type="cuda")["zero_optimization"]

@@ -64,8 +64,9 @@ def test_training_run_writes_history_and_checkpoints(name, tmp_path_factory, tin
     assert [e["epoch"] for e in epochs] == list(range(1, EPOCHS + 1))
     for record in epochs:
         assert set(record) == {"epoch", "train_loss", "train_acc", "val_loss", "val_acc", "lr",
-                               "epoch_time_s", "images_per_s", "peak_gpu_memory_gib"}
+                               "epoch_time_s", "images_per_s", "data_wait_s", "compute_s", "peak_gpu_memory_gib"}
         assert record["peak_gpu_memory_gib"] is None  # CPU run
+        assert record["data_wait_s"] + record["compute_s"] == pytest.approx(record["epoch_time_s"])
         assert 0 <= record["train_acc"] <= 1 and 0 <= record["val_acc"] <= 1
         assert record["train_loss"] > 0 and record["images_per_s"] > 0 and record["lr"] > 0
         # 16 val images split over the ranks without padding: accuracies are multiples of 1/16.

@@ -1,0 +1,212 @@
+"""The dataset decoded once and kept on the training device as uint8; augmentation per batch there.
+
+The DataLoader path (data.py) decodes and augments every image in worker processes every epoch.
+Here every image is decoded once at start (nvJPEG in batches on a GPU, torchvision/PIL on the CPU),
+and each batch is cut out of the resident tensors with a few tensor ops, the way airbench does:
+
+- training images are stored as `round(image_size / 0.875)`-pixel squares (resized so that the shorter
+  side has that length, then centre-cropped); torchvision's RandomResizedCrop (scale 0.08-1, ratio
+  3/4-4/3) and RandomHorizontalFlip are drawn per image from that square and applied to the whole
+  batch with one `grid_sample`. Unlike the DataLoader path, crops never reach the parts of a
+  non-square image's longer side that lie outside its central square.
+- validation images are stored exactly as the DataLoader path feeds them (Resize + CenterCrop).
+
+Shuffling and sharding come from the same EpochSampler as the DataLoader path, and each epoch's crops
+and flips from (seed, rank, epoch) alone, so a run resumed mid-epoch continues with the very batches an
+uninterrupted run would have used.
+"""
+import math
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+from torchvision.io import ImageReadMode, decode_image, decode_jpeg, read_file
+from torchvision.transforms import functional as TF
+
+from data import IMAGENET_MEAN, IMAGENET_STD, EpochSampler
+
+DECODE_CHUNK = 256  # images decoded per nvJPEG call: bounds the memory the decode needs
+CROP_SCALE = (0.08, 1.0)
+CROP_RATIO = (3 / 4, 4 / 3)
+CROP_TRIES = 10  # as torchvision's RandomResizedCrop
+FREE_MEMORY_SHARE = 0.25  # auto mode uses the GPU for data when it needs at most this share of free memory
+
+
+def store_size(image_size):
+    """Side of the stored training squares: the validation resize (224 -> 256)."""
+    return round(image_size / 0.875)
+
+
+def dataset_bytes(num_train, num_val, image_size):
+    return 3 * (num_train * store_size(image_size) ** 2 + num_val * image_size ** 2)
+
+
+def choose_device_data(mode, device, num_train, num_val, image_size):
+    """(use the device path?, why) for --data_on_device auto|on|off."""
+    needed = dataset_bytes(num_train, num_val, image_size)
+    if mode != "auto":
+        return mode == "on", f"--data_on_device {mode}"
+    if device.type != "cuda":
+        return False, "auto: the device is a CPU"
+    free, _ = torch.cuda.mem_get_info(device)
+    if needed > FREE_MEMORY_SHARE * free:
+        return False, (f"auto: the decoded dataset ({needed / 2**30:.2f} GiB) needs more than "
+                       f"{FREE_MEMORY_SHARE:.0%} of the GPU's free {free / 2**30:.1f} GiB")
+    return True, f"auto: the decoded dataset ({needed / 2**30:.2f} GiB) fits on the GPU"
+
+
+def decode_rgb(path, data, device):
+    """One image as a uint8 (3, H, W) tensor on `device`: torchvision's decoders, PIL for the rest."""
+    try:
+        image = decode_image(data, mode=ImageReadMode.RGB)
+    except (RuntimeError, ValueError):
+        with Image.open(path) as pil:
+            image = torch.from_numpy(np.asarray(pil.convert("RGB"))).permute(2, 0, 1)
+    return image.to(device)
+
+
+def decode_chunk(paths, device):
+    """Decode a list of files: JPEGs in one batched nvJPEG call on a GPU, anything it rejects on the CPU."""
+    data = [read_file(str(path)) for path in paths]
+    if device.type == "cuda":
+        jpegs = [i for i, d in enumerate(data) if d[:2].tolist() == [0xFF, 0xD8]]
+        try:
+            decoded = dict(zip(jpegs, decode_jpeg([data[i] for i in jpegs], mode=ImageReadMode.RGB,
+                                                  device=device)))
+        except RuntimeError:  # e.g. a CMYK or corrupt JPEG in the batch: decode this chunk on the CPU
+            decoded = {}
+    else:
+        decoded = {}
+    return [decoded[i] if i in decoded else decode_rgb(path, d, device)
+            for i, (path, d) in enumerate(zip(paths, data))]
+
+
+def resize_and_crop(image, resize, crop):
+    """torchvision's Resize(resize) + CenterCrop(crop) on a uint8 tensor, antialiased."""
+    resized = TF.resize(image.float(), resize, antialias=True)
+    return TF.center_crop(resized, crop).round_().clamp_(0, 255).to(torch.uint8)
+
+
+def decode_dataset(paths, resize, crop, device):
+    """All images as one uint8 (N, 3, crop, crop) tensor on `device`."""
+    out = torch.empty((len(paths), 3, crop, crop), dtype=torch.uint8, device=device)
+    for start in range(0, len(paths), DECODE_CHUNK):
+        for offset, image in enumerate(decode_chunk(paths[start:start + DECODE_CHUNK], device)):
+            out[start + offset] = resize_and_crop(image, resize, crop)
+    return out
+
+
+def random_resized_crops(count, side, generator):
+    """torchvision RandomResizedCrop.get_params for `count` square images of `side` pixels, vectorised.
+
+    Returns (top, left, height, width, flip), each a (count,) tensor; flip is RandomHorizontalFlip's coin.
+    """
+    area = side * side * torch.empty(count, CROP_TRIES).uniform_(*CROP_SCALE, generator=generator)
+    log_ratio = torch.empty(count, CROP_TRIES).uniform_(math.log(CROP_RATIO[0]), math.log(CROP_RATIO[1]),
+                                                        generator=generator)
+    width = torch.sqrt(area * torch.exp(log_ratio)).round()
+    height = torch.sqrt(area / torch.exp(log_ratio)).round()
+    fits = (width > 0) & (width <= side) & (height > 0) & (height <= side)
+    first = fits.int().argmax(dim=1, keepdim=True)  # the first try that fits, as torchvision takes it
+    found = fits.any(dim=1)
+    # No try fits: torchvision falls back to the whole image (a square's ratio lies within 3/4-4/3).
+    width = torch.where(found, width.gather(1, first).squeeze(1), torch.tensor(float(side)))
+    height = torch.where(found, height.gather(1, first).squeeze(1), torch.tensor(float(side)))
+    top = (torch.rand(count, generator=generator) * (side - height + 1)).floor()
+    left = (torch.rand(count, generator=generator) * (side - width + 1)).floor()
+    flip = torch.rand(count, generator=generator) < 0.5
+    return top, left, height, width, flip
+
+
+def crop_transforms(top, left, height, width, flip, side):
+    """The affine_grid matrices (N, 2, 3) that map an output image onto each crop box of a side x side image."""
+    scale_x = width / side * torch.where(flip, -1.0, 1.0)
+    theta = torch.zeros(len(top), 2, 3)
+    theta[:, 0, 0] = scale_x
+    theta[:, 0, 2] = (2 * left + width) / side - 1
+    theta[:, 1, 1] = height / side
+    theta[:, 1, 2] = (2 * top + height) / side - 1
+    return theta
+
+
+class Normalize:
+    """uint8 images -> (x / 255 - mean) / std in `dtype`, channels_last on a GPU."""
+
+    def __init__(self, device, dtype):
+        std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
+        self.scale = 1 / (255 * std)
+        self.shift = -torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) / std
+        self.dtype = dtype
+        self.memory_format = torch.channels_last if device.type == "cuda" else torch.contiguous_format
+
+    def __call__(self, images):
+        out = torch.addcmul(self.shift, images.float(), self.scale)
+        return out.to(self.dtype, memory_format=self.memory_format)
+
+
+class DeviceTrainLoader:
+    """Training batches of one rank, cut from the resident uint8 squares (same interface as data.TrainLoader)."""
+
+    def __init__(self, images, labels, micro_batch_size, image_size, rank, world_size, seed, dtype):
+        self.images, self.labels = images, labels
+        self.sampler = EpochSampler(range(len(labels)), num_replicas=world_size, rank=rank, shuffle=True,
+                                    seed=seed, drop_last=True)
+        self.seed, self.rank, self.micro_batch_size, self.image_size = seed, rank, micro_batch_size, image_size
+        self.batches_per_epoch = self.sampler.num_samples // micro_batch_size
+        self.normalize = Normalize(images.device, dtype)
+
+    def epoch(self, epoch, start_batch=0):
+        self.sampler.set_epoch(epoch)
+        self.sampler.start = 0
+        order = torch.tensor(list(self.sampler))
+        generator = torch.Generator().manual_seed(hash((self.seed, self.rank, epoch)) % 2**63)
+        theta = crop_transforms(*random_resized_crops(len(order), self.images.shape[-1], generator),
+                                side=self.images.shape[-1])
+        device = self.images.device
+        order, theta = order.to(device), theta.to(device)
+        return (self.batch(order[start:start + self.micro_batch_size], theta[start:start + self.micro_batch_size])
+                for start in range(start_batch * self.micro_batch_size,
+                                   self.batches_per_epoch * self.micro_batch_size, self.micro_batch_size))
+
+    def batch(self, indices, theta):
+        shape = (len(indices), 3, self.image_size, self.image_size)
+        grid = F.affine_grid(theta, shape, align_corners=False)
+        crops = F.grid_sample(self.images[indices].float(), grid, mode="bilinear", padding_mode="border",
+                              align_corners=False)
+        return self.normalize(crops), self.labels[indices]
+
+
+class DeviceValLoader:
+    """Validation batches of one rank's shard (images rank, rank + world_size, ...), resident on the device."""
+
+    def __init__(self, images, labels, micro_batch_size, rank, world_size, dtype):
+        self.images, self.labels = images[rank::world_size], labels[rank::world_size]
+        self.micro_batch_size = micro_batch_size
+        self.normalize = Normalize(images.device, dtype)
+
+    def __len__(self):
+        return math.ceil(len(self.labels) / self.micro_batch_size)
+
+    def __iter__(self):
+        for start in range(0, len(self.labels), self.micro_batch_size):
+            end = start + self.micro_batch_size
+            yield self.normalize(self.images[start:end]), self.labels[start:end]
+
+
+def build_device_loaders(train_set, val_set, micro_batch_size, image_size, rank, world_size, seed, device, dtype):
+    """Decode both ImageFolders onto `device`; return (train_loader, val_loader, seconds spent decoding)."""
+    start = time.perf_counter()
+    train_paths, train_labels = zip(*train_set.samples)
+    val_paths, val_labels = zip(*val_set.samples)
+    size = store_size(image_size)
+    train_images = decode_dataset(train_paths, size, size, device)
+    val_images = decode_dataset(val_paths, size, image_size, device)
+    train_loader = DeviceTrainLoader(train_images, torch.tensor(train_labels, device=device), micro_batch_size,
+                                     image_size, rank, world_size, seed, dtype)
+    val_loader = DeviceValLoader(val_images, torch.tensor(val_labels, device=device), micro_batch_size, rank,
+                                 world_size, dtype)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return train_loader, val_loader, time.perf_counter() - start

@@ -1,0 +1,104 @@
+"""The dataset kept on the device: crops, flips, validation images, resumable epochs, the choice of path."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torchvision.datasets import ImageFolder
+from torchvision.transforms import functional as TF
+
+from conftest import data_args, launch
+from data import build_transform
+from device_data import (DeviceTrainLoader, DeviceValLoader, build_device_loaders, choose_device_data,
+                         crop_transforms, random_resized_crops)
+
+CPU = torch.device("cpu")
+
+
+def crop(images, top, left, height, width, flip, out):
+    theta = crop_transforms(torch.tensor([float(top)]), torch.tensor([float(left)]), torch.tensor([float(height)]),
+                            torch.tensor([float(width)]), torch.tensor([flip]), side=images.shape[-1])
+    grid = F.affine_grid(theta, (1, 3, out, out), align_corners=False)
+    return F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)
+
+
+def test_crop_boxes_follow_random_resized_crop():
+    top, left, height, width, flip = random_resized_crops(20_000, 256, torch.Generator().manual_seed(0))
+    assert (top >= 0).all() and (left >= 0).all() and (top + height <= 256).all() and (left + width <= 256).all()
+    area = height * width / 256**2
+    assert area.min() >= 0.08 - 0.01 and area.max() <= 1.0
+    ratio = width / height
+    assert ratio.min() >= 3 / 4 - 0.02 and ratio.max() <= 4 / 3 + 0.02
+    assert 0.48 < flip.float().mean() < 0.52
+    again = random_resized_crops(20_000, 256, torch.Generator().manual_seed(0))
+    assert all(torch.equal(a, b) for a, b in zip((top, left, height, width, flip), again))
+
+
+def test_grid_sample_crop_equals_torchvision_resized_crop():
+    images = torch.rand(1, 3, 40, 40) * 255
+    whole = crop(images, 0, 0, 40, 40, False, 56)
+    assert torch.allclose(whole, F.interpolate(images, size=(56, 56), mode="bilinear", align_corners=False),
+                          atol=1e-3)
+    assert torch.allclose(crop(images, 0, 0, 40, 40, True, 56), whole.flip(-1), atol=1e-3)
+    part = crop(images, 5, 9, 20, 16, False, 32)
+    expected = TF.resized_crop(images, 5, 9, 20, 16, [32, 32], antialias=False)
+    # Inside the box both sample the same points; at its edge torchvision clamps to the crop, we read on.
+    assert torch.allclose(part[..., 2:-2, 2:-2], expected[..., 2:-2, 2:-2], atol=1e-3)
+
+
+def test_validation_images_match_the_dataloader_path(tiny_data):
+    train_set, val_set = ImageFolder(tiny_data / "train"), ImageFolder(tiny_data / "val")
+    _, val_loader, _ = build_device_loaders(train_set, val_set, 8, 24, 0, 1, 0, CPU, torch.float32)
+    images, labels = next(iter(val_loader))
+    reference = ImageFolder(tiny_data / "val", transform=build_transform(24, train=False))
+    expected = torch.stack([reference[i][0] for i in range(8)])
+    assert labels.tolist() == [reference[i][1] for i in range(8)]
+    # PIL's and torchvision's antialiased resizes differ by about one grey level here and there.
+    assert (images - expected).abs().mean() < 0.02
+
+
+def fake_loader(rank=0, world_size=1):
+    generator = torch.Generator().manual_seed(1)
+    images = torch.randint(0, 256, (40, 3, 18, 18), dtype=torch.uint8, generator=generator)
+    return DeviceTrainLoader(images, torch.arange(40) % 4, micro_batch_size=4, image_size=16, rank=rank,
+                             world_size=world_size, seed=7, dtype=torch.float32)
+
+
+def test_an_epoch_resumed_mid_way_gets_the_same_batches():
+    loader = fake_loader()
+    whole = list(loader.epoch(3))
+    assert len(whole) == loader.batches_per_epoch == 10
+    assert whole[0][0].shape == (4, 3, 16, 16)
+    resumed = list(fake_loader().epoch(3, start_batch=6))
+    assert len(resumed) == 4
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(whole[6:], resumed))
+    assert not torch.equal(whole[0][0], next(iter(loader.epoch(4)))[0])
+
+
+def test_ranks_share_out_the_epoch_and_the_validation_set():
+    images = torch.zeros(10, 3, 16, 16, dtype=torch.uint8)
+    shards = [DeviceValLoader(images, torch.arange(10), 3, rank, 2, torch.float32) for rank in (0, 1)]
+    assert sorted(label for shard in shards for _, labels in shard for label in labels.tolist()) == list(range(10))
+    assert [len(shard) for shard in shards] == [2, 2]
+    epoch_labels = [torch.cat([labels for _, labels in fake_loader(rank, 2).epoch(0)]) for rank in (0, 1)]
+    assert [len(labels) for labels in epoch_labels] == [20, 20]
+
+
+def test_choice_of_data_path():
+    assert choose_device_data("auto", CPU, 100, 10, 224) == (False, "auto: the device is a CPU")
+    assert choose_device_data("on", CPU, 100, 10, 224)[0] is True
+    assert choose_device_data("off", CPU, 100, 10, 224)[0] is False
+
+
+def test_training_with_the_dataset_on_the_device(tiny_data, tmp_path):
+    result = launch(data_args(tiny_data) + ["--epochs", "2", "--batch_size", "4", "--image_size", "32",
+                                            "--save_every", "1", "--data_on_device", "on"], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Data on cpu (--data_on_device on): decoded 64 images" in result.stdout
+    history = json.loads((tmp_path / "logs/training_history.json").read_text())
+    assert history["config"]["data_on_device"] is True
+    for epoch in history["epochs"]:
+        assert 0 <= epoch["data_wait_s"] <= epoch["epoch_time_s"]
+        assert epoch["compute_s"] == pytest.approx(epoch["epoch_time_s"] - epoch["data_wait_s"])
+    assert history["epochs"][-1]["train_loss"] < history["epochs"][0]["train_loss"]
+    assert "waiting for data" in result.stdout
