@@ -1,0 +1,308 @@
+"""Training throughput of the trainer against plain PyTorch, in one run on one GPU.
+
+Three kinds of measurement, each in its own process (a fresh CUDA context and peak-memory counter):
+
+- reference: plain PyTorch, torchvision ResNet18 (90 classes), AdamW (torch defaults), on synthetic
+  images already on the GPU: fp32/TF32, autocast bf16/fp16, channels_last, optionally torch.compile.
+- trainer, synthetic: the trainer's own model, DeepSpeed config (built from the same flags as
+  launch_deepspeed.py) and train_one_epoch, fed the same GPU-resident synthetic batch.
+- trainer, real data: src/train_deepspeed.py end to end on a JPEG image folder the size of Animals-90
+  (drawn by prepare_data.py, 256 px), with the dataset on the GPU or from DataLoader workers; images/s
+  is the median over the epochs after the first (from logs/training_history.json).
+
+Ratios compare each trainer run with the reference loop of the same precision, channels_last.
+Prints a table last and writes JSON to benchmarks/results/throughput_<gpu>.json.
+
+    python benchmarks/throughput.py                  # all but the torch.compile runs; micro-batch 256, 224 px
+    python benchmarks/throughput.py --only reference "step: zero2 bf16 compile"
+"""
+import argparse
+import json
+import os
+import re
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from end_to_end import environment, shown  # noqa: E402
+
+# name -> settings of a plain-PyTorch loop on GPU-resident synthetic data
+REFERENCES = {
+    "torch fp32": {"dtype": None, "channels_last": False},
+    "torch bf16 channels_last": {"dtype": "bf16", "channels_last": True},
+    "torch fp16 channels_last": {"dtype": "fp16", "channels_last": True},
+    "torch bf16 channels_last compile": {"dtype": "bf16", "channels_last": True, "compile": True},
+}
+BF16_REF, FP16_REF = "torch bf16 channels_last", "torch fp16 channels_last"
+# name -> (trainer flags, reference, goal ratio from the GPU-speed issue or None)
+SYNTHETIC = {
+    "step: zero0 bf16": (["--zero_stage", "0", "--bf16"], BF16_REF, None),
+    "step: zero1 bf16": (["--zero_stage", "1", "--bf16"], BF16_REF, None),
+    "step: zero2 bf16": (["--zero_stage", "2", "--bf16"], BF16_REF, None),
+    "step: zero3 bf16": (["--zero_stage", "3", "--bf16"], BF16_REF, None),
+    "step: zero2 fp16": (["--zero_stage", "2", "--fp16"], FP16_REF, None),
+    "step: zero2 bf16 half_weights": (["--zero_stage", "2", "--bf16", "--precision_mode", "half_weights"],
+                                      BF16_REF, None),
+    "step: zero2 bf16 clip_grad 1": (["--zero_stage", "2", "--bf16", "--clip_grad", "1"], BF16_REF, None),
+    "step: zero2 bf16 compile": (["--zero_stage", "2", "--bf16", "--compile"], BF16_REF, None),
+}
+# name -> (trainer flags, reference, goal ratio); JPEG folder -> augmentation -> DeepSpeed step
+REAL = {
+    "epoch: zero2 bf16, data on GPU": (["--zero_stage", "2", "--bf16", "--data_on_device", "on"], BF16_REF, 0.9),
+    "epoch: zero2 fp16, data on GPU": (["--zero_stage", "2", "--fp16", "--data_on_device", "on"], FP16_REF, 0.9),
+    "epoch: zero3 bf16, data on GPU": (["--zero_stage", "3", "--bf16", "--data_on_device", "on"], BF16_REF, 0.6),
+    "epoch: zero2 bf16 offload_optimizer, data on GPU": (["--zero_stage", "2", "--bf16", "--offload_optimizer",
+                                                          "--data_on_device", "on"], BF16_REF, 0.5),
+    "epoch: zero2 bf16, DataLoader": (["--zero_stage", "2", "--bf16", "--data_on_device", "off"], BF16_REF, None),
+}
+SKIPPED_BY_DEFAULT = {"torch bf16 channels_last compile", "step: zero2 bf16 compile"}  # minutes of compiling
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def synthetic_batch(args, device, dtype=torch.float32, channels_last=True):
+    generator = torch.Generator(device).manual_seed(0)
+    images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device, generator=generator)
+    labels = torch.randint(0, args.num_classes, (args.batch_size,), device=device, generator=generator)
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    return images.to(dtype, memory_format=memory_format), labels
+
+
+def reference_case(settings, args, device):
+    """Plain PyTorch: the loop a user writes by hand, timed like the trainer's epochs."""
+    import torch.nn.functional as F
+    import torchvision
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.benchmark = True
+    dtype = DTYPES.get(settings["dtype"])
+    model = torchvision.models.resnet18(num_classes=args.num_classes).to(device)
+    if settings["channels_last"]:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+    scaler = torch.amp.GradScaler(enabled=dtype == torch.float16)
+    forward = torch.compile(model) if settings.get("compile") else model
+    images, labels = synthetic_batch(args, device, channels_last=settings["channels_last"])
+
+    def steps(count):
+        start = time.perf_counter()
+        for _ in range(count):
+            with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                loss = F.cross_entropy(forward(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        loss.item()
+        return time.perf_counter() - start
+
+    steps(args.warmup_steps)
+    reset_peak_memory(device)
+    return {"images_per_s": args.steps * args.batch_size / steps(args.steps), "peak_gpu_memory_gib": peak_memory(device)}
+
+
+def reset_peak_memory(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(device):
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def trainer_case(flags, args, device):
+    """The trainer's model, config and train_one_epoch on one synthetic batch, repeated."""
+    import deepspeed
+
+    import train_deepspeed
+    from distributed import init_distributed
+    from ds_config import build_ds_config, precision
+    from model import ResNet18Animals90
+    from options import parse_args
+    from training import input_dtype, train_one_epoch
+
+    argv = ["--batch_size", str(args.batch_size), "--image_size", str(args.image_size), *flags]
+    train_args = parse_args(train_deepspeed.get_args_parser, argv)
+    init_distributed()
+    torch.backends.cudnn.benchmark = True
+    images_per_epoch = args.batch_size * (args.warmup_steps + args.steps)
+    config = build_ds_config(train_args, 1, images_per_epoch, device_type=device.type)
+    model = ResNet18Animals90(num_classes=args.num_classes)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if train_args.compile:
+        engine.compile()
+    dtype = input_dtype(precision(config))
+    batch = synthetic_batch(args, device, dtype)
+    train_one_epoch(engine, [batch] * args.warmup_steps, 0, dtype, args.warmup_steps)
+    reset_peak_memory(device)
+    metrics = train_one_epoch(engine, [batch] * args.steps, 1, dtype, args.steps)
+    return {"images_per_s": metrics["images_per_s"], "precision": precision(config),
+            "peak_gpu_memory_gib": peak_memory(device)}
+
+
+def real_case(flags, args, workdir):
+    """src/train_deepspeed.py end to end on the JPEG folder (one process, as `python` runs it for one
+    GPU); figures from the history it writes."""
+    command = [sys.executable, str(ROOT / "src" / "train_deepspeed.py"),
+               "--train_dir", str(args.data / "train"), "--val_dir", str(args.data / "val"),
+               "--epochs", str(args.epochs), "--batch_size", str(args.batch_size),
+               "--image_size", str(args.image_size), "--num_workers", str(args.num_workers),
+               "--save_every", "0", "--save_last_every", "0",
+               "--log_dir", str(workdir / "logs"), "--checkpoint_dir", str(workdir / "checkpoints"), *flags]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=args.case_timeout)
+    if result.returncode != 0:
+        raise RuntimeError((result.stdout + result.stderr)[-3000:])
+    history = json.loads((workdir / "logs" / "training_history.json").read_text())
+    later = history["epochs"][1:] or history["epochs"]
+    decoded = re.search(r"decoded \d+ images in ([\d.]+) s", result.stdout)
+    return {"command": shown(command), "images_per_s": statistics.median(e["images_per_s"] for e in later),
+            "data_wait_share": statistics.median(e["data_wait_s"] / e["epoch_time_s"] for e in later),
+            "peak_gpu_memory_gib": max(e["peak_gpu_memory_gib"] for e in later),
+            "val_acc": history["epochs"][-1]["val_acc"], "decode_s": float(decoded[1]) if decoded else None,
+            "precision": history["config"]["precision"], "data_on_device": history["config"]["data_on_device"]}
+
+
+def run_case(kind, name, args):
+    """One measurement in a child process; returns its result dict or {"error": ...}."""
+    command = [sys.executable, __file__, "--case", json.dumps([kind, name]), *passed_settings(args)]
+    env = {**os.environ, "MASTER_PORT": str(free_port())}
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=args.case_timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"error": f"over {args.case_timeout} s"}
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    if result.returncode != 0 or not lines:
+        return {"error": (result.stdout + result.stderr)[-3000:]}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def child(kind, name, args):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke test only
+    if kind == "reference":
+        result = reference_case(REFERENCES[name], args, device)
+    elif kind == "synthetic":
+        result = trainer_case(SYNTHETIC[name][0], args, device)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            result = real_case(REAL[name][0], args, Path(tmp))
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def passed_settings(args):
+    return ["--batch_size", str(args.batch_size), "--image_size", str(args.image_size), "--num_classes", str(args.num_classes),
+            "--steps", str(args.steps), "--warmup_steps", str(args.warmup_steps), "--epochs", str(args.epochs),
+            "--num_workers", str(args.num_workers), "--data", str(args.data),
+            "--case_timeout", str(args.case_timeout)]
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def get_args_parser():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch_size", type=int, default=256, help="micro-batch, for every loop")
+    parser.add_argument("--image_size", type=int, default=224)
+    parser.add_argument("--num_classes", type=int, default=90)
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per synthetic measurement")
+    parser.add_argument("--warmup_steps", type=int, default=20)
+    parser.add_argument("--epochs", type=int, default=4, help="epochs per real-data run (the first is not counted)")
+    parser.add_argument("--num_workers", type=int, default=12, help="DataLoader workers for the DataLoader run")
+    parser.add_argument("--data", type=Path, default=ROOT / "bench_data",
+                        help="JPEG image folder for the real-data runs; drawn there (Animals-90 size) if missing")
+    parser.add_argument("--images_per_class", type=int, default=60,
+                        help="of the drawn dataset (80%% train, 20%% val); 60 x 90 classes is Animals-90's size")
+    parser.add_argument("--only", nargs="+", metavar="NAME",
+                        help="run only these measurements (names as in the table, or: reference, synthetic, real)")
+    parser.add_argument("--case_timeout", type=int, default=240, help="seconds before one measurement is given up")
+    parser.add_argument("--output_dir", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    return parser
+
+
+def selected(args):
+    groups = {"reference": REFERENCES, "synthetic": SYNTHETIC, "real": REAL}
+    chosen = [(kind, name) for kind, group in groups.items() for name in group
+              if name in (args.only or ()) or kind in (args.only or ()) or not args.only and name not in SKIPPED_BY_DEFAULT]
+    unknown = set(args.only or ()) - set(groups) - {name for group in groups.values() for name in group}
+    if unknown:
+        sys.exit(f"error: unknown measurement(s): {', '.join(sorted(unknown))}")
+    return chosen
+
+
+def ratio(results, name, reference):
+    ran, ref = results.get(name, {}), results.get(reference, {})
+    if "images_per_s" in ran and "images_per_s" in ref:
+        return ran["images_per_s"] / ref["images_per_s"]
+    return None
+
+
+def main():
+    args = get_args_parser().parse_args()
+    if args.case:
+        return child(*json.loads(args.case), args)
+    if not torch.cuda.is_available():
+        print("warning: no CUDA GPU; running on the CPU as a smoke test, the figures mean nothing", flush=True)
+    cases = selected(args)
+    drawing = None
+    if any(kind == "real" for kind, _ in cases):  # drawn on the CPU while the first measurements run
+        val_per_class = max(1, args.images_per_class // 5)
+        drawing = subprocess.Popen([sys.executable, str(ROOT / "src" / "prepare_data.py"), "sample",
+                                    "--output", str(args.data), "--num_classes", str(args.num_classes),
+                                    "--train_per_class", str(args.images_per_class - val_per_class),
+                                    "--val_per_class", str(val_per_class), "--image_size", "256", "--seed", "0"],
+                                   stdout=subprocess.DEVNULL)
+    env = environment()
+    slug = re.sub(r"[^a-z0-9]+", "_", (env["gpu"] or "cpu").lower()).strip("_")
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    path = args.output_dir / f"throughput_{slug}.json"
+    results, rows = {}, []
+    for kind, name in cases:
+        if kind == "real" and drawing is not None and drawing.wait() != 0:
+            sys.exit(f"error: drawing the sample dataset into {args.data} failed")
+        started = time.perf_counter()
+        results[name] = {"kind": kind, **run_case(kind, name, args), "wall_s": round(time.perf_counter() - started, 1)}
+        if kind != "reference":
+            reference, goal = {**SYNTHETIC, **REAL}[name][1:]
+            results[name].update(reference=reference, goal_ratio=goal,
+                                 ratio_to_reference=ratio(results, name, reference))
+        print(f"{name}: {json.dumps(results[name])[:300]}", flush=True)
+        settings = {k: os.path.relpath(v, ROOT) if isinstance(v, Path) else v for k, v in vars(args).items()
+                    if k != "case"}
+        path.write_text(json.dumps({"environment": env, "settings": settings, "results": results}, indent=2) + "\n")
+
+    print(f"\n{env['gpu'] or 'CPU'} | torch {env['torch']} | DeepSpeed {env['deepspeed']} | CUDA {env['cuda']} | "
+          f"micro-batch {args.batch_size}, {args.image_size} px")
+    print(f"{'measurement':<46}{'images/s':>9}{'ratio':>7}{'goal':>6}{'peak GiB':>9}  notes")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<46} FAILED: {r['error'].strip().splitlines()[-1][:80] if r['error'].strip() else '?'}")
+            continue
+        notes = []
+        if "data_wait_share" in r:
+            notes.append(f"data wait {r['data_wait_share']:.0%}, val acc {r['val_acc']:.3f}")
+        if r.get("reference"):
+            notes.append(f"vs {r['reference']}")
+        print(f"{name:<46}{r['images_per_s']:>9.0f}{fmt(r.get('ratio_to_reference')):>7}{fmt(r.get('goal_ratio')):>6}"
+              f"{fmt(r['peak_gpu_memory_gib']):>9}  {'; '.join(notes)}")
+    print(f"results: {shown([str(path)])}")
+
+
+def fmt(value):
+    return "-" if value is None else f"{value:.2f}"
+
+
+if __name__ == "__main__":
+    main()
