@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from end_to_end import environment, shown  # noqa: E402
+from end_to_end import environment, fmt, shown  # noqa: E402
 
 # name -> settings of a plain-PyTorch loop on GPU-resident synthetic data
 REFERENCES = {
@@ -298,10 +298,6 @@ def main():
         print(f"{name:<46}{r['images_per_s']:>9.0f}{fmt(r.get('ratio_to_reference')):>7}{fmt(r.get('goal_ratio')):>6}"
               f"{fmt(r['peak_gpu_memory_gib']):>9}  {'; '.join(notes)}")
     print(f"results: {shown([str(path)])}")
-
-
-def fmt(value):
-    return "-" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":
