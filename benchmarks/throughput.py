@@ -20,8 +20,6 @@ import argparse
 import json
 import os
 import re
-import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,8 +32,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
 
-from end_to_end import environment, fmt, shown  # noqa: E402
+from end_to_end import environment, fmt, peak_memory, shown  # noqa: E402
+from launch_deepspeed import free_port  # noqa: E402
 
 # name -> settings of a plain-PyTorch loop on GPU-resident synthetic data
 REFERENCES = {
@@ -114,10 +114,6 @@ def reference_case(settings, args, device):
 def reset_peak_memory(device):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_memory(device):
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
 def trainer_case(flags, args, device):
@@ -203,12 +199,6 @@ def passed_settings(args):
             "--steps", str(args.steps), "--warmup_steps", str(args.warmup_steps), "--epochs", str(args.epochs),
             "--num_workers", str(args.num_workers), "--data", str(args.data),
             "--case_timeout", str(args.case_timeout)]
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def get_args_parser():

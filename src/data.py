@@ -41,6 +41,16 @@ def load_datasets(train_dir, val_dir, image_size):
     return train_set, val_set
 
 
+def epoch_seed(seed, rank, epoch):
+    """The seed of one rank's augmentation randomness in one epoch: the same in a resumed run."""
+    return hash((seed, rank, epoch)) % 2**63
+
+
+def batch_memory_format(device):
+    """channels_last on a GPU (faster convolutions with cuDNN), the default layout elsewhere."""
+    return torch.channels_last if device.type == "cuda" else torch.contiguous_format
+
+
 def ignore_stop_signals(worker_id):
     """DataLoader workers leave SIGINT/SIGTERM to the training process, which stops after its step
     and saves; a worker killed by them would abort that step instead."""
@@ -81,7 +91,7 @@ class TrainLoader:
     def epoch(self, epoch, start_batch=0):
         self.sampler.set_epoch(epoch)
         self.sampler.start = start_batch * self.micro_batch_size
-        self.generator.manual_seed(hash((self.seed, self.rank, epoch)) % 2**63)
+        self.generator.manual_seed(epoch_seed(self.seed, self.rank, epoch))
         return self.loader
 
 

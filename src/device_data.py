@@ -25,7 +25,7 @@ from PIL import Image
 from torchvision.io import ImageReadMode, decode_image, decode_jpeg, read_file
 from torchvision.transforms import functional as TF
 
-from data import IMAGENET_MEAN, IMAGENET_STD, EpochSampler
+from data import IMAGENET_MEAN, IMAGENET_STD, EpochSampler, batch_memory_format, epoch_seed
 
 DECODE_CHUNK = 256  # images decoded per nvJPEG call: bounds the memory the decode needs
 CROP_SCALE = (0.08, 1.0)
@@ -139,7 +139,7 @@ class Normalize:
         self.scale = 1 / (255 * std)
         self.shift = -torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) / std
         self.dtype = dtype
-        self.memory_format = torch.channels_last if device.type == "cuda" else torch.contiguous_format
+        self.memory_format = batch_memory_format(device)
 
     def __call__(self, images):
         out = torch.addcmul(self.shift, images.float(), self.scale)
@@ -161,7 +161,7 @@ class DeviceTrainLoader:
         self.sampler.set_epoch(epoch)
         self.sampler.start = 0
         order = torch.tensor(list(self.sampler))
-        generator = torch.Generator().manual_seed(hash((self.seed, self.rank, epoch)) % 2**63)
+        generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.rank, epoch))
         theta = crop_transforms(*random_resized_crops(len(order), self.images.shape[-1], generator),
                                 side=self.images.shape[-1])
         device = self.images.device

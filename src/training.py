@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from data import batch_memory_format
 from distributed import all_reduce, average_buffers, is_main_process
 
 INPUT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16,
@@ -19,9 +20,8 @@ def input_dtype(precision):
 
 
 def to_device(images, labels, device, dtype):
-    """A batch on the device; images channels_last on a GPU (faster convolutions with cuDNN)."""
-    memory_format = torch.channels_last if device.type == "cuda" else torch.contiguous_format
-    return (images.to(device, dtype=dtype, memory_format=memory_format, non_blocking=True),
+    """A batch on the device, in the input dtype and layout the model wants there."""
+    return (images.to(device, dtype=dtype, memory_format=batch_memory_format(device), non_blocking=True),
             labels.to(device, non_blocking=True))
 
 
