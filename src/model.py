@@ -1,9 +1,11 @@
-"""ResNet18 for Animals-90, with batch norm that always computes in fp32."""
+"""ResNet18 for Animals-90, with batch norm that always computes in fp32 (optionally synchronised over ranks)."""
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 from torchvision.models.resnet import BasicBlock, ResNet
 
 MODEL_NAME = "ResNet18Animals90"
@@ -18,9 +20,17 @@ class BatchNorm2dFP32(nn.BatchNorm2d):
     which plain BatchNorm2d rejects; half-precision statistics would also lose accuracy. This layer
     then upcasts the input and its affine weights, and returns the input's dtype. With fp32 weights
     (fp32 or autocast) BatchNorm2d's own kernels already take half-precision input and compute in fp32.
+
+    With `sync = True` (see `synchronize_batch_norm`) training batches are normalised with the mean and
+    variance over all ranks' micro-batches, as torch.nn.SyncBatchNorm does. That one needs CUDA and fp32
+    weights; this one works over gloo on CPU too and under half-precision weights.
     """
 
+    sync = False
+
     def forward(self, x):
+        if self.sync and self.training and dist.is_initialized() and dist.get_world_size() > 1:
+            return self._synced_forward(x)
         if self.weight.dtype == torch.float32:
             return super().forward(x)
         if self.training and self.num_batches_tracked is not None:
@@ -32,6 +42,34 @@ class BatchNorm2dFP32(nn.BatchNorm2d):
                 self.training, self.momentum, self.eps,
             )
         return out.to(x.dtype)
+
+    def _synced_forward(self, x):
+        """Batch statistics over every rank: all-reduce the sum, then the squared deviations (two passes,
+        no cancellation). The all-reduces are differentiable, so gradients flow through the global
+        statistics to every rank's input, as in SyncBatchNorm."""
+        with torch.autocast(x.device.type, enabled=False):
+            xf = x.float()
+            sums = differentiable_all_reduce(torch.cat([xf.sum(dim=(0, 2, 3)), xf.new_full((1,), xf[:, 0].numel())]))
+            count = sums[-1]
+            mean = sums[:-1] / count
+            centered = xf - mean[None, :, None, None]
+            var = differentiable_all_reduce(centered.square().sum(dim=(0, 2, 3))) / count
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                momentum = self.momentum if self.momentum is not None else 1 / self.num_batches_tracked.item()
+                self.running_mean.lerp_(mean, momentum)
+                self.running_var.lerp_(var * count / (count - 1).clamp(min=1), momentum)
+            scale = self.weight.float() * torch.rsqrt(var + self.eps)
+            out = centered * scale[None, :, None, None] + self.bias.float()[None, :, None, None]
+        return out.to(x.dtype)
+
+
+def synchronize_batch_norm(model):
+    """Make every BatchNorm2dFP32 in `model` normalise training batches over all ranks (--sync_bn)."""
+    layers = [m for m in model.modules() if isinstance(m, BatchNorm2dFP32)]
+    for layer in layers:
+        layer.sync = True
+    return len(layers)
 
 
 class ResNet18Animals90(ResNet):

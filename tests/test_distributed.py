@@ -1,0 +1,88 @@
+"""Batch norm across ranks, on two gloo processes: --sync_bn against one process seeing the whole batch,
+and the averaging of running statistics that runs before every validation and save without it."""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from distributed import average_buffers
+from launch_deepspeed import free_port
+from model import BatchNorm2dFP32, synchronize_batch_norm
+
+WORLD_SIZE = 2
+
+
+def whole_batch():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2 * WORLD_SIZE, 3, 5, 5, generator=generator) * 2 + 1
+    weight = torch.randn(x.shape, generator=generator)  # the loss is sum(out * weight)
+    return x, weight
+
+
+def fresh_layer():
+    torch.manual_seed(1)
+    layer = BatchNorm2dFP32(3)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    return layer
+
+
+def on_each_rank(rank, port, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
+    try:
+        x, weight = whole_batch()
+        shard = slice(rank * 2, rank * 2 + 2)
+        layer = fresh_layer()
+        synchronize_batch_norm(layer)
+        x_shard = x[shard].clone().requires_grad_()
+        (layer(x_shard) * weight[shard]).sum().backward()
+        grads = [layer.weight.grad.clone(), layer.bias.grad.clone()]
+        for grad in grads:
+            dist.all_reduce(grad)  # what data parallelism does with parameter gradients (sum, then / N)
+
+        unsynced = fresh_layer()  # each rank normalises its own shard; then the statistics are averaged
+        unsynced(x[shard])
+        before = unsynced.running_mean.clone()
+        average_buffers(unsynced)
+        results[rank] = {"input_grad": x_shard.grad, "param_grads": grads,
+                         "running": (layer.running_mean, layer.running_var, layer.num_batches_tracked),
+                         "unsynced_before": before,
+                         "unsynced_after": (unsynced.running_mean, unsynced.running_var)}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    results = mp.Manager().dict()
+    mp.spawn(on_each_rank, args=(free_port(), results), nprocs=WORLD_SIZE, join=True)
+    return [results[rank] for rank in range(WORLD_SIZE)]
+
+
+def test_sync_bn_matches_one_process_on_the_whole_batch(ranks):
+    x, weight = whole_batch()
+    reference = fresh_layer()
+    x = x.clone().requires_grad_()
+    out = reference(x)
+    (out * weight).sum().backward()
+    for rank, result in enumerate(ranks):
+        shard = slice(rank * 2, rank * 2 + 2)
+        torch.testing.assert_close(result["input_grad"], x.grad[shard])
+        torch.testing.assert_close(result["param_grads"][0], reference.weight.grad)
+        torch.testing.assert_close(result["param_grads"][1], reference.bias.grad)
+        running_mean, running_var, tracked = result["running"]
+        torch.testing.assert_close(running_mean, reference.running_mean)
+        torch.testing.assert_close(running_var, reference.running_var)
+        assert tracked.item() == 1
+    torch.testing.assert_close(ranks[0]["running"][0], ranks[1]["running"][0], rtol=0, atol=0)
+
+
+def test_average_buffers_makes_every_rank_hold_the_mean_statistics(ranks):
+    assert not torch.allclose(ranks[0]["unsynced_before"], ranks[1]["unsynced_before"])
+    mean_of_ranks = (ranks[0]["unsynced_before"] + ranks[1]["unsynced_before"]) / 2
+    for result in ranks:
+        torch.testing.assert_close(result["unsynced_after"][0], mean_of_ranks)
+    torch.testing.assert_close(ranks[0]["unsynced_after"][1], ranks[1]["unsynced_after"][1], rtol=0, atol=0)
