@@ -1,11 +1,13 @@
 """Image-folder datasets, transforms and the per-rank data loaders."""
 import signal
-from pathlib import Path
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, Subset
-from torchvision import datasets, transforms
+from PIL import Image, ImageOps
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torchvision import transforms
 
+from data_check import check_data, labelled_samples, listed
 from options import UsageError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -21,24 +23,58 @@ def build_transform(image_size, train):
     return transforms.Compose(steps + [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
 
 
-def image_folder(root, transform=None):
-    """torchvision's ImageFolder, with a one-line UsageError for a missing or empty folder."""
-    root = Path(root)
-    if not root.is_dir():
-        raise UsageError(f"image folder not found: {root}")
-    try:
-        return datasets.ImageFolder(root, transform=transform)
-    except (FileNotFoundError, RuntimeError) as err:
-        raise UsageError(f"{root}: {err}") from None
+def to_rgb(image):
+    """A PIL image of any mode as RGB: 16-bit grey scaled to 8 bits (PIL would clip it to white),
+    transparency composited onto white (PIL would drop alpha and show what lies under it)."""
+    if image.mode in ("I", "I;16", "I;16L", "I;16B", "I;16N"):
+        image = Image.fromarray((np.asarray(image) >> 8).clip(0, 255).astype(np.uint8))
+    if image.mode in ("RGBA", "LA", "PA", "La", "RGBa") or "transparency" in image.info:
+        image = Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA"))
+    return image.convert("RGB")
 
 
-def load_datasets(train_dir, val_dir, image_size):
-    train_set = image_folder(train_dir, build_transform(image_size, train=True))
-    val_set = image_folder(val_dir, build_transform(image_size, train=False))
-    if val_set.classes != train_set.classes:
-        missing = sorted(set(train_set.classes) ^ set(val_set.classes))
-        raise UsageError(f"{train_dir} and {val_dir} have different class folders (e.g. {missing[:3]})")
-    return train_set, val_set
+def load_rgb(path):
+    """The image file as an upright RGB PIL image: EXIF orientation applied, then to_rgb."""
+    with Image.open(path) as image:
+        return to_rgb(ImageOps.exif_transpose(image))
+
+
+class ImageFiles(Dataset):
+    """torchvision ImageFolder's interface (samples, targets, classes, class_to_idx) over checked files."""
+
+    def __init__(self, samples, classes, transform=None):
+        self.samples, self.classes, self.transform = samples, list(classes), transform
+        self.targets = [label for _, label in samples]
+        self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        path, label = self.samples[index]
+        image = load_rgb(path)
+        return (self.transform(image) if self.transform else image), label
+
+
+def image_folder(root, transform=None, classes=None):
+    """(dataset, DataCheck) of one image folder, unreadable files left out; labels follow `classes`
+    (default: the folder's own) by name, and a class folder outside `classes` is a UsageError."""
+    check = check_data(root, None)
+    classes = check.classes if classes is None else list(classes)
+    unknown = [name for name in check.classes if name not in classes]
+    if unknown:
+        raise UsageError(f"{root} has images of classes the model does not know: {listed(unknown)}")
+    return ImageFiles(labelled_samples(check.train, classes), classes, transform), check
+
+
+def load_datasets(train_dir, val_dir, image_size, cache_file=None):
+    """(train set, val set, DataCheck): the checked images, validation labelled by the training classes' names."""
+    check = check_data(train_dir, val_dir, cache_file)
+
+    def dataset(scan, train):
+        return ImageFiles(labelled_samples(scan, check.classes), check.classes, build_transform(image_size, train))
+
+    return dataset(check.train, train=True), dataset(check.val, train=False), check
 
 
 def epoch_seed(seed, rank, epoch):

@@ -15,6 +15,7 @@ Shuffling and sharding come from the same EpochSampler as the DataLoader path, a
 and flips from (seed, rank, epoch) alone, so a run resumed mid-epoch continues with the very batches an
 uninterrupted run would have used.
 """
+import io
 import math
 import time
 
@@ -22,10 +23,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from torchvision.io import ImageReadMode, decode_image, decode_jpeg, read_file
+from torchvision.io import ImageReadMode, decode_jpeg, read_file
 from torchvision.transforms import functional as TF
 
-from data import IMAGENET_MEAN, IMAGENET_STD, EpochSampler, batch_memory_format, epoch_seed
+from data import IMAGENET_MEAN, IMAGENET_STD, EpochSampler, batch_memory_format, epoch_seed, load_rgb
+from data_check import EXIF_ORIENTATION
 
 DECODE_CHUNK = 256  # images decoded per nvJPEG call: bounds the memory the decode needs
 CROP_SCALE = (0.08, 1.0)
@@ -57,30 +59,44 @@ def choose_device_data(mode, device, num_train, num_val, image_size):
     return True, f"auto: the decoded dataset ({needed / 2**30:.2f} GiB) fits on the GPU"
 
 
-def decode_rgb(path, data, device):
-    """One image as a uint8 (3, H, W) tensor on `device`: torchvision's decoders, PIL for the rest."""
-    try:
-        image = decode_image(data, mode=ImageReadMode.RGB)
-    except (RuntimeError, ValueError):
-        with Image.open(path) as pil:
-            image = torch.from_numpy(np.asarray(pil.convert("RGB"))).permute(2, 0, 1)
-    return image.to(device)
+# EXIF orientation -> the (C, H, W) tensor op that makes the image upright, as PIL's ImageOps.exif_transpose.
+# torchvision applies EXIF orientation on the CPU only, so it is applied here for both devices.
+EXIF_TRANSPOSES = {
+    2: lambda image: image.flip(-1),
+    3: lambda image: image.flip(-2, -1),
+    4: lambda image: image.flip(-2),
+    5: lambda image: image.transpose(-2, -1),
+    6: lambda image: image.rot90(-1, (-2, -1)),
+    7: lambda image: image.transpose(-2, -1).flip(-2, -1),
+    8: lambda image: image.rot90(1, (-2, -1)),
+}
+
+
+def jpeg_header(data):
+    """(mode, EXIF orientation) of a file's bytes from its header alone; None when it is not a JPEG."""
+    if data[:2].tolist() != [0xFF, 0xD8]:
+        return None
+    with Image.open(io.BytesIO(data.numpy().tobytes()), formats=["JPEG"]) as image:
+        return image.mode, image.getexif().get(EXIF_ORIENTATION, 1)
 
 
 def decode_chunk(paths, device):
-    """Decode a list of files: JPEGs in one batched nvJPEG call on a GPU, anything it rejects on the CPU."""
+    """Decode a list of files, upright, as uint8 (3, H, W) tensors on `device`: RGB and grey JPEGs with
+    torchvision (one batched nvJPEG call on a GPU), the rest (CMYK JPEGs, other formats) with the
+    DataLoader path's PIL loader, so that both paths give the same pixels."""
     data = [read_file(str(path)) for path in paths]
-    if device.type == "cuda":
-        jpegs = [i for i, d in enumerate(data) if d[:2].tolist() == [0xFF, 0xD8]]
+    headers = [jpeg_header(d) for d in data]
+    jpegs = [i for i, header in enumerate(headers) if header is not None and header[0] in ("RGB", "L")]
+    decoded = {}
+    if jpegs:
         try:
-            decoded = dict(zip(jpegs, decode_jpeg([data[i] for i in jpegs], mode=ImageReadMode.RGB,
-                                                  device=device)))
-        except RuntimeError:  # e.g. a CMYK or corrupt JPEG in the batch: decode this chunk on the CPU
-            decoded = {}
-    else:
-        decoded = {}
-    return [decoded[i] if i in decoded else decode_rgb(path, d, device)
-            for i, (path, d) in enumerate(zip(paths, data))]
+            images = decode_jpeg([data[i] for i in jpegs], mode=ImageReadMode.RGB, device=device)
+            decoded = {i: EXIF_TRANSPOSES.get(headers[i][1], lambda image: image)(image)
+                       for i, image in zip(jpegs, images)}
+        except RuntimeError:  # a JPEG the decoder rejects: this chunk goes through PIL
+            pass
+    return [decoded[i] if i in decoded else torch.from_numpy(np.array(load_rgb(path))).permute(2, 0, 1).to(device)
+            for i, path in enumerate(paths)]
 
 
 def resize_and_crop(image, resize, crop):

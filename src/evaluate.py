@@ -4,6 +4,7 @@
     python src/evaluate.py --model checkpoints_deepspeed/best_model --data_dir data/val --output_dir eval
 """
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -11,7 +12,7 @@ import torch
 from data import image_folder
 from history import write_json_atomic
 from inference import default_device, eval_transform, load_model, predict_probabilities
-from options import UsageError, run_cli
+from options import run_cli
 
 
 def metrics(probabilities, labels, class_names, top_k=5):
@@ -59,10 +60,9 @@ def main(argv=None):
 
     device = default_device()
     model, metadata = load_model(args.model, device)
-    dataset = image_folder(args.data_dir, eval_transform(metadata))
-    if dataset.classes != metadata["class_names"]:
-        raise UsageError(f"{args.data_dir} has other class folders than the model was trained on "
-                         f"({len(dataset.classes)} vs {len(metadata['class_names'])} classes)")
+    dataset, check = image_folder(args.data_dir, eval_transform(metadata), classes=metadata["class_names"])
+    for line in check.warnings():
+        print(line, file=sys.stderr)
     probabilities = predict_probabilities(model, dataset, device, args.batch_size, args.num_workers)
     labels = torch.tensor(dataset.targets)
     report = {"model": str(args.model), "data_dir": str(args.data_dir), "device": device.type,

@@ -10,6 +10,7 @@ from pathlib import Path
 from PIL import Image, UnidentifiedImageError
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
+from data import load_rgb
 from inference import default_device, eval_transform, load_model, predict_probabilities
 from options import UsageError, run_cli
 
@@ -18,7 +19,9 @@ def image_paths(inputs):
     paths = []
     for item in map(Path, inputs):
         if item.is_dir():
-            paths += sorted(p for p in item.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS)
+            # Hidden files (macOS `._photo.jpg`, `.ipynb_checkpoints/`) are not photos, as in training.
+            paths += sorted(p for p in item.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS
+                            and not any(part.startswith(".") for part in p.relative_to(item).parts))
         elif item.is_file():
             paths.append(item)
         else:
@@ -39,9 +42,8 @@ class Images:
 
     def __getitem__(self, index):
         try:
-            with Image.open(self.paths[index]) as image:
-                return self.transform(image.convert("RGB")), index
-        except (UnidentifiedImageError, OSError) as err:
+            return self.transform(load_rgb(self.paths[index])), index
+        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as err:
             raise UsageError(f"{self.paths[index]}: not a readable image ({err})") from None
 
 

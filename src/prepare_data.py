@@ -1,7 +1,8 @@
-"""Data tool: split a raw Animals-90 download into train/val, or draw the built-in sample dataset.
+"""Data tool: split a raw Animals-90 download into train/val, draw the built-in sample dataset, or check a dataset.
 
     python src/prepare_data.py split path/to/animals --output data --val_fraction 0.2
     python src/prepare_data.py sample --output data
+    python src/prepare_data.py --check data          # data/train + data/val, or one ImageFolder root
 """
 import argparse
 import json
@@ -12,6 +13,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
+from data_check import check_folders
 from options import UsageError, run_cli
 
 # The 90 class folders of the Animals-90 dataset; the sample dataset borrows them as class names.
@@ -124,7 +126,10 @@ def _refuse_to_overwrite(output):
 
 def get_args_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--check", metavar="DIR",
+                        help="decode every image of DIR (with train/ and val/, or one ImageFolder root), report "
+                             "what training would skip or ignore; exit status 2 when it cannot be trained on")
+    commands = parser.add_subparsers(dest="command")
     split = commands.add_parser("split", help="split a raw download (one folder per class) into train/val")
     split.add_argument("raw_dir")
     split.add_argument("--output", default="data")
@@ -140,8 +145,26 @@ def get_args_parser():
     return parser
 
 
+def check_dataset(folder):
+    """Print the data check of `folder` (train/ and val/ inside, or itself an ImageFolder root)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UsageError(f"image folder not found: {folder}")
+    if (folder / "train").is_dir():
+        check = check_folders(folder / "train", folder / "val")
+    else:
+        check = check_folders(folder)
+    print(check.report())
+    check.raise_if_unusable()
+
+
 def main(argv=None):
-    args = get_args_parser().parse_args(argv)
+    parser = get_args_parser()
+    args = parser.parse_args(argv)
+    if (args.check is None) == (args.command is None):
+        parser.error("give one of --check DIR, split, sample")
+    if args.check is not None:
+        return check_dataset(args.check)
     if args.command == "split":
         counts = split_dataset(args.raw_dir, args.output, args.val_fraction, args.seed)
     else:

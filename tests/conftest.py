@@ -11,25 +11,28 @@ sys.path.insert(0, str(ROOT / "src"))
 from prepare_data import make_sample_dataset  # noqa: E402
 
 TINY_CLASSES = 4
+TINY_VAL_IMAGES = 15
 
 
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
-    """A tiny generated image folder: 4 classes, 12 train and 4 val images each, 32 px."""
+    """A tiny generated image folder: 4 classes, 12 train images each, 15 val images (4, 4, 4, 3: an odd
+    count, which two ranks cannot split evenly), 32 px."""
     root = tmp_path_factory.mktemp("tiny_data")
     make_sample_dataset(root, num_classes=TINY_CLASSES, train_per_class=12, val_per_class=4,
                         image_size=32, seed=0)
+    max((root / "val").rglob("*.*")).unlink()
     return root
 
 
-def run(command, cwd, timeout=600):
+def run(command, cwd, timeout=600, **popen):
     """Run a command of the project the way a user would; return the CompletedProcess."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHON": sys.executable}
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, **popen)
 
 
-def launch(args, cwd, timeout=600):
-    return run([sys.executable, str(ROOT / "launch_deepspeed.py"), *args], cwd, timeout)
+def launch(args, cwd, timeout=600, **popen):
+    return run([sys.executable, str(ROOT / "launch_deepspeed.py"), *args], cwd, timeout, **popen)
 
 
 def data_args(data_root):

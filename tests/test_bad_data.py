@@ -1,0 +1,237 @@
+"""Bad input data: every kind of bad file is skipped or converted and reported, unusable datasets stop with status 2."""
+import json
+import shutil
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageOps
+
+import data_check
+from conftest import ROOT, data_args, launch, run
+from data import ImageFiles, build_transform, load_datasets, load_rgb
+from data_check import CACHE_FILE, check_data, check_folders
+from device_data import Normalize, decode_chunk, decode_dataset, store_size
+from options import UsageError, run_cli
+from prepare_data import main as prepare_data_main
+from prepare_data import make_sample_dataset
+
+sys.path.insert(0, str(ROOT))
+import launch_deepspeed  # noqa: E402
+
+CPU = torch.device("cpu")
+# file name -> why it cannot be read
+UNREADABLE = {"train/antelope/truncated.jpg": "truncated", "train/antelope/corrupt.jpg": "not an image",
+              "train/antelope/empty.jpg": "empty file", "train/antelope/text.png": "not an image",
+              "train/antelope/bomb.png": "exceeds limit of 178956970 pixels", "val/bat/truncated.jpg": "truncated",
+              "train/antelope/broken_link.jpg": "no such file"}
+# file name -> the mode PIL opens it in; all must train, converted to RGB
+UNUSUAL = {"grey.jpg": "L", "grey_alpha.png": "LA", "palette.png": "P", "palette_transparent.png": "P",
+           "rgba.webp": "RGBA", "cmyk.jpg": "CMYK", "grey16.png": "I;16", "photo.bmp": "RGB",
+           "exif_rotated.jpg": "RGB"}
+
+
+def picture(width=48, height=32):
+    """An RGB array with no symmetry (a wrong rotation or flip changes it): gradient, one red corner."""
+    y, x = np.mgrid[0:height, 0:width]
+    image = np.stack([x * 255 // width, y * 255 // height, np.full_like(x, 90)], axis=-1).astype(np.uint8)
+    image[: height // 3, : width // 4] = (240, 20, 20)
+    return image
+
+
+def write_unusual_images(folder):
+    folder.mkdir(parents=True, exist_ok=True)
+    rgb = Image.fromarray(picture())
+    rgb.convert("L").save(folder / "grey.jpg")
+    rgb.convert("LA").save(folder / "grey_alpha.png")
+    rgb.convert("P", palette=Image.Palette.ADAPTIVE, colors=16).save(folder / "palette.png")
+    rgb.convert("P", palette=Image.Palette.ADAPTIVE, colors=16).save(folder / "palette_transparent.png",
+                                                                     transparency=0)
+    rgba = rgb.copy()
+    rgba.putalpha(Image.fromarray(picture()[..., 0]))
+    rgba.save(folder / "rgba.webp", lossless=True)
+    rgb.convert("CMYK").save(folder / "cmyk.jpg", quality=95)
+    Image.fromarray(picture()[..., 0].astype(np.uint16) * 257).save(folder / "grey16.png")
+    rgb.save(folder / "photo.bmp")
+    exif = Image.Exif()
+    exif[data_check.EXIF_ORIENTATION] = 6  # stored sideways, shown rotated 90 degrees clockwise
+    rgb.save(folder / "exif_rotated.jpg", exif=exif, quality=95)
+
+
+@pytest.fixture(scope="module")
+def bad_data(tmp_path_factory):
+    """Three classes of 32 px drawings (antelope, badger, bat) plus every kind of bad input:
+    unreadable files, unusual modes and formats, EXIF rotation, a very large image, hidden files,
+    empty class folders, no validation folder for antelope (the first class, so that ImageFolder's
+    own val labels would shift) and a text file."""
+    root = tmp_path_factory.mktemp("bad_data")
+    make_sample_dataset(root, num_classes=3, train_per_class=8, val_per_class=3, image_size=32, seed=1)
+    good = (root / "train/antelope/antelope_0000.jpg").read_bytes()
+    (root / "train/antelope/truncated.jpg").write_bytes(good[: len(good) // 2])
+    (root / "train/antelope/corrupt.jpg").write_bytes(good[:2] + bytes(range(256)) * 4)
+    (root / "train/antelope/empty.jpg").write_bytes(b"")
+    (root / "train/antelope/text.png").write_text("not a picture\n")
+    # 182 Mpx: over PIL's decompression-bomb limit, refused from the header alone.
+    Image.new("1", (14000, 13000)).save(root / "train/antelope/bomb.png")
+    # 90 Mpx: over PIL's warning limit, a legitimate (if slow) photo.
+    Image.new("1", (9500, 9500), 1).save(root / "train/bat/large.png")
+    (root / "val/bat/truncated.jpg").write_bytes(good[: len(good) - 300])
+    (root / "train/antelope/broken_link.jpg").symlink_to(root / "moved_away.jpg")
+    write_unusual_images(root / "train/badger")
+    write_unusual_images(root / "val/badger")
+    (root / "train/badger/._grey.jpg").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+    (root / "train/.ipynb_checkpoints/antelope").mkdir(parents=True)
+    (root / "train/.ipynb_checkpoints/antelope/x.jpg").write_bytes(good)
+    (root / "train/bat/.DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
+    (root / "train/bat/notes.txt").write_text("where the bats came from\n")
+    (root / "train/zebra").mkdir()
+    (root / "val/zebra").mkdir()
+    shutil.rmtree(root / "val/antelope")
+    return root
+
+
+def test_the_check_reports_every_kind_of_bad_file(bad_data):
+    check = check_data(bad_data / "train", bad_data / "val")
+    summary = check.summary()
+    skipped = {item["path"]: item["reason"] for item in summary["skipped"]}
+    assert set(skipped) == {str(bad_data / name) for name in UNREADABLE}
+    for name, reason in UNREADABLE.items():
+        assert reason in skipped[str(bad_data / name)].lower()
+    assert summary["skipped_count"] == len(UNREADABLE) == 7
+    assert check.classes == ["antelope", "badger", "bat"]
+    assert summary["train_images"] == 3 * 8 + len(UNUSUAL) + 1 and summary["val_images"] == 2 * 3 + len(UNUSUAL)
+    assert summary["empty_class_folders"] == [str(bad_data / "train/zebra"), str(bad_data / "val/zebra")]
+    assert summary["classes_without_val_images"] == ["antelope"]
+    assert summary["files_without_image_suffix"] == [str(bad_data / "train/bat/notes.txt")]
+    assert summary["hidden_ignored"] == 3
+    assert summary["large_images"] == [str(bad_data / "train/bat/large.png")]
+    assert summary["converted_to_rgb"] == {"1": 1, "CMYK": 2, "I;16": 2, "L": 2, "LA": 2, "P": 4, "RGBA": 2}
+    assert summary["exif_rotated"] == 2
+    warnings = check.warnings()
+    assert len(warnings) == 5 and warnings[0].startswith("warning: skipping 7 unreadable image(s): ")
+    assert warnings[0].endswith(" and 2 more")
+
+
+def test_validation_labels_follow_the_training_classes_by_name(bad_data):
+    train_set, val_set, _ = load_datasets(bad_data / "train", bad_data / "val", 32)
+    assert train_set.classes == val_set.classes == ["antelope", "badger", "bat"]
+    labels = {path.split("/")[-2]: label for path, label in val_set.samples}
+    assert labels == {"badger": 1, "bat": 2}
+    image, label = val_set[0]
+    assert image.shape == (3, 32, 32) and label == 1
+
+
+def test_unusual_images_become_the_rgb_picture_they_show(bad_data):
+    folder = bad_data / "train/badger"
+    expected = picture()
+    upright = np.asarray(load_rgb(folder / "exif_rotated.jpg")).astype(int)
+    assert upright.shape == (48, 32, 3)  # stored 48 wide, 32 high
+    assert np.abs(upright - np.rot90(expected, -1)).mean() < 3
+    grey16 = np.asarray(load_rgb(folder / "grey16.png"))
+    assert np.array_equal(grey16[..., 1], expected[..., 0])  # scaled to 8 bits, not clipped to white
+    alpha = expected[..., :1] / 255  # rgba.webp's alpha is its red channel
+    over_white = np.asarray(load_rgb(folder / "rgba.webp")).astype(int)
+    assert np.abs(over_white - (expected * alpha + 255 * (1 - alpha))).max() <= 1
+    for name, mode in UNUSUAL.items():
+        assert Image.open(folder / name).mode == mode
+        assert load_rgb(folder / name).mode == "RGB"
+
+
+def test_the_device_path_decodes_what_the_dataloader_path_does(bad_data, tmp_path):
+    """EXIF-rotated, CMYK, 16-bit and palette images: identical pixels after decoding, and the same
+    validation tensors (up to the resizes' rounding) from both data paths."""
+    names = ["exif_rotated.jpg", "cmyk.jpg", "grey16.png", "palette.png", "palette_transparent.png"]
+    paths = [str(bad_data / "val/badger" / name) for name in names]
+    for path, decoded in zip(paths, decode_chunk(paths, CPU)):
+        assert torch.equal(decoded, torch.from_numpy(np.array(load_rgb(path))).permute(2, 0, 1)), path
+    for orientation in range(1, 9):  # every EXIF orientation, as PIL applies it
+        exif = Image.Exif()
+        exif[data_check.EXIF_ORIENTATION] = orientation
+        Image.fromarray(picture()).save(tmp_path / f"{orientation}.jpg", exif=exif, quality=95)
+        expected = np.array(ImageOps.exif_transpose(Image.open(tmp_path / f"{orientation}.jpg")))
+        assert torch.equal(decode_chunk([tmp_path / f"{orientation}.jpg"], CPU)[0],
+                           torch.from_numpy(expected).permute(2, 0, 1)), orientation
+    device_images = Normalize(CPU, torch.float32)(decode_dataset(paths, store_size(24), 24, CPU))
+    reference = ImageFiles([(path, 0) for path in paths], ["badger"], build_transform(24, train=False))
+    expected = torch.stack([reference[i][0] for i in range(len(paths))])
+    assert ((device_images - expected).abs().mean(dim=(1, 2, 3)) < 0.02).all()
+
+
+def test_the_cache_spares_unchanged_files_a_second_decode(bad_data, tmp_path, monkeypatch):
+    root = tmp_path / "data"
+    shutil.copytree(bad_data / "val", root)
+    first = check_folders(root)
+    first.save_cache(tmp_path / CACHE_FILE)
+    decoded = []
+    inspect = data_check.inspect_image
+    monkeypatch.setattr(data_check, "inspect_image", lambda path: decoded.append(path) or inspect(path))
+    (root / "bat/bat_0000.jpg").write_bytes((root / "bat/truncated.jpg").read_bytes())
+    again = check_folders(root, cache_file=tmp_path / CACHE_FILE)
+    assert decoded == [str(root / "bat/bat_0000.jpg")]
+    assert [path for path, _ in again.skipped] == [str(root / "bat/bat_0000.jpg"), str(root / "bat/truncated.jpg")]
+
+
+def unusable(tmp_path, kind):
+    make_sample_dataset(tmp_path, num_classes=2, train_per_class=2, val_per_class=1, image_size=32, seed=0)
+    if kind == "missing":
+        shutil.rmtree(tmp_path / "val")
+        return f"image folder not found: {tmp_path / 'val'}"
+    if kind == "no classes":
+        for folder in (tmp_path / "train").iterdir():
+            shutil.rmtree(folder)
+        (tmp_path / "train/readme.txt").write_text("images go here\n")
+        return f"{tmp_path / 'train'}: no class folders"
+    if kind == "no readable image":
+        for image in (tmp_path / "train").rglob("*.jpg"):
+            image.write_bytes(b"")
+        return f"{tmp_path / 'train'}: no readable image in 2 class folder(s) (4 unreadable)"
+    (tmp_path / "val/whale").mkdir()
+    shutil.copy(tmp_path / "val/antelope/antelope_0000.jpg", tmp_path / "val/whale")
+    return f"{tmp_path / 'val'} has images of classes that {tmp_path / 'train'} has no images of: whale"
+
+
+@pytest.mark.parametrize("kind", ["missing", "no classes", "no readable image", "val class not in train"])
+def test_unusable_data_stops_the_launcher_and_the_check_with_status_2(tmp_path, capsys, kind):
+    message = unusable(tmp_path / "data", kind)
+    for main, argv in ((launch_deepspeed.main, data_args(tmp_path / "data") + ["--log_dir", str(tmp_path / "logs")]),
+                       (prepare_data_main, ["--check", str(tmp_path / "data")])):
+        with pytest.raises(SystemExit) as exit_:
+            run_cli(main, argv)
+        assert exit_.value.code == 2
+        stderr = capsys.readouterr().err
+        assert stderr.startswith(f"error: {message}") and stderr.count("\n") == 1, stderr
+    assert not (tmp_path / "logs").exists()
+    with pytest.raises(UsageError):
+        check_data(tmp_path / "data/train", tmp_path / "data/val")
+
+
+def test_check_command_prints_the_report(bad_data, tmp_path):
+    result = run([sys.executable, str(ROOT / "src/prepare_data.py"), "--check", str(bad_data)], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "unreadable, skipped: 7\n" in result.stdout
+    for name in UNREADABLE:
+        assert str(bad_data / name) in result.stdout
+    assert f"class folders without a readable image, ignored: 2\n  {bad_data / 'train/zebra'}" in result.stdout
+    assert "training classes without validation images: 1\n  antelope\n" in result.stdout
+    assert "converted to RGB: 1 1, CMYK 2, I;16 2, L 2, LA 2, P 4, RGBA 2" in result.stdout
+    assert "rotated by their EXIF orientation: 2" in result.stdout
+    assert result.stdout.endswith("usable, 5 warning(s)\n")
+    assert result.stderr == ""  # not even PIL's warning about the large image: the report names it
+
+
+def test_training_skips_the_bad_files_and_records_them(bad_data, tmp_path):
+    result = launch(data_args(bad_data) + ["--epochs", "1", "--batch_size", "4", "--image_size", "32",
+                                           "--zero_stage", "0", "--data_on_device", "off", "--num_workers", "0"],
+                    tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    warning = next(line for line in result.stdout.splitlines() if "unreadable image(s)" in line)
+    assert warning.startswith("warning: skipping 7 unreadable image(s): ")
+    assert "Traceback" not in result.stderr
+    history = json.loads((tmp_path / "logs/training_history.json").read_text())
+    recorded = history["config"]["data_check"]
+    assert recorded["skipped_count"] == 7
+    assert {item["path"] for item in recorded["skipped"]} == {str(bad_data / name) for name in UNREADABLE}
+    assert history["config"]["train_images"] == recorded["train_images"] == 34
+    assert history["epochs"][0]["val_images"] == recorded["val_images"] == 15
+    assert len(json.loads((tmp_path / "logs" / CACHE_FILE).read_text())["files"]) == 34 + 15 + 7
