@@ -11,13 +11,18 @@ Each epoch DeepSpeed writes one checkpoint into a staging folder (every rank its
 then hard-links it into the published names and swaps each in with renames, so a reader sees the old
 checkpoint or the new one, never a half-written one. A crash between the two renames of a swap leaves
 `.old-<name>`, which readers fall back to.
+
+A failed write (disk full, permissions) on any rank stops that rank with WriteFailed (exit status 4)
+and leaves the published checkpoints as they were; the `deepspeed` launcher (like torchrun) then ends
+the other ranks, which would otherwise wait in the next barrier for good.
 """
 import json
 import os
 import shutil
 from pathlib import Path
 
-from distributed import barrier, rank_zero_only
+from distributed import average_buffers, barrier, rank_zero_only
+from failures import stop_on_write_error
 from history import write_json_atomic
 from options import UsageError
 
@@ -80,6 +85,7 @@ class CheckpointSaver:
         self.keep_last = keep_last
         self.save_last_every = save_last_every
 
+    @stop_on_write_error("checkpoint", "--checkpoint_dir")
     def save(self, epoch, info, state, best=False, interrupted=False):
         """Save after `epoch` (or mid-epoch when interrupted) and publish it under the names due.
 
@@ -94,6 +100,7 @@ class CheckpointSaver:
             names.append(LAST)
         if not names:
             return names
+        average_buffers(self.engine.module)  # what is saved is one model, also mid-epoch
         staging = self.dir / STAGING
         rank_zero_only(shutil.rmtree)(staging, ignore_errors=True)
         barrier()

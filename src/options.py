@@ -1,10 +1,21 @@
 """Command-line flags shared by launch_deepspeed.py and src/train_deepspeed.py, and the CLI error edge."""
 import argparse
+import gc
+import math
+import os
 import sys
 
 
-class UsageError(Exception):
+class CliError(Exception):
+    """A reason to stop that the user can act on: one line on stderr, no traceback, exit status `exit_status`
+    (the causes and their statuses: src/failures.py)."""
+    exit_status = 1
+    every_rank = False  # True: every rank raises it at the same point, and rank 0 alone reports it
+
+
+class UsageError(CliError):
     """Bad input from the user: reported as one line on stderr with exit status 2, no traceback."""
+    exit_status = 2
 
 
 def add_training_args(parser):
@@ -27,7 +38,18 @@ def add_training_args(parser):
                        help="clip the global gradient norm to this value (0: no clipping, as in torchvision's "
                             "and timm's references; costs a GPU sync per step)")
     train.add_argument("--warmup_epochs", type=float, default=1.0,
-                       help="linear LR warmup before the cosine decay, in epochs")
+                       help="linear LR warmup before the --lr_schedule decay, in epochs")
+    train.add_argument("--lr_schedule", choices=["cosine", "linear", "constant"], default="cosine",
+                       help="after warmup: cosine decay to 1%% (WarmupCosineLR), linear decay to 0 (WarmupDecayLR) "
+                            "or constant (WarmupLR)")
+    train.add_argument("--label_smoothing", type=float, default=0.0,
+                       help="label smoothing of the training loss, in [0, 1); validation loss stays plain "
+                            "cross-entropy")
+    train.add_argument("--early_stopping_patience", type=int, default=0, metavar="N",
+                       help="stop when val accuracy has not improved for N epochs (0: never)")
+    train.add_argument("--max_nonfinite_steps", type=int, default=20, metavar="N",
+                       help="stop (exit status 3, nothing saved) when the loss is NaN/inf for N steps in a row "
+                            "or the validation loss is (0: never stop)")
     train.add_argument("--seed", type=int, default=42)
     train.add_argument("--pretrained", metavar="PATH", default=None,
                        help="local torchvision ResNet18 weights file (nothing is downloaded)")
@@ -47,6 +69,10 @@ def add_training_args(parser):
     ds.add_argument("--offload_param", action=argparse.BooleanOptionalAction, default=False,
                     help="keep parameters on the CPU (ZeRO 3)")
     ds.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    ds.add_argument("--sync_bn", action=argparse.BooleanOptionalAction, default=False,
+                    help="batch-norm statistics over all ranks' micro-batches (like SyncBatchNorm); without it "
+                         "each rank normalises with its own and the running statistics are averaged over "
+                         "ranks before every validation and save")
     ds.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                     help="torch.compile the model through DeepSpeed (engine.compile); the first steps are slower")
     ds.add_argument("--deepspeed_config", metavar="PATH", default=None,
@@ -59,6 +85,11 @@ def add_training_args(parser):
     out.add_argument("--save_last_every", type=int, default=1,
                      help="refresh the rolling `last` checkpoint every this many epochs (0: never)")
     out.add_argument("--keep_last", type=int, default=0, help="keep only the newest K epoch_N checkpoints (0: all)")
+    out.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=False,
+                     help="DeepSpeed's TensorBoard monitor: per-step and per-epoch scalars in <log_dir>/tensorboard "
+                          "(needs `pip install tensorboard`)")
+    out.add_argument("--csv_monitor", action=argparse.BooleanOptionalAction, default=False,
+                     help="DeepSpeed's CSV monitor: one CSV file per scalar in <log_dir>/csv_monitor")
     out.add_argument("--resume", metavar="auto|PATH", default=None,
                      help="auto: continue from the newest checkpoint in --checkpoint_dir (or start fresh); "
                           "PATH: a checkpoint folder or a name in --checkpoint_dir (last, best, epoch_N)")
@@ -74,19 +105,39 @@ def parse_args(make_parser, argv=None):
     for action in bare._actions:
         action.default = argparse.SUPPRESS
     args.explicit = set(vars(bare.parse_args(argv)))
-    for name in ("epochs", "batch_size", "image_size", "gradient_accumulation_steps"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1")
-    for name in ("num_workers", "save_every", "save_last_every", "keep_last", "clip_grad"):
-        if getattr(args, name) < 0:
-            parser.error(f"--{name} must not be negative")
+    check_values(args)
     return args
 
 
+def check_values(args):
+    """Values argparse lets through but no run can use: a UsageError (one line, exit status 2)."""
+    for name in ("epochs", "batch_size", "image_size", "gradient_accumulation_steps"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be at least 1")
+    for name in ("learning_rate", "weight_decay", "warmup_epochs", "clip_grad"):
+        if not math.isfinite(getattr(args, name)):
+            raise UsageError(f"--{name} must be a finite number, got {getattr(args, name)}")
+    for name in ("num_workers", "save_every", "save_last_every", "keep_last", "clip_grad",
+                 "early_stopping_patience", "max_nonfinite_steps", "weight_decay", "warmup_epochs"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name} must not be negative, got {getattr(args, name)}")
+    if args.learning_rate <= 0:
+        raise UsageError(f"--learning_rate must be positive, got {args.learning_rate}")
+    if not 0 <= args.label_smoothing < 1:
+        raise UsageError(f"--label_smoothing must be in [0, 1), got {args.label_smoothing}")
+
+
 def run_cli(main, argv=None):
-    """Run main(argv); a UsageError becomes one line on stderr and exit status 2."""
+    """Run main(argv); a CliError becomes one line on stderr and its exit status (UsageError: 2)."""
     try:
         return main(argv)
-    except UsageError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    except CliError as err:
+        message, status = str(err), err.exit_status
+        quiet = err.every_rank and os.environ.get("RANK", "0") != "0"
+    # Out of the except block the traceback is gone; collecting the frames it held shuts their DataLoader
+    # workers down now. Left to the exit handlers, which stop workers with SIGTERM, a run stopped mid-epoch
+    # would wait forever for workers that ignore it (see data.ignore_stop_signals).
+    gc.collect()
+    if not quiet:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(status)

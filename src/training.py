@@ -7,6 +7,7 @@ from tqdm import tqdm
 
 from data import batch_memory_format
 from distributed import all_reduce, average_buffers, is_main_process
+from numerics import StepHealth
 
 INPUT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16,
                 "autocast-fp16": torch.float16, "autocast-bf16": torch.bfloat16}
@@ -70,13 +71,19 @@ class LaggingReadout:
         return self.shown
 
 
-def train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step=0, carried=None, stop=None):
-    """Train micro-batches start_step .. micro_batches-1 of `loader`; return metrics summed over ranks.
+def train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step=0, carried=None, stop=None,
+                    label_smoothing=0.0, health=None):
+    """Train micro-batches start_step .. micro_batches-1 of `loader`; return metrics summed over ranks
+    (the loss is the one trained on, label smoothing included).
 
     When `stop` asks for it (SIGINT/SIGTERM), stop at the next optimizer-step boundary and return
     {"interrupted": True, "step": ..., "carried": ...} instead, for a checkpoint to carry on from.
+    `health` (a numerics.StepHealth kept across epochs) counts non-finite losses and skipped fp16 steps,
+    and raises Diverged when the loss stays non-finite.
     """
     engine.train()
+    health = health or StepHealth(engine, max_nonfinite_steps=0)
+    health.start_epoch(carried)
     accumulation = engine.gradient_accumulation_steps()
     totals = RunningTotals(engine.device, carried)
     earlier_s = (carried or {}).get("time_s", 0.0)  # time the interrupted run spent on this epoch
@@ -96,13 +103,20 @@ def train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step=0, c
             break
         images, labels = to_device(*batch, engine.device, dtype)
         logits = engine(images)
-        loss = F.cross_entropy(logits.float(), labels)
+        loss = F.cross_entropy(logits.float(), labels, label_smoothing=label_smoothing)
         lr = engine.get_lr()[0]
+        health.observe(loss)
         engine.backward(loss)
+        health.before_step()
         engine.step()
+        health.after_step()
         totals.add(loss * labels.numel(), logits, labels)
         step += 1
         progress.update()
+        diverged = health.check(epoch, step) if step % PROGRESS_EVERY == 0 else None
+        if diverged:
+            progress.close()  # the error line then starts on a line of its own
+            raise diverged
         shown = readout.read(totals) if progress.n % PROGRESS_EVERY == 0 else None
         if shown is not None:
             loss_sum, correct, seen = shown
@@ -113,16 +127,17 @@ def train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step=0, c
         if stop is not None and step % accumulation == 0 and step < micro_batches and stop.requested():
             break
     progress.close()
+    counts = health.end_epoch(epoch, step)  # nonfinite_steps, skipped_steps
     if step < micro_batches:
         summed = totals.summed_over_ranks(engine.device)
         return {"interrupted": True, "step": step,
-                "carried": {**summed, "time_s": time.perf_counter() - start, "data_wait_s": data_wait_s}}
+                "carried": {**summed, **counts, "time_s": time.perf_counter() - start, "data_wait_s": data_wait_s}}
     average_buffers(engine.module)
     summed = totals.summed_over_ranks(engine.device)
     elapsed = time.perf_counter() - start
     return {"loss": summed["loss"] / summed["count"], "acc": summed["correct"] / summed["count"],
             "lr": lr, "time_s": elapsed, "images_per_s": summed["count"] / elapsed,
-            "data_wait_s": data_wait_s, "compute_s": elapsed - data_wait_s}
+            "data_wait_s": data_wait_s, "compute_s": elapsed - data_wait_s, **counts}
 
 
 @torch.no_grad()
@@ -137,7 +152,7 @@ def evaluate(engine, loader, dtype):
         totals.add(F.cross_entropy(logits, labels, reduction="sum"), logits, labels)
     summed = totals.summed_over_ranks(engine.device)
     count = max(summed["count"], 1)
-    return {"loss": summed["loss"] / count, "acc": summed["correct"] / count}
+    return {"loss": summed["loss"] / count, "acc": summed["correct"] / count, "images": int(summed["count"])}
 
 
 def peak_gpu_memory_gib(device):

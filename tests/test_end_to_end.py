@@ -8,7 +8,7 @@ import pytest
 import torch
 from torchvision.datasets import ImageFolder
 
-from conftest import ROOT, TINY_CLASSES, assert_usage_error, data_args, launch, run
+from conftest import ROOT, TINY_CLASSES, TINY_VAL_IMAGES, assert_usage_error, data_args, launch, run
 from data import build_transform
 from model import ResNet18Animals90
 
@@ -16,7 +16,7 @@ EPOCHS = 2
 RUNS = {
     "zero0": ["--zero_stage", "0"],
     "zero1-bf16-accumulation": ["--zero_stage", "1", "--bf16", "--gradient_accumulation_steps", "2"],
-    "zero2-2ranks": ["--zero_stage", "2", "--num_gpus", "2"],
+    "zero2-2ranks": ["--zero_stage", "2", "--num_gpus", "2", "--sync_bn"],
     "zero3": ["--zero_stage", "3"],
 }
 _finished = {}
@@ -57,20 +57,24 @@ def test_training_run_writes_history_and_checkpoints(name, tmp_path_factory, tin
     assert config["world_size"] == (2 if "2ranks" in name else 1)
     assert config["zero_stage"] == int(RUNS[name][1])
     assert config["precision"] == ("bf16" if "bf16" in name else "fp32")
+    assert config["sync_bn"] == ("--sync_bn" in RUNS[name])
     ds = config["deepspeed"]
     assert ds["train_batch_size"] == 4 * ds["gradient_accumulation_steps"] * config["world_size"]
 
     epochs = history["epochs"]
     assert [e["epoch"] for e in epochs] == list(range(1, EPOCHS + 1))
     for record in epochs:
-        assert set(record) == {"epoch", "train_loss", "train_acc", "val_loss", "val_acc", "lr",
-                               "epoch_time_s", "images_per_s", "data_wait_s", "compute_s", "peak_gpu_memory_gib"}
+        assert set(record) == {"epoch", "train_loss", "train_acc", "val_loss", "val_acc", "val_images", "lr",
+                               "epoch_time_s", "images_per_s", "data_wait_s", "compute_s", "peak_gpu_memory_gib",
+                               "skipped_steps", "nonfinite_steps"}
+        assert record["skipped_steps"] == record["nonfinite_steps"] == 0
         assert record["peak_gpu_memory_gib"] is None  # CPU run
         assert record["data_wait_s"] + record["compute_s"] == pytest.approx(record["epoch_time_s"])
         assert 0 <= record["train_acc"] <= 1 and 0 <= record["val_acc"] <= 1
         assert record["train_loss"] > 0 and record["images_per_s"] > 0 and record["lr"] > 0
-        # 16 val images split over the ranks without padding: accuracies are multiples of 1/16.
-        assert abs(record["val_acc"] * 16 - round(record["val_acc"] * 16)) < 1e-9
+        # 15 val images split over the ranks without padding: each counted once, on whichever rank.
+        assert record["val_images"] == TINY_VAL_IMAGES
+        assert abs(record["val_acc"] * 15 - round(record["val_acc"] * 15)) < 1e-9
     best = max(epochs, key=lambda e: e["val_acc"])
     assert history["best"] == {"epoch": best["epoch"], "val_acc": best["val_acc"]}
 
@@ -224,8 +228,8 @@ def test_evaluate_reports_the_logged_accuracy(source, exported, tiny_data, tmp_p
     assert report["top1"] == pytest.approx(load_history(workdir)["best"]["val_acc"])
     assert report["top1"] <= report["top4"] == 1.0  # 4 classes: the top 4 always hold the answer
     confusion = report["confusion_matrix"]
-    assert sum(map(sum, confusion)) == report["images"] == 16
-    assert sum(confusion[i][i] for i in range(TINY_CLASSES)) / 16 == pytest.approx(report["top1"])
+    assert sum(map(sum, confusion)) == report["images"] == TINY_VAL_IMAGES
+    assert sum(confusion[i][i] for i in range(TINY_CLASSES)) / TINY_VAL_IMAGES == pytest.approx(report["top1"])
     assert report["per_class_accuracy"] == {name: confusion[i][i] / 4 for i, name in enumerate(report["class_names"])}
     assert (tmp_path / "eval/confusion_matrix.png").read_bytes()[:4] == b"\x89PNG"
     assert f"top-1 {report['top1']:.4f}" in result.stdout
@@ -237,20 +241,20 @@ def test_predict_agrees_with_evaluate(exported, tiny_data, tmp_path, tmp_path_fa
                   "--json", str(tiny_data / "val")], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     predictions = json.loads(result.stdout)
-    assert len(predictions) == 16
+    assert len(predictions) == TINY_VAL_IMAGES
     for item in predictions:
         probabilities = [p["probability"] for p in item["predictions"]]
         assert len(probabilities) == 2 and probabilities == sorted(probabilities, reverse=True)
         assert 0 < sum(probabilities) <= 1 + 1e-6
     correct = sum(Path(p["image"]).parent.name == p["predictions"][0]["class"] for p in predictions)
-    assert correct / 16 == pytest.approx(load_history(workdir)["best"]["val_acc"])
+    assert correct / TINY_VAL_IMAGES == pytest.approx(load_history(workdir)["best"]["val_acc"])
 
     # A ZeRO checkpoint folder works too, and DeepSpeed's consolidation notes stay off stdout.
     zero2, _ = run_training("zero2-2ranks", tmp_path_factory, tiny_data)
     from_checkpoint = run([sys.executable, str(ROOT / "src/predict.py"), "--model",
                            str(zero2 / "checkpoints_deepspeed/last"), "--json", str(tiny_data / "val")], tmp_path)
     assert from_checkpoint.returncode == 0, from_checkpoint.stderr[-3000:]
-    assert len(json.loads(from_checkpoint.stdout)) == 16
+    assert len(json.loads(from_checkpoint.stdout)) == TINY_VAL_IMAGES
 
     one_image = predictions[0]["image"]
     text = run([sys.executable, str(ROOT / "src/predict.py"), "--model", str(model_file), one_image], tmp_path)

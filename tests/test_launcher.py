@@ -52,10 +52,41 @@ def test_wrapper_script_passes_arguments_through(tiny_data, tmp_path):
     (["--batch_size", "100"], "too few"),
     (["--pretrained", "missing.pth"], "file not found"),
     (["--num_gpus", "0"], "--num_gpus and --num_nodes must be at least 1"),
+    (["--batch_size", "0"], "--batch_size must be at least 1"),
+    (["--learning_rate", "-0.1"], "--learning_rate must be positive"),
+    (["--learning_rate", "nan"], "--learning_rate must be a finite number"),
+    (["--fp16", "--bf16"], "fp16 and bf16 are both enabled: choose one"),
+    (["--master_port", "70000"], "--master_port 70000 is not a port number"),
+    (["--deepspeed_config", "BROKEN"], "not valid JSON"),
+    (["--deepspeed_config", "LIST"], "expected a JSON object ({...}), got list"),
+    (["--deepspeed_config", "WRONG_BATCH"], "train_batch_size 7 in the DeepSpeed config is not micro-batch 4"),
+    (["--deepspeed_config", "WRONG_TYPE"], 'zero_optimization in the DeepSpeed config must be a JSON object, got 2'),
+    (["--checkpoint_dir", "FILE/checkpoints"], "is not a folder; choose another --checkpoint_dir"),
 ])
 def test_bad_input_is_one_line_and_exit_status_2(tiny_data, tmp_path, extra, message):
+    files = {"BROKEN": "{\"train_batch_size\": ", "LIST": "[]", "FILE": "",
+             "WRONG_BATCH": '{"train_batch_size": 7, "train_micro_batch_size_per_gpu": 4}',
+             "WRONG_TYPE": '{"zero_optimization": 2}'}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    extra = [str(tmp_path / arg) if arg.split("/")[0] in files else arg for arg in extra]
     assert_usage_error(launch(data_args(tiny_data) + extra, tmp_path), message)
     assert not (tmp_path / "logs").exists()
+
+
+def test_more_gpus_than_the_machine_has_are_refused(tiny_data, tmp_path, monkeypatch, capsys):
+    import launch_deepspeed
+    import torch
+    from options import run_cli
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # what a two-GPU machine reports
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        run_cli(launch_deepspeed.main, data_args(tiny_data) + ["--num_gpus", "4", "--dry_run"])
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2 and out == ""
+    assert err == ("error: --num_gpus 4, but this machine has 2 visible GPU(s): use --num_gpus 2 or fewer "
+                   "(CUDA_VISIBLE_DEVICES decides which GPUs are visible)\n")
 
 
 def test_unknown_flag_is_rejected_by_argparse_with_status_2(tmp_path):

@@ -1,0 +1,138 @@
+"""Runs that must stop: a loss that turns NaN, a checkpoint that cannot be written, the GPU out of memory.
+Each stops with one `error:` line and its own exit status, and leaves what earlier epochs wrote intact."""
+import ctypes
+import hashlib
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+
+import pytest
+
+from conftest import assert_usage_error, data_args, launch
+from ds_config import build_ds_config
+from failures import out_of_memory_advice
+from options import add_training_args, parse_args
+from test_end_to_end import run_training
+
+TINY_RUN = ["--batch_size", "4", "--image_size", "32", "--num_workers", "0"]
+
+
+def digests(folder):
+    """{relative path: sha256} of every file under `folder`."""
+    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+@pytest.fixture
+def earlier_run(tmp_path_factory, tiny_data, tmp_path):
+    """tmp_path holding a finished two-epoch ZeRO-0 run's logs and checkpoints, and their digests."""
+    workdir, _ = run_training("zero0", tmp_path_factory, tiny_data)
+    for name in ("logs", "checkpoints_deepspeed"):
+        shutil.copytree(workdir / name, tmp_path / name)
+    return tmp_path, digests(tmp_path / "checkpoints_deepspeed"), (tmp_path / "logs/training_history.json").read_bytes()
+
+
+def error_lines(result):
+    return [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+
+
+def test_a_loss_that_turns_nan_stops_the_run_and_keeps_the_earlier_outputs(earlier_run, tiny_data):
+    # A learning rate of 1e30 makes the first AdamW step put weights near 1e30: the next forward pass
+    # overflows, and every loss after it is NaN. Started fresh in the folder of an earlier run.
+    workdir, checkpoints, history = earlier_run
+    result = launch(data_args(tiny_data) + TINY_RUN + ["--epochs", "1", "--learning_rate", "1e30",
+                                                       "--warmup_epochs", "0", "--max_nonfinite_steps", "3"], workdir)
+    assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    [line] = error_lines(result)  # reported once, by rank 0
+    assert "the training loss was NaN or inf for" in line and "(by epoch 1, step" in line
+    assert "--max_nonfinite_steps 3" in line and "checkpoints and history of earlier epochs are intact" in line
+    assert digests(workdir / "checkpoints_deepspeed") == checkpoints
+    assert (workdir / "logs/training_history.json").read_bytes() == history
+
+
+def limit_file_size():
+    """In the child: files can grow to 1 MiB, and a larger write fails with EFBIG (as on a full disk)
+    instead of killing the process; both settings are inherited by the training processes."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_keeps_the_earlier_ones(earlier_run, tiny_data):
+    workdir, checkpoints, history = earlier_run
+    result = launch(data_args(tiny_data) + TINY_RUN + ["--zero_stage", "0", "--epochs", "3", "--save_every", "1",
+                                                       "--resume", "auto"], workdir, preexec_fn=limit_file_size)
+    assert result.returncode == 4, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Resumed from" in result.stdout and "Traceback" not in result.stderr
+    [line] = error_lines(result)
+    # torch.save's zip writer names no OS error: the line quotes the first one it raised
+    assert line.startswith("error: cannot write the checkpoint: torch.save failed (") and "iostream error" in line
+    assert "The files written before are intact" in line and "--resume auto" in line
+    published = {name: digest for name, digest in digests(workdir / "checkpoints_deepspeed").items()
+                 if not name.startswith(".")}  # the failed save leaves only its staging folder behind
+    assert published == checkpoints
+    assert json.loads((workdir / "checkpoints_deepspeed/last/extra_info.json").read_text())["epoch"] == 2
+    assert (workdir / "logs/training_history.json").read_bytes() == history
+
+
+def without_permission_override():
+    """In the child: permissions hold even for root, who keeps every other power. Drops
+    CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the capability bounding set, which the training
+    processes inherit."""
+    if os.geteuid() == 0:
+        libc = ctypes.CDLL(None, use_errno=True)
+        for capability in (1, 2):
+            if libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+PR_CAPBSET_DROP = 24
+
+
+def test_a_read_only_checkpoint_dir_is_refused_before_training_and_left_as_it_was(earlier_run, tiny_data):
+    workdir, checkpoints, history = earlier_run
+    read_only = workdir / "checkpoints_deepspeed"
+    for path in (read_only, *read_only.rglob("*")):
+        path.chmod(0o555 if path.is_dir() else 0o444)
+    try:
+        result = launch(data_args(tiny_data) + TINY_RUN + ["--epochs", "3", "--resume", "auto"], workdir,
+                        preexec_fn=without_permission_override)
+    except subprocess.SubprocessError as err:  # root without the right to drop capabilities
+        pytest.skip(f"cannot make a folder read-only for this user: {err}")
+    finally:
+        for path in (read_only, *read_only.rglob("*")):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    assert_usage_error(result, "--checkpoint_dir checkpoints_deepspeed: checkpoints_deepspeed is not writable; "
+                               "fix its permissions or choose another --checkpoint_dir")
+    assert digests(read_only) == checkpoints
+    assert (workdir / "logs/training_history.json").read_bytes() == history
+
+
+def config_of(*argv, world_size=1):
+    parser = add_training_args(__import__("argparse").ArgumentParser())
+    args = parse_args(lambda: parser, list(argv))
+    return build_ds_config(args, world_size, num_train_images=10_000, device_type="cuda")
+
+
+@pytest.mark.parametrize("argv, advice", [
+    (["--batch_size", "64", "--bf16", "--zero_stage", "0"],
+     "try, in this order: 1) --batch_size 32 --gradient_accumulation_steps 2 (the same global batch of 64); "
+     "2) --data_on_device off (frees the GPU copy of the dataset); 3) --offload_optimizer --zero_stage 2; "
+     "4) --zero_stage 3 --offload_param"),
+    (["--batch_size", "9", "--zero_stage", "3", "--offload_optimizer"],
+     "1) --batch_size 3 --gradient_accumulation_steps 3 (the same global batch of 9); 2) --bf16 (or --fp16); "
+     "3) --data_on_device off (frees the GPU copy of the dataset); 4) --offload_param"),
+])
+def test_out_of_memory_advice_names_the_next_flags(argv, advice):
+    detail = "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 7.6 GiB"
+    line = out_of_memory_advice(config_of(*argv), data_on_device=True, detail=detail)
+    assert line.startswith(f"out of GPU memory (tried to allocate 2.00 gib) at micro-batch {argv[1]} per GPU; ")
+    assert line.endswith(advice)
+
+
+def test_out_of_memory_with_nothing_left_to_try():
+    config = config_of("--batch_size", "1", "--bf16", "--zero_stage", "3", "--offload_optimizer", "--offload_param")
+    assert out_of_memory_advice(config).startswith("out of GPU memory at micro-batch 1 with every offload on")
