@@ -6,6 +6,7 @@
 import argparse
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -18,12 +19,17 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from checkpoints import check_resumable, find_checkpoint  # noqa: E402
-from data import image_folder  # noqa: E402
-from ds_config import build_ds_config, check_device_support, load_base_config  # noqa: E402
+from data_check import CACHE_FILE, check_data  # noqa: E402
+from ds_config import build_ds_config, check_device_support, check_monitor_support, load_base_config  # noqa: E402
+from failures import check_writable, stop_on_write_error  # noqa: E402
+from history import write_json_atomic  # noqa: E402
 from options import UsageError, add_training_args, parse_args, run_cli  # noqa: E402
 
 TRAIN_SCRIPT = ROOT / "src" / "train_deepspeed.py"
-LAUNCHER_FLAGS = {"num_gpus", "num_nodes", "hostfile", "master_port", "dry_run"}
+LAUNCHER_FLAGS = {"num_gpus", "num_nodes", "hostfile", "master_addr", "master_port", "launcher", "node_rank",
+                  "dry_run"}
+# DeepSpeed's multi-node backends; "none": start this script on each node by hand with --node_rank.
+LAUNCHERS = ("pdsh", "openmpi", "mvapich", "mpich", "impi", "slurm", "none")
 
 
 def get_args_parser():
@@ -31,13 +37,33 @@ def get_args_parser():
     launch = parser.add_argument_group("Launcher")
     launch.add_argument("--num_gpus", type=int, default=None,
                         help="GPUs per node (default: all visible GPUs; 1 without GPUs)")
-    launch.add_argument("--num_nodes", type=int, default=1)
-    launch.add_argument("--hostfile", default=None, help="DeepSpeed hostfile for multi-node runs")
+    launch.add_argument("--num_nodes", type=int, default=None,
+                        help="nodes to use (default: every host in --hostfile, 1 without one)")
+    launch.add_argument("--hostfile", default=None,
+                        help="DeepSpeed hostfile for multi-node runs: one `hostname slots=GPUS` line per node")
+    launch.add_argument("--master_addr", default=None,
+                        help="address of the first node (default: DeepSpeed asks it over ssh; needed with --launcher none)")
     launch.add_argument("--master_port", type=int, default=None,
                         help="rendezvous port (default: a free one on a single node, DeepSpeed's 29500 otherwise)")
+    launch.add_argument("--launcher", choices=LAUNCHERS, default="pdsh",
+                        help="how DeepSpeed starts the other nodes (pdsh over ssh by default); none: run this "
+                             "command on every node yourself, each with its --node_rank")
+    launch.add_argument("--node_rank", type=int, default=None,
+                        help="this node's index in the hostfile (0 .. nodes-1), with --launcher none")
     launch.add_argument("--dry_run", action="store_true",
                         help="print the resolved DeepSpeed config and the command, then exit")
     return add_training_args(parser)
+
+
+def check_visible_gpus(num_gpus, multi_node):
+    """Refuse more GPUs than this machine shows. Without GPUs --num_gpus N starts N CPU ranks; on several
+    nodes the hostfile's slots describe the other machines, so there is nothing to compare here."""
+    import torch
+
+    visible = torch.cuda.device_count()
+    if visible and not multi_node and num_gpus is not None and num_gpus > visible:
+        raise UsageError(f"--num_gpus {num_gpus}, but this machine has {visible} visible GPU(s): use --num_gpus "
+                         f"{visible} or fewer (CUDA_VISIBLE_DEVICES decides which GPUs are visible)")
 
 
 def default_num_gpus():
@@ -64,18 +90,71 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def build_command(args, num_gpus, config_path):
+def read_hostfile(path):
+    """[(host, slots)] from a DeepSpeed hostfile (`worker-1 slots=8` lines, `#` comments), as its runner reads it."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as err:
+        raise UsageError(f"--hostfile {path}: {err.strerror or err}") from None
+    hosts = []
+    for line in (line.strip() for line in lines):
+        if not line or line.startswith("#"):
+            continue
+        match = re.match(r"^(\S+)\s+slots=(\d+)", line)
+        if not match or match[1] in dict(hosts):
+            raise UsageError(f"--hostfile {path}: bad line {line!r}; each line is `hostname slots=N`, hosts unique")
+        hosts.append((match[1], int(match[2])))
+    if not hosts:
+        raise UsageError(f"--hostfile {path} lists no hosts; each line is `hostname slots=N`")
+    return hosts
+
+
+def resolve_topology(args):
+    """(GPUs per node, nodes, world size) from the launcher flags, checked the way DeepSpeed would use them."""
+    hosts = read_hostfile(args.hostfile) if args.hostfile else None
+    num_nodes = args.num_nodes if args.num_nodes is not None else len(hosts or [None])
+    num_gpus = args.num_gpus if args.num_gpus is not None else (None if hosts else default_num_gpus())
+    if (num_gpus is not None and num_gpus < 1) or num_nodes < 1:
+        raise UsageError("--num_gpus and --num_nodes must be at least 1")
+    if hosts is None and num_nodes > 1:
+        raise UsageError(f"--num_nodes {num_nodes} needs a --hostfile listing the nodes")
+    if hosts is not None and num_nodes > len(hosts):
+        raise UsageError(f"--num_nodes {num_nodes} but --hostfile {args.hostfile} lists {len(hosts)} host(s)")
+    if args.launcher == "none":
+        if hosts is None or args.master_addr is None or args.node_rank is None:
+            raise UsageError("--launcher none starts one node: give --hostfile, --master_addr and this node's "
+                             "--node_rank, and run the same command on every node")
+        if not 0 <= args.node_rank < num_nodes:
+            raise UsageError(f"--node_rank {args.node_rank} is outside 0..{num_nodes - 1}")
+    elif args.node_rank is not None:
+        raise UsageError("--node_rank is for starting each node by hand: add --launcher none")
+    elif hosts is None and "launcher" in args.explicit:
+        raise UsageError(f"--launcher {args.launcher} starts several nodes: give the --hostfile that lists them")
+    slots = [slots for _, slots in hosts[:num_nodes]] if hosts else [num_gpus]
+    world_size = sum(min(s, num_gpus or s) for s in slots)
+    return num_gpus, num_nodes, world_size
+
+
+def build_command(args, num_gpus, num_nodes, config_path):
+    """The `deepspeed` launcher command (or, on Windows, the training script itself)."""
     if os.name == "nt":
         # The deepspeed launcher needs pdsh/NCCL-style multi-process support that Windows lacks.
         return [sys.executable, str(TRAIN_SCRIPT), *forwarded_args(args, config_path)]
-    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(num_gpus)]
-    if args.num_nodes != 1:
-        command += ["--num_nodes", str(args.num_nodes)]
-    if args.hostfile:
-        command += ["--hostfile", args.hostfile]
+    command = [sys.executable, "-m", "deepspeed.launcher.runner"]
+    if num_gpus is not None:
+        command += ["--num_gpus", str(num_gpus)]
+    multi_node = bool(args.hostfile)
+    if multi_node:
+        command += ["--hostfile", args.hostfile, "--num_nodes", str(num_nodes)]
+        if args.launcher == "none":
+            command += ["--no_ssh", "--node_rank", str(args.node_rank)]
+        elif args.launcher != "pdsh":
+            command += ["--launcher", args.launcher]
+    if args.master_addr:
+        command += ["--master_addr", args.master_addr]
     if args.master_port:
         command += ["--master_port", str(args.master_port)]
-    elif args.num_nodes == 1 and not args.hostfile:
+    elif not multi_node:
         # DeepSpeed's fixed default (29500) makes two runs on one machine collide.
         command += ["--master_port", str(free_port())]
     return command + [str(TRAIN_SCRIPT), *forwarded_args(args, config_path)]
@@ -83,32 +162,39 @@ def build_command(args, num_gpus, config_path):
 
 def main(argv=None):
     args = parse_args(get_args_parser, argv)
-    num_gpus = args.num_gpus if args.num_gpus is not None else default_num_gpus()
-    if num_gpus < 1 or args.num_nodes < 1:
-        raise UsageError("--num_gpus and --num_nodes must be at least 1")
-    if os.name == "nt" and num_gpus * args.num_nodes > 1:
+    num_gpus, num_nodes, world_size = resolve_topology(args)
+    if os.name == "nt" and world_size > 1:
         raise UsageError("on Windows DeepSpeed runs on a single GPU only (no NCCL): use --num_gpus 1")
     if args.pretrained and not Path(args.pretrained).is_file():
         raise UsageError(f"--pretrained {args.pretrained}: file not found")
-    num_train_images = len(image_folder(args.train_dir))
-    image_folder(args.val_dir)
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        raise UsageError(f"--master_port {args.master_port} is not a port number: use 1024-65535")
+    check_visible_gpus(num_gpus, multi_node=bool(args.hostfile))
+    check_writable(args.checkpoint_dir, "--checkpoint_dir")
+    check_writable(args.log_dir, "--log_dir")
+    # Pre-flight: an unusable dataset stops here, before any process starts; the training script reads
+    # the per-file results back from the cache instead of decoding every image again.
+    data_check = check_data(args.train_dir, args.val_dir, Path(args.log_dir) / CACHE_FILE)
+    num_train_images = data_check.train.num_images
     import torch
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    config = build_ds_config(args, num_gpus * args.num_nodes, num_train_images,
+    config = build_ds_config(args, world_size, num_train_images,
                              base=load_base_config(args.deepspeed_config), device_type=device_type)
     check_device_support(config, device_type)
+    check_monitor_support(config)
     resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
     if resume_from is not None:
-        check_resumable(resume_from, num_gpus * args.num_nodes, config["zero_optimization"]["stage"])
+        check_resumable(resume_from, world_size, config["zero_optimization"]["stage"])
     config_path = Path(args.log_dir) / "ds_config.json"
-    command = build_command(args, num_gpus, config_path)
+    command = build_command(args, num_gpus, num_nodes, config_path)
     if args.dry_run:
         print(json.dumps(config, indent=2))
         print(shlex.join(command))
         return 0
-    config_path.parent.mkdir(parents=True, exist_ok=True)
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    with stop_on_write_error("DeepSpeed config", "--log_dir"):
+        write_json_atomic(config_path, config)  # each node's launcher may write it into one shared folder
+        data_check.save_cache(Path(args.log_dir) / CACHE_FILE)
     print(f"DeepSpeed config written to {config_path}\n$ {shlex.join(command)}", flush=True)
     return run_and_forward_signals(command)
 
