@@ -10,7 +10,6 @@ logs/training_history.json (last epoch). Prints a table last and writes JSON to 
 import argparse
 import json
 import os
-import platform
 import re
 import shlex
 import subprocess
@@ -28,6 +27,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from data import build_loaders, load_datasets  # noqa: E402
 from prepare_data import make_sample_dataset  # noqa: E402
+from reproducibility import environment as run_environment  # noqa: E402
 
 # name -> (launcher flags, the plain-PyTorch reference it is compared with)
 TRAINER_VARIANTS = {
@@ -42,7 +42,7 @@ REFERENCE_DTYPES = {"torch-autocast-bf16": torch.bfloat16, "torch-autocast-fp16"
 def reference_run(dtype, args, device):
     """Plain PyTorch: torchvision ResNet18, AdamW, torch.autocast (+ GradScaler for fp16)."""
     torch.manual_seed(0)
-    train_set, val_set = load_datasets(args.data / "train", args.data / "val", args.image_size)
+    train_set, val_set, _ = load_datasets(args.data / "train", args.data / "val", args.image_size)
     train_loader, _ = build_loaders(train_set, val_set, args.batch_size, args.num_workers, 0, 1, 0,
                                     pin_memory=device.type == "cuda")
     model = torchvision.models.resnet18(num_classes=len(train_set.classes)).to(device)
@@ -102,14 +102,7 @@ def shown(command):
 
 
 def environment():
-    import deepspeed
-
-    cuda = torch.cuda.is_available()
-    return {"gpu": torch.cuda.get_device_name(0) if cuda else None, "cpu_count": os.cpu_count(),
-            "python": platform.python_version(), "torch": torch.__version__,
-            "torchvision": torchvision.__version__, "deepspeed": deepspeed.__version__,
-            "cuda": torch.version.cuda if cuda else None,
-            "command": shown([sys.executable, *sys.argv])}
+    return run_environment(shown([sys.executable, *sys.argv]))
 
 
 def main():

@@ -1,5 +1,6 @@
 """Flags + an optional base JSON -> the DeepSpeed config. Pure: no DeepSpeed, no processes, no GPUs."""
 import copy
+import importlib.util
 import json
 from pathlib import Path
 
@@ -22,6 +23,16 @@ ZERO_AUTO_DEFAULTS = {
     "stage3_gather_16bit_weights_on_model_save": False,
 }
 AUTOCAST_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+# --lr_schedule -> DeepSpeed scheduler type and the params no flag sets. WarmupCosineLR takes ratios of
+# the optimizer's lr; the other two take absolute lrs ("auto": 0 and --learning_rate).
+LR_SCHEDULES = {
+    "cosine": ("WarmupCosineLR", {"warmup_type": "linear", "warmup_min_ratio": 0.0, "cos_min_ratio": 0.01}),
+    "linear": ("WarmupDecayLR", {"warmup_type": "linear", "warmup_min_lr": AUTO, "warmup_max_lr": AUTO}),
+    "constant": ("WarmupLR", {"warmup_type": "linear", "warmup_min_lr": AUTO, "warmup_max_lr": AUTO}),
+}
+# --tensorboard / --csv_monitor -> DeepSpeed's monitor sections; files go to <output_path>/<job_name>/.
+MONITORS = ("tensorboard", "csv_monitor")
+MONITOR_JOB_NAME = "train"
 # The names DeepSpeed accepts for torch_autocast's dtype.
 AUTOCAST_DTYPE_NAMES = {name: half for half, names in
                         (("fp16", ("float16", "fp16", "half", "torch.float16")),
@@ -37,11 +48,37 @@ def load_base_config(path):
         raise UsageError(f"--deepspeed_config {path}: file not found")
     try:
         config = json.loads(path.read_text())
+    except OSError as err:
+        raise UsageError(f"--deepspeed_config {path}: cannot read it ({err.strerror or err})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UsageError(f"--deepspeed_config {path}: not valid JSON ({err})") from None
     if not isinstance(config, dict):
-        raise UsageError(f"--deepspeed_config {path}: expected a JSON object")
+        raise UsageError(f"--deepspeed_config {path}: expected a JSON object ({{...}}), got {type(config).__name__}")
     return config
+
+
+def _check_types(config):
+    """Refuse a base JSON value of the wrong type now: DeepSpeed would fail on it later, with a traceback."""
+    def fail(where, expected, value):
+        raise UsageError(f"{where} in the DeepSpeed config must be {expected}, got {json.dumps(value)}")
+
+    for key in ("fp16", "bf16", "torch_autocast", "zero_optimization", "optimizer", "scheduler", *MONITORS):
+        if not isinstance(config.get(key, {}), dict):
+            fail(key, "a JSON object", config[key])
+    for section, key in (("optimizer", "params"), ("scheduler", "params"),
+                         ("zero_optimization", "offload_optimizer"), ("zero_optimization", "offload_param")):
+        if not isinstance(config.get(section, {}).get(key, {}), dict):
+            fail(f"{section}.{key}", "a JSON object", config[section][key])
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        value = config.get(key, AUTO)
+        if value != AUTO and (type(value) is not int or value < 1):
+            fail(key, 'a positive integer or "auto"', value)
+    numbers = {"gradient_clipping": config.get("gradient_clipping", AUTO),
+               **{f"optimizer.params.{key}": config.get("optimizer", {}).get("params", {}).get(key, AUTO)
+                  for key in ("lr", "weight_decay", "eps")}}
+    for where, value in numbers.items():
+        if value != AUTO and (type(value) not in (int, float) or not value >= 0):
+            fail(where, 'a non-negative number or "auto"', value)
 
 
 def steps_per_epoch(num_train_images, world_size, micro_batch_size, gradient_accumulation_steps):
@@ -58,14 +95,18 @@ def build_ds_config(args, world_size, num_train_images, base=None, device_type="
     `device_type` ("cuda" or "cpu") picks how --fp16/--bf16 run when --precision_mode is auto.
     """
     config = copy.deepcopy(base or {})
+    _check_types(config)
     micro = _pick(config, "train_micro_batch_size_per_gpu", args, "batch_size")
     accumulation = _pick(config, "gradient_accumulation_steps", args, "gradient_accumulation_steps")
-    for key, value in (("train_micro_batch_size_per_gpu", micro), ("gradient_accumulation_steps", accumulation)):
-        if not isinstance(value, int) or value < 1:
-            raise UsageError(f"{key} must be a positive integer, got {value!r}")
     config["train_micro_batch_size_per_gpu"] = micro
     config["gradient_accumulation_steps"] = accumulation
+    declared = config.get("train_batch_size", AUTO)
     config["train_batch_size"] = micro * accumulation * world_size
+    if declared not in (AUTO, config["train_batch_size"]):
+        raise UsageError(
+            f"train_batch_size {declared} in the DeepSpeed config is not micro-batch {micro} x {accumulation} "
+            f"accumulation step(s) x {world_size} rank(s) = {config['train_batch_size']}: set it to \"auto\" "
+            f"(or leave it out), or change --batch_size, --gradient_accumulation_steps or --num_gpus to match")
     steps = steps_per_epoch(num_train_images, world_size, micro, accumulation)
     if steps < 1:
         raise UsageError(
@@ -77,6 +118,7 @@ def build_ds_config(args, world_size, num_train_images, base=None, device_type="
     _resolve_optimizer(config, args)
     _resolve_scheduler(config, args, total_steps=args.epochs * steps,
                        warmup_steps=max(1, round(args.warmup_epochs * steps)))
+    _resolve_monitors(config, args)
     # Always written: a config without it would get DeepSpeed's default of 1.0, not --clip_grad's 0.
     config["gradient_clipping"] = _pick(config, "gradient_clipping", args, "clip_grad", missing=args.clip_grad)
     _skip_unused_grad_norm(config)
@@ -103,7 +145,8 @@ def _resolve_precision(config, args, device_type):
     if "bf16" in args.explicit and args.bf16 and "fp16" not in args.explicit:
         enabled["fp16"] = False
     if enabled["fp16"] and enabled["bf16"]:
-        raise UsageError("fp16 and bf16 are both enabled: choose one")
+        raise UsageError("fp16 and bf16 are both enabled: choose one (--fp16 or --bf16; --no-fp16 / --no-bf16 "
+                         "switch off what the DeepSpeed config enables)")
     half = "fp16" if enabled["fp16"] else "bf16" if enabled["bf16"] else None
 
     mode = args.precision_mode
@@ -183,19 +226,39 @@ def _resolve_optimizer(config, args):
 
 
 def _resolve_scheduler(config, args, total_steps, warmup_steps):
-    scheduler = config.setdefault("scheduler", {
-        "type": "WarmupCosineLR",
-        "params": {"warmup_type": "linear", "warmup_min_ratio": 0.0, "cos_min_ratio": 0.01},
-    })
+    """--lr_schedule's scheduler unless the base names one; an explicit --lr_schedule of another type
+    replaces the base's."""
+    kind, defaults = LR_SCHEDULES[args.lr_schedule]
+    if "lr_schedule" in args.explicit and config.get("scheduler", {}).get("type") != kind:
+        config.pop("scheduler", None)
+    scheduler = config.setdefault("scheduler", {"type": kind, "params": dict(defaults)})
     params = scheduler.setdefault("params", {})
     auto_values = {"total_num_steps": total_steps, "warmup_num_steps": warmup_steps,
                    "warmup_min_lr": 0.0, "warmup_max_lr": config["optimizer"]["params"]["lr"]}
-    if scheduler.get("type") == "WarmupCosineLR":
+    # Without these DeepSpeed would fall back to its own step counts (and WarmupDecayLR to lr 0.001).
+    if scheduler.get("type") in ("WarmupCosineLR", "WarmupDecayLR"):
         params.setdefault("total_num_steps", AUTO)
+    if scheduler.get("type") in ("WarmupCosineLR", "WarmupDecayLR", "WarmupLR"):
         params.setdefault("warmup_num_steps", AUTO)
+    if scheduler.get("type") in ("WarmupDecayLR", "WarmupLR"):
+        params.setdefault("warmup_min_lr", AUTO)
+        params.setdefault("warmup_max_lr", AUTO)
     for key, value in auto_values.items():
         if params.get(key) == AUTO:
             params[key] = value
+
+
+def _resolve_monitors(config, args):
+    """--tensorboard / --csv_monitor switch DeepSpeed's monitors on or off (a base JSON's section is kept
+    unless the flag is given); an enabled one writes under --log_dir unless the JSON names a place."""
+    for name in MONITORS:
+        enabled = _pick(config.get(name, {}), "enabled", args, name)
+        if not enabled and name not in config:
+            continue
+        section = config[name] = {**config.get(name, {}), "enabled": enabled}
+        for key, value in (("output_path", str(Path(args.log_dir) / name)), ("job_name", MONITOR_JOB_NAME)):
+            if section.get(key, AUTO if enabled else None) == AUTO:
+                section[key] = value
 
 
 def _pick(section, key, args, flag, missing=AUTO):
@@ -226,6 +289,19 @@ def precision(config):
             return name
     half = _autocast_half(config.get("torch_autocast", {}))
     return f"autocast-{half}" if half else "fp32"
+
+
+def lr_schedule(config):
+    """'cosine', 'linear' or 'constant' (the --lr_schedule choice), or the scheduler type of a base JSON."""
+    kind = config.get("scheduler", {}).get("type")
+    return next((name for name, (known, _) in LR_SCHEDULES.items() if known == kind), kind)
+
+
+def check_monitor_support(config):
+    """DeepSpeed's TensorBoard monitor needs the `tensorboard` package, which is not a dependency here."""
+    if config.get("tensorboard", {}).get("enabled") is True and importlib.util.find_spec("tensorboard") is None:
+        raise UsageError("TensorBoard logging needs the tensorboard package: pip install tensorboard "
+                         "(or use --csv_monitor)")
 
 
 def check_device_support(config, device_type):

@@ -1,4 +1,6 @@
-"""Seeding and the RNG state a resumed run restores."""
+"""Seeding, the RNG state a resumed run restores, and the versions a measurement was taken with."""
+import os
+import platform
 import random
 
 import numpy as np
@@ -29,3 +31,15 @@ def restore_rng_state(state):
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def environment(command):
+    """The machine and versions behind a measurement, for the JSON it is written to."""
+    import deepspeed
+    import torchvision
+
+    cuda = torch.cuda.is_available()
+    return {"gpu": torch.cuda.get_device_name(0) if cuda else None, "cpu_count": os.cpu_count(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "torchvision": torchvision.__version__, "deepspeed": deepspeed.__version__,
+            "cuda": torch.version.cuda if cuda else None, "command": command}

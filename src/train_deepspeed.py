@@ -4,19 +4,26 @@
     python launch_deepspeed.py --num_gpus 2 --bf16          # builds the config and runs the line above
 """
 import argparse
+import datetime
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from checkpoints import CheckpointSaver, find_checkpoint, load
 from data import build_loaders, load_datasets
+from data_check import CACHE_FILE
 from device_data import build_device_loaders, choose_device_data
 from distributed import init_distributed, rank_zero_only
-from ds_config import build_ds_config, check_device_support, load_base_config, precision
+from ds_config import (build_ds_config, check_device_support, check_monitor_support, load_base_config, lr_schedule,
+                       precision)
+from failures import advise_on_out_of_memory, check_writable
 from history import TrainingHistory
 from interrupt import StopOnSignal
-from model import MODEL_NAME, ResNet18Animals90
+from model import MODEL_NAME, ResNet18Animals90, synchronize_batch_norm
+from numerics import StepHealth
+from monitor import prepare_csv_files, write_epoch_events
 from options import UsageError, add_training_args, parse_args, run_cli
 from reproducibility import restore_rng_state, rng_state, seed_everything
 from training import evaluate, input_dtype, peak_gpu_memory_gib, train_one_epoch
@@ -37,17 +44,24 @@ def say(message):
 
 
 def main(argv=None):
+    started = time.perf_counter()
     args = parse_args(get_args_parser, argv)
     if args.pretrained and not Path(args.pretrained).is_file():
         raise UsageError(f"--pretrained {args.pretrained}: file not found")
+    check_writable(args.checkpoint_dir, "--checkpoint_dir")
+    check_writable(args.log_dir, "--log_dir")
     base_config = load_base_config(args.deepspeed_config)
-    train_set, val_set = load_datasets(args.train_dir, args.val_dir, args.image_size)
+    train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size,
+                                                   Path(args.log_dir) / CACHE_FILE)
     resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
 
     rank, world_size = init_distributed()
+    for line in data_check.warnings():
+        say(line)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     ds_config = build_ds_config(args, world_size, len(train_set), base=base_config, device_type=device_type)
     check_device_support(ds_config, device_type)
+    check_monitor_support(ds_config)
     seed_everything(args.seed)
     if device_type == "cuda":
         torch.backends.cudnn.benchmark = True
@@ -55,6 +69,8 @@ def main(argv=None):
     import deepspeed
 
     model = ResNet18Animals90(num_classes=len(train_set.classes), pretrained=args.pretrained or False)
+    if args.sync_bn:
+        synchronize_batch_norm(model)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     if args.compile:
         engine.compile()
@@ -80,10 +96,16 @@ def main(argv=None):
         "train_images": len(train_set), "val_images": len(val_set),
         "epochs": args.epochs, "world_size": world_size, "device": device_type,
         "precision": precision(ds_config), "zero_stage": zero_stage, "seed": args.seed,
-        "data_on_device": on_device, "deepspeed": ds_config,
+        "sync_bn": args.sync_bn, "data_on_device": on_device, "data_check": data_check.summary(),
+        "training": {"lr_schedule": lr_schedule(ds_config), "learning_rate": ds_config["optimizer"]["params"]["lr"],
+                     "weight_decay": ds_config["optimizer"]["params"].get("weight_decay"),
+                     "warmup_epochs": args.warmup_epochs, "label_smoothing": args.label_smoothing,
+                     "early_stopping_patience": args.early_stopping_patience},
+        "deepspeed": ds_config,
     }
     history = TrainingHistory(Path(args.log_dir) / HISTORY_FILE, run_config)
     saver = CheckpointSaver(engine, args.checkpoint_dir, args.save_every, args.keep_last, args.save_last_every)
+    health = StepHealth(engine, args.max_nonfinite_steps)
     extra_info = {"model": MODEL_NAME, "image_size": args.image_size, "class_names": train_set.classes,
                   "world_size": world_size, "zero_stage": zero_stage, "precision": precision(ds_config)}
 
@@ -95,6 +117,7 @@ def main(argv=None):
         start_epoch, start_step, carried = state["next_epoch"], state["next_step"], state["carried"]
         say(f"Resumed from {resume_from}: epoch {start_epoch}"
             + (f", step {start_step} of {micro_batches}" if start_step else ""))
+    prepare_csv_files(engine, start_epoch if resume_from is not None else None)
     say(f"{MODEL_NAME}: {len(train_set)} train / {len(val_set)} val images, {len(train_set.classes)} classes; "
         f"{world_size} rank(s) on {device_type}, ZeRO-{zero_stage}, {run_config['precision']}, "
         f"global batch {ds_config['train_batch_size']}")
@@ -103,10 +126,11 @@ def main(argv=None):
         return {"next_epoch": next_epoch, "next_step": next_step, "carried": carried,
                 "history": history.data, "rng": rng_state()}
 
-    with StopOnSignal(engine.device, world_size) as stop:
+    with StopOnSignal(engine.device, world_size) as stop, advise_on_out_of_memory(ds_config, on_device):
         for epoch in range(start_epoch, args.epochs + 1):
             loader = train_loader.epoch(epoch, start_batch=start_step)
-            train = train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step, carried, stop)
+            train = train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step, carried, stop,
+                                    args.label_smoothing, health)
             if train.get("interrupted"):
                 saver.save(epoch - 1, {**extra_info, "interrupted_at": {"epoch": epoch, "step": train["step"]}},
                            training_state(epoch, train["step"], train["carried"]), interrupted=True)
@@ -115,28 +139,40 @@ def main(argv=None):
                 return 128 + stop.signal
             start_step, carried = 0, None
             val = evaluate(engine, val_loader, dtype)
+            health.check_validation(val["loss"], epoch)
             record = {"epoch": epoch, "train_loss": train["loss"], "train_acc": train["acc"],
-                      "val_loss": val["loss"], "val_acc": val["acc"], "lr": train["lr"],
+                      "val_loss": val["loss"], "val_acc": val["acc"], "val_images": val["images"],
+                      "lr": train["lr"],
                       "epoch_time_s": train["time_s"], "images_per_s": train["images_per_s"],
                       "data_wait_s": train["data_wait_s"], "compute_s": train["compute_s"],
-                      "peak_gpu_memory_gib": peak_gpu_memory_gib(engine.device)}
+                      "peak_gpu_memory_gib": peak_gpu_memory_gib(engine.device),
+                      "skipped_steps": train["skipped_steps"], "nonfinite_steps": train["nonfinite_steps"]}
             is_best = history.add(record)
             saver.save(epoch, {**extra_info, "metrics": record}, training_state(epoch + 1), best=is_best)
             history.save()
+            write_epoch_events(engine, record)
             say(f"Epoch {epoch}/{args.epochs}: train loss {train['loss']:.4f} acc {train['acc']:.4f} | "
                 f"val loss {val['loss']:.4f} acc {val['acc']:.4f} | {train['images_per_s']:.1f} img/s, "
                 f"{train['data_wait_s'] / train['time_s']:.0%} waiting for data"
                 + (f" | peak GPU memory {record['peak_gpu_memory_gib']:.2f} GiB"
                    if record["peak_gpu_memory_gib"] is not None else "")
+                + (f" | {train['skipped_steps']} step(s) skipped (fp16 overflow)" if train["skipped_steps"] else "")
+                + (f" | {train['nonfinite_steps']} non-finite loss(es)" if train["nonfinite_steps"] else "")
                 + (" | best" if is_best else ""))
             if stop.signal is not None:
                 say(f"Stopped by {stop.name} after epoch {epoch}; continue with --resume auto")
                 return 128 + stop.signal
+            if args.early_stopping_patience and history.epochs_since_best() >= args.early_stopping_patience:
+                say(f"Early stopping after epoch {epoch}: val acc has not improved on epoch "
+                    f"{history.data['best']['epoch']}'s for {history.epochs_since_best()} epoch(s) "
+                    f"(--early_stopping_patience {args.early_stopping_patience})")
+                break
 
     best = history.data["best"]
     if best["epoch"] is not None:
-        say(f"Best val acc {best['val_acc']:.4f} at epoch {best['epoch']}; history in {history.path}, "
-            f"checkpoints in {args.checkpoint_dir}")
+        total = datetime.timedelta(seconds=round(time.perf_counter() - started))
+        say(f"Best val acc {best['val_acc']:.4f} at epoch {best['epoch']}; total time {total}; "
+            f"history in {history.path}, checkpoints in {args.checkpoint_dir}")
     return 0
 
 

@@ -4,7 +4,8 @@ import json
 import pytest
 
 from conftest import ROOT
-from ds_config import build_ds_config, check_device_support, load_base_config, precision, steps_per_epoch
+from ds_config import (build_ds_config, check_device_support, check_monitor_support, load_base_config,
+                       lr_schedule, precision, steps_per_epoch)
 from options import UsageError, add_training_args, parse_args
 
 
@@ -106,9 +107,12 @@ def test_base_json_values_win_over_flag_defaults_and_lose_to_explicit_flags():
     assert base["zero_optimization"]["stage"] == 1  # the base itself is not modified
 
 
-def test_stale_train_batch_size_in_base_is_recomputed():
-    config = build(world_size=4, base={"train_batch_size": 32, "train_micro_batch_size_per_gpu": 16})
-    assert config["train_batch_size"] == 16 * 1 * 4
+def test_train_batch_size_in_base_must_match_micro_batch_accumulation_and_ranks():
+    base = {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 16}
+    assert build(world_size=4, base=base)["train_batch_size"] == 16 * 1 * 4
+    with pytest.raises(UsageError, match=r"train_batch_size 64 in the DeepSpeed config is not micro-batch 16 x 1 "
+                                         r"accumulation step\(s\) x 2 rank\(s\) = 32: set it to \"auto\""):
+        build(world_size=2, base=base)
 
 
 def test_auto_values_are_resolved_from_flags():
@@ -249,3 +253,114 @@ def test_gradient_norm_is_computed_only_when_something_uses_it():
     for argv in (["--offload_optimizer"], ["--zero_stage", "3"], ["--zero_stage", "0"], ["--fp16", "--precision_mode",
                                                                                            "half_weights"]):
         assert "compute_grad_norm" not in build(*argv, device_type="cuda")["zero_optimization"]
+
+
+def scheduled_lrs(config, steps):
+    """The learning rate DeepSpeed's scheduler of `config` sets at each of `steps` optimizer steps."""
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=config["optimizer"]["params"]["lr"])
+    scheduler = getattr(lr_schedules, config["scheduler"]["type"])(optimizer, **config["scheduler"]["params"])
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        scheduler.step()
+    return lrs
+
+
+@pytest.mark.parametrize("schedule, kind, final_fraction", [
+    ("cosine", "WarmupCosineLR", 0.01), ("linear", "WarmupDecayLR", 0.0), ("constant", "WarmupLR", 1.0)])
+def test_lr_schedule_picks_the_deepspeed_scheduler(schedule, kind, final_fraction):
+    # 1000 images // 16 = 62 steps per epoch; 10 epochs; 2 warmup epochs = 124 steps
+    config = build("--lr_schedule", schedule, "--learning_rate", "0.02", "--warmup_epochs", "2", "--epochs", "10")
+    assert config["scheduler"]["type"] == kind and lr_schedule(config) == schedule
+    params = config["scheduler"]["params"]
+    assert params["warmup_num_steps"] == 124 and params["warmup_type"] == "linear"
+    assert params.get("total_num_steps") == (None if schedule == "constant" else 620)
+    lrs = scheduled_lrs(config, 620)
+    assert lrs[0] == 0.0 and max(lrs) == pytest.approx(0.02, rel=1e-3)
+    assert 124 <= lrs.index(max(lrs)) <= 125  # the peak, --learning_rate, where the 124 warmup steps end
+    assert lrs[-1] == pytest.approx(0.02 * final_fraction, abs=1e-4)
+
+
+def test_lr_schedule_flag_and_base_scheduler():
+    constant = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}
+    config = build(base=constant)
+    assert lr_schedule(config) == "constant"  # no flag: the base's scheduler
+    assert config["scheduler"]["params"] == {"warmup_num_steps": 5, "warmup_min_lr": 0.0, "warmup_max_lr": 0.001}
+    assert build("--lr_schedule", "cosine", base=constant)["scheduler"]["type"] == "WarmupCosineLR"
+    custom = {"scheduler": {"type": "WarmupCosineLR", "params": {"cos_min_ratio": 0.1}}}
+    assert build("--lr_schedule", "cosine", base=custom)["scheduler"]["params"]["cos_min_ratio"] == 0.1
+    assert lr_schedule(build(base={"scheduler": {"type": "OneCycle", "params": {}}})) == "OneCycle"
+
+
+def test_monitor_flags_add_deepspeed_monitor_sections():
+    config = build()
+    assert "tensorboard" not in config and "csv_monitor" not in config
+    config = build("--tensorboard", "--csv_monitor", "--log_dir", "runs/a")
+    for name in ("tensorboard", "csv_monitor"):
+        assert config[name] == {"enabled": True, "output_path": f"runs/a/{name}", "job_name": "train"}
+    # A base JSON's monitor is kept, "auto" filled in, and an explicit --no-... switches it off.
+    base = {"csv_monitor": {"enabled": True, "output_path": "elsewhere", "job_name": "mine"},
+            "tensorboard": {"enabled": "auto", "output_path": "auto"}}
+    config = build(base=base)
+    assert config["csv_monitor"] == base["csv_monitor"]
+    assert config["tensorboard"] == {"enabled": False, "output_path": "logs/tensorboard"}
+    config = build("--tensorboard", "--no-csv_monitor", base=base)
+    assert config["tensorboard"] == {"enabled": True, "output_path": "logs/tensorboard", "job_name": "train"}
+    assert config["csv_monitor"]["enabled"] is False
+
+
+def test_launcher_config_rebuilt_by_the_training_script_is_unchanged():
+    """The launcher writes the config; the training script rebuilds it from that file and the same flags."""
+    argv = ("--lr_schedule", "linear", "--csv_monitor", "--tensorboard", "--label_smoothing", "0.1",
+            "--early_stopping_patience", "3", "--log_dir", "runs/b")
+    config = build(*argv)
+    assert build(*argv, base=json.loads(json.dumps(config))) == config
+
+
+def test_tensorboard_without_the_package_is_a_usage_error(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # find_spec then reports it missing
+    check_monitor_support(build("--csv_monitor"))
+    with pytest.raises(UsageError, match="pip install tensorboard"):
+        check_monitor_support(build("--tensorboard"))
+
+
+def test_launcher_refuses_tensorboard_without_the_package_before_starting(tiny_data, tmp_path, monkeypatch, capsys):
+    import runpy
+    import sys
+
+    from conftest import data_args
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["launch_deepspeed.py", *data_args(tiny_data), "--tensorboard", "--dry_run"])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(ROOT / "launch_deepspeed.py"), run_name="__main__")
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2 and out == ""  # stopped before the dry run's printout
+    assert err.count("\n") == 1 and err.startswith("error: ") and "pip install tensorboard" in err
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--early_stopping_patience", "-1"], "--early_stopping_patience must not be negative, got -1"),
+    (["--label_smoothing", "1"], "--label_smoothing must be in [0, 1), got 1.0"),
+    (["--label_smoothing", "-0.1"], "--label_smoothing must be in [0, 1), got -0.1"),
+    (["--weight_decay", "inf"], "--weight_decay must be a finite number, got inf"),
+    (["--image_size", "0"], "--image_size must be at least 1"),
+])
+def test_bad_training_flag_values_are_usage_errors(argv, message):
+    with pytest.raises(UsageError) as error:
+        make_args(*argv)
+    assert str(error.value) == message
+
+
+def test_a_bad_choice_is_refused_by_argparse_with_status_2(capsys):
+    with pytest.raises(SystemExit) as exited:
+        make_args("--lr_schedule", "step")
+    assert exited.value.code == 2 and "invalid choice: 'step'" in capsys.readouterr().err
+

@@ -1,0 +1,117 @@
+"""DeepSpeed's CSV monitor, early stopping and the training flags in one real run; the CSV files of a
+resumed run."""
+import csv
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from conftest import TINY_CLASSES, TINY_VAL_IMAGES, data_args, launch
+from model import ResNet18Animals90
+from monitor import EPOCH_SCALARS, epoch_events, prepare_csv_files
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.reader(f))
+
+
+@pytest.fixture(scope="module")
+def stalled_run(tiny_data, tmp_path_factory):
+    """Three epochs in which val accuracy cannot improve after the first: a classifier head with zero
+    weights and bias (1, 0, 0, 0) predicts class 0 for every image, and at learning rate 1e-8 the 24
+    steps move its logits by far less than that margin of 1 (a tiny learning rate alone would not do:
+    the batch-norm running statistics still move)."""
+    workdir = tmp_path_factory.mktemp("stalled")
+    model = ResNet18Animals90(num_classes=TINY_CLASSES)
+    torch.nn.init.zeros_(model.fc.weight)
+    torch.nn.init.zeros_(model.fc.bias)
+    model.fc.bias.data[0] = 1.0
+    torch.save(model.state_dict(), workdir / "zero_head.pth")
+    args = data_args(tiny_data) + [
+        "--epochs", "3", "--batch_size", "4", "--image_size", "32", "--num_workers", "0", "--zero_stage", "0",
+        "--data_on_device", "off", "--pretrained", "zero_head.pth", "--learning_rate", "1e-8",
+        "--early_stopping_patience", "1", "--csv_monitor", "--label_smoothing", "0.1", "--lr_schedule", "constant"]
+    result = launch(args, workdir)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return workdir, result
+
+
+def test_early_stopping_ends_the_run_and_the_csv_monitor_holds_every_epoch(stalled_run):
+    workdir, result = stalled_run
+    history = json.loads((workdir / "logs/training_history.json").read_text())
+    class_0_share = 4 / TINY_VAL_IMAGES  # 4 val images of the first class
+    epochs = history["epochs"]
+    assert [e["epoch"] for e in epochs] == [1, 2]  # stopped before epoch 3
+    assert [e["val_acc"] for e in epochs] == [class_0_share] * 2
+    # Logits (1, 0, 0, 0) over balanced classes: the mean loss is log(e + 3) - 1/4, label smoothing or not.
+    assert all(e["train_loss"] == pytest.approx(math.log(math.e + 3) - 0.25, abs=1e-4) for e in epochs)
+    assert history["best"] == {"epoch": 1, "val_acc": class_0_share}
+    assert "Early stopping after epoch 2: val acc has not improved on epoch 1's for 1 epoch(s) " \
+           "(--early_stopping_patience 1)" in result.stdout
+    assert re.search(r"Best val acc 0\.2667 at epoch 1; total time \d+:\d\d:\d\d; history in "
+                     r"logs/training_history\.json, checkpoints in checkpoints_deepspeed", result.stdout)
+    checkpoints = workdir / "checkpoints_deepspeed"
+    assert json.loads((checkpoints / "last/extra_info.json").read_text())["epoch"] == 2
+    assert json.loads((checkpoints / "best_model/extra_info.json").read_text())["epoch"] == 1
+
+    config = history["config"]
+    assert config["training"] == {"lr_schedule": "constant", "learning_rate": 1e-8, "weight_decay": 0.05,
+                                  "warmup_epochs": 1.0, "label_smoothing": 0.1, "early_stopping_patience": 1}
+    assert config["deepspeed"]["scheduler"]["type"] == "WarmupLR"
+    assert config["deepspeed"]["csv_monitor"] == {"enabled": True, "output_path": "logs/csv_monitor",
+                                                  "job_name": "train"}
+
+    csv_dir = workdir / "logs/csv_monitor/train"
+    for key in ("train_loss", "train_acc", "val_loss", "val_acc", "images_per_s", "lr"):
+        header, *rows = read_csv(csv_dir / f"Epoch_{key}.csv")
+        assert header == ["step", key]
+        assert [int(step) for step, _ in rows] == [1, 2]
+        assert [float(value) for _, value in rows] == pytest.approx([e[key] for e in epochs])
+    assert not (csv_dir / "Epoch_peak_gpu_memory_gib.csv").exists()  # null on CPU
+    # DeepSpeed's own per-step learning rate, at every optimizer step (48 images / 4 per step, 2 epochs).
+    header, *rows = read_csv(csv_dir / "Train_Samples_lr.csv")
+    assert header == ["step", "lr"]
+    assert [int(step) for step, _ in rows] == list(range(4, 2 * 48 + 1, 4))
+    assert max(float(value) for _, value in rows) == pytest.approx(1e-8)  # after the warmup epoch
+
+
+def test_epoch_events_leave_out_missing_values():
+    record = {"epoch": 7, "train_loss": 1.5, "train_acc": 0.5, "val_loss": 1.25, "val_acc": 0.75,
+              "images_per_s": 100.0, "lr": 0.001, "peak_gpu_memory_gib": None}
+    events = epoch_events(record)
+    assert events == [(f"Epoch/{key}", record[key], 7) for key in EPOCH_SCALARS if key != "peak_gpu_memory_gib"]
+    assert ("Epoch/peak_gpu_memory_gib", 2.5, 7) in epoch_events({**record, "peak_gpu_memory_gib": 2.5})
+
+
+def test_resumed_run_continues_the_csv_files_under_one_header(tmp_path, monkeypatch):
+    """A resumed run (a new process) keeps the rows up to its checkpoint and appends below them;
+    a fresh run starts the files anew."""
+    from types import SimpleNamespace
+
+    import deepspeed.comm
+    from deepspeed.monitor.config import CSVConfig
+    from deepspeed.monitor.csv_monitor import csvMonitor
+
+    monkeypatch.setattr(deepspeed.comm, "get_rank", lambda: 0)  # no process group in this test
+
+    def new_process(global_samples):
+        monitor = csvMonitor(CSVConfig(enabled=True, output_path=str(tmp_path), job_name="train"))
+        return SimpleNamespace(global_samples=global_samples, monitor=SimpleNamespace(csv_monitor=monitor))
+
+    first = new_process(0)
+    for epoch in (1, 2, 3):  # killed after epoch 3's events, before its checkpoint
+        first.monitor.csv_monitor.write_events([("Train/Samples/lr", 0.1 * epoch, 10 * epoch),
+                                                ("Epoch/val_acc", 0.2 * epoch, epoch)])
+    resumed = new_process(global_samples=20)  # the checkpoint after epoch 2
+    prepare_csv_files(resumed, next_epoch=3)
+    resumed.monitor.csv_monitor.write_events([("Train/Samples/lr", 0.25, 30), ("Epoch/val_acc", 0.5, 3)])
+    assert read_csv(tmp_path / "train/Epoch_val_acc.csv") == [["step", "val_acc"], ["1", "0.2"], ["2", "0.4"],
+                                                             ["3", "0.5"]]
+    assert read_csv(tmp_path / "train/Train_Samples_lr.csv") == [["step", "lr"], ["10", "0.1"], ["20", "0.2"],
+                                                                ["30", "0.25"]]
+    fresh = new_process(0)
+    prepare_csv_files(fresh)
+    assert list((tmp_path / "train").iterdir()) == []

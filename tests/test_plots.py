@@ -1,0 +1,101 @@
+"""src/utils.py: the curves figure of one run or of several, from synthetic histories (no training)."""
+import json
+
+import matplotlib.pyplot as plt
+import pytest
+
+from options import UsageError
+from utils import curves_figure, main, run_labels
+
+
+def synthetic_history(epochs, best_epoch, memory=None, throughput=True):
+    records = []
+    for epoch in range(1, epochs + 1):
+        record = {"epoch": epoch, "train_loss": 2.0 / epoch, "train_acc": 0.1 * epoch, "val_loss": 2.2 / epoch,
+                  "val_acc": 0.5 if epoch == best_epoch else 0.1 * epoch / 2, "lr": 1e-3 / epoch,
+                  "peak_gpu_memory_gib": memory}
+        if throughput:
+            record["images_per_s"] = 100.0 + epoch
+        records.append(record)
+    return {"config": {"model": "ResNet18Animals90", "precision": "bf16", "zero_stage": 2, "world_size": 1},
+            "epochs": records, "best": {"epoch": best_epoch, "val_acc": 0.5}}
+
+
+def panels(fig):
+    return {ax.get_title(): ax for ax in fig.axes}
+
+
+def labelled_lines(ax):
+    return [line for line in ax.get_lines() if not line.get_label().startswith("_")]
+
+
+def test_gpu_run_gets_throughput_and_memory_panels():
+    fig = curves_figure([synthetic_history(4, best_epoch=3, memory=5.5)])
+    try:
+        axes = panels(fig)
+        assert set(axes) == {"Loss", "Top-1 accuracy", "Learning rate (last step of the epoch)",
+                             "Training throughput", "Peak GPU memory (max over ranks)"}
+        assert axes["Training throughput"].get_ylabel() == "images / s"
+        assert list(axes["Training throughput"].get_lines()[0].get_ydata()) == [101.0, 102.0, 103.0, 104.0]
+        assert list(axes["Peak GPU memory (max over ranks)"].get_lines()[0].get_ydata()) == [5.5] * 4
+        assert all(ax.get_xlabel() == "epoch" and ax.get_ylabel() for ax in fig.axes)
+        accuracy = axes["Top-1 accuracy"]
+        assert [line.get_label() for line in labelled_lines(accuracy)] == ["train", "val", "best 0.500 (epoch 3)"]
+        best = labelled_lines(accuracy)[-1]
+        assert (list(best.get_xdata()), list(best.get_ydata())) == ([3], [0.5])
+        assert "ZeRO-2" in fig._suptitle.get_text()
+    finally:
+        plt.close(fig)
+
+
+def test_cpu_run_has_no_memory_panel_and_old_histories_no_throughput_panel():
+    fig = curves_figure([synthetic_history(3, best_epoch=1)])  # peak_gpu_memory_gib null: CPU
+    assert "Peak GPU memory (max over ranks)" not in panels(fig) and "Training throughput" in panels(fig)
+    plt.close(fig)
+    fig = curves_figure([synthetic_history(3, best_epoch=1, throughput=False)])
+    assert set(panels(fig)) == {"Loss", "Top-1 accuracy", "Learning rate (last step of the epoch)"}
+    plt.close(fig)
+
+
+def test_several_runs_on_one_figure_one_colour_each():
+    runs = [synthetic_history(5, best_epoch=4, memory=3.0), synthetic_history(3, best_epoch=2, memory=None)]
+    fig = curves_figure(runs, ["lr 1e-3", "lr 3e-3"])
+    try:
+        axes = panels(fig)
+        loss_lines = labelled_lines(axes["Loss"])
+        assert [line.get_label() for line in loss_lines] == ["lr 1e-3: train", "lr 1e-3: val",
+                                                            "lr 3e-3: train", "lr 3e-3: val"]
+        assert [len(line.get_xdata()) for line in loss_lines] == [5, 5, 3, 3]
+        colours = [line.get_color() for line in loss_lines]
+        assert colours[0] == colours[1] != colours[2] == colours[3]
+        assert [line.get_label() for line in labelled_lines(axes["Training throughput"])] == ["lr 1e-3", "lr 3e-3"]
+        assert axes["Learning rate (last step of the epoch)"].get_legend() is not None
+        # One run recorded GPU memory: the panel is there, the CPU run's line is empty (NaN).
+        memory = labelled_lines(axes["Peak GPU memory (max over ranks)"])
+        assert list(memory[0].get_ydata()) == [3.0] * 5 and all(y != y for y in memory[1].get_ydata())
+        stars = [line for line in labelled_lines(axes["Top-1 accuracy"]) if "best" in line.get_label()]
+        assert [(list(s.get_xdata()), s.get_color()) for s in stars] == [([4], colours[0]), ([2], colours[2])]
+        assert fig._suptitle.get_text() == "2 runs: lr 1e-3, lr 3e-3"
+    finally:
+        plt.close(fig)
+
+
+def test_run_labels_are_the_differing_parts_of_the_paths():
+    assert run_labels(["runs/a/logs/training_history.json", "runs/b/logs/training_history.json"]) == ["a", "b"]
+    assert run_labels(["x/logs/training_history.json", "y/z/logs/training_history.json"]) == ["x", "y/z"]
+    assert run_labels(["h.json", "h.json"]) == ["h.json", "h.json"]
+
+
+def test_compare_cli_writes_one_png(tmp_path, capsys):
+    paths = []
+    for name, best in (("a", 2), ("b", 3)):
+        path = tmp_path / name / "logs/training_history.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(synthetic_history(3, best_epoch=best, memory=1.0)))
+        paths.append(str(path))
+    output = tmp_path / "compare.png"
+    main(["--history", *paths, "--output", str(output)])
+    assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"curves written to {output}" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="--labels gives 1 name"):
+        main(["--history", *paths, "--labels", "only-one", "--output", str(output)])
