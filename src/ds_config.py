@@ -87,12 +87,13 @@ def steps_per_epoch(num_train_images, world_size, micro_batch_size, gradient_acc
     return micro_batches // gradient_accumulation_steps
 
 
-def build_ds_config(args, world_size, num_train_images, base=None, device_type="cpu"):
+def build_ds_config(args, world_size, num_train_images, base=None, device_type="cpu", num_params=None):
     """The DeepSpeed config for this run.
 
     `base` (the user's JSON) is the starting point; flags in `args.explicit` override it; flag values
     fill whatever it leaves out; every "auto" is resolved here, so DeepSpeed never sees one.
     `device_type` ("cuda" or "cpu") picks how --fp16/--bf16 run when --precision_mode is auto.
+    `num_params`, the model's parameter count, caps the ZeRO buckets the config leaves unset.
     """
     config = copy.deepcopy(base or {})
     _check_types(config)
@@ -114,7 +115,7 @@ def build_ds_config(args, world_size, num_train_images, base=None, device_type="
             f"micro-batch {micro} x {accumulation} accumulation step(s); lower --batch_size")
 
     _resolve_precision(config, args, device_type)
-    _resolve_zero(config, args)
+    _resolve_zero(config, args, num_params)
     _resolve_optimizer(config, args)
     _resolve_scheduler(config, args, total_steps=args.epochs * steps,
                        warmup_steps=max(1, round(args.warmup_epochs * steps)))
@@ -176,7 +177,13 @@ def _autocast_half(section):
     return AUTOCAST_DTYPE_NAMES[dtype]
 
 
-def _resolve_zero(config, args):
+# DeepSpeed allocates these buffers at their full size whatever the model: ZeRO-1/2 two reduce buckets
+# of 5e8 elements, 3.7 GiB in fp32 for ResNet18's 11 M parameters. A bucket larger than the model buys
+# nothing, so unset ones are capped at the model's size.
+MODEL_SIZED_BUCKETS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
+
+
+def _resolve_zero(config, args, num_params=None):
     zero = config.setdefault("zero_optimization", {})
     zero["stage"] = stage = _pick(zero, "stage", args, "zero_stage")
     for key, flag in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
@@ -187,6 +194,10 @@ def _resolve_zero(config, args):
                 zero.pop(key, None)
         elif key not in zero and getattr(args, flag):
             zero[key] = dict(OFFLOAD_TO_CPU)
+    if num_params:
+        for key in MODEL_SIZED_BUCKETS:
+            if zero.get(key, AUTO) == AUTO:
+                zero[key] = min(ZERO_AUTO_DEFAULTS[key], num_params)
     for key, value in ZERO_AUTO_DEFAULTS.items():
         if zero.get(key) == AUTO:
             zero[key] = value

@@ -59,16 +59,17 @@ def main(argv=None):
     for line in data_check.warnings():
         say(line)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    ds_config = build_ds_config(args, world_size, len(train_set), base=base_config, device_type=device_type)
+    seed_everything(args.seed)
+    model = ResNet18Animals90(num_classes=len(train_set.classes), pretrained=args.pretrained or False)
+    ds_config = build_ds_config(args, world_size, len(train_set), base=base_config, device_type=device_type,
+                                num_params=sum(p.numel() for p in model.parameters()))
     check_device_support(ds_config, device_type)
     check_monitor_support(ds_config)
-    seed_everything(args.seed)
     if device_type == "cuda":
         torch.backends.cudnn.benchmark = True
 
     import deepspeed
 
-    model = ResNet18Animals90(num_classes=len(train_set.classes), pretrained=args.pretrained or False)
     if args.sync_bn:
         synchronize_batch_norm(model)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)

@@ -364,3 +364,21 @@ def test_a_bad_choice_is_refused_by_argparse_with_status_2(capsys):
         make_args("--lr_schedule", "step")
     assert exited.value.code == 2 and "invalid choice: 'step'" in capsys.readouterr().err
 
+
+def test_unset_zero_buckets_are_capped_at_the_model_size():
+    # DeepSpeed allocates its buckets at full size: 2 x 5e8 fp32 elements (3.7 GiB) for an 11 M-parameter model
+    args = make_args("--zero_stage", "2")
+    config = build_ds_config(args, 1, 1000, num_params=11_000_000)
+    assert config["zero_optimization"]["reduce_bucket_size"] == 11_000_000
+    assert config["zero_optimization"]["allgather_bucket_size"] == 11_000_000
+    zero3 = build_ds_config(make_args("--zero_stage", "3"), 1, 1000, num_params=11_000_000)["zero_optimization"]
+    assert zero3["stage3_prefetch_bucket_size"] == 11_000_000  # DeepSpeed's 5e7 is larger than the model
+    huge = build_ds_config(args, 1, 1000, num_params=10**10)["zero_optimization"]
+    assert huge["reduce_bucket_size"] == 500_000_000 and huge["stage3_prefetch_bucket_size"] == 50_000_000
+
+
+def test_buckets_the_config_sets_are_kept():
+    base = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 200_000_000, "allgather_bucket_size": "auto"}}
+    zero = build_ds_config(make_args(), 1, 1000, base=base, num_params=11_000_000)["zero_optimization"]
+    assert zero["reduce_bucket_size"] == 200_000_000 and zero["allgather_bucket_size"] == 11_000_000
+    assert "reduce_bucket_size" not in build("--zero_stage", "2")["zero_optimization"]  # no model size: DeepSpeed's
