@@ -56,9 +56,12 @@ SYNTHETIC = {
                                       BF16_REF, None),
     "step: zero2 bf16 clip_grad 1": (["--zero_stage", "2", "--bf16", "--clip_grad", "1"], BF16_REF, None),
     "step: zero2 bf16 compile": (["--zero_stage", "2", "--bf16", "--compile"], BF16_REF, None),
+    "step: zero2 bf16 offload_optimizer": (["--zero_stage", "2", "--bf16", "--offload_optimizer"], BF16_REF, None),
 }
 # name -> (trainer flags, reference, goal ratio); JPEG folder -> augmentation -> DeepSpeed step
 REAL = {
+    "epoch: zero0 bf16, data on GPU": (["--zero_stage", "0", "--bf16", "--data_on_device", "on"], BF16_REF, None),
+    "epoch: zero1 bf16, data on GPU": (["--zero_stage", "1", "--bf16", "--data_on_device", "on"], BF16_REF, None),
     "epoch: zero2 bf16, data on GPU": (["--zero_stage", "2", "--bf16", "--data_on_device", "on"], BF16_REF, 0.9),
     "epoch: zero2 fp16, data on GPU": (["--zero_stage", "2", "--fp16", "--data_on_device", "on"], FP16_REF, 0.9),
     "epoch: zero3 bf16, data on GPU": (["--zero_stage", "3", "--bf16", "--data_on_device", "on"], BF16_REF, 0.6),
@@ -66,7 +69,9 @@ REAL = {
                                                           "--data_on_device", "on"], BF16_REF, 0.5),
     "epoch: zero2 bf16, DataLoader": (["--zero_stage", "2", "--bf16", "--data_on_device", "off"], BF16_REF, None),
 }
-SKIPPED_BY_DEFAULT = {"torch bf16 channels_last compile", "step: zero2 bf16 compile"}  # minutes of compiling
+# minutes of compiling, or measured for benchmarks/scaling.py only
+SKIPPED_BY_DEFAULT = {"torch bf16 channels_last compile", "step: zero2 bf16 compile", "step: zero2 bf16 offload_optimizer",
+                      "epoch: zero0 bf16, data on GPU", "epoch: zero1 bf16, data on GPU"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -79,18 +84,28 @@ def synthetic_batch(args, device, dtype=torch.float32, channels_last=True):
 
 
 def reference_case(settings, args, device):
-    """Plain PyTorch: the loop a user writes by hand, timed like the trainer's epochs."""
+    """Plain PyTorch: the loop a user writes by hand, timed like the trainer's epochs. Started by torchrun
+    with several processes, it is plain DistributedDataParallel (NCCL), and images/s counts every rank."""
+    import torch.distributed as dist
     import torch.nn.functional as F
     import torchvision
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     torch.backends.cudnn.benchmark = True
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        device = torch.device(device.type, int(os.environ["LOCAL_RANK"])) if device.type == "cuda" else device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
     dtype = DTYPES.get(settings["dtype"])
     model = torchvision.models.resnet18(num_classes=args.num_classes).to(device)
     if settings["channels_last"]:
         model = model.to(memory_format=torch.channels_last)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
     scaler = torch.amp.GradScaler(enabled=dtype == torch.float16)
+    if world_size > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     forward = torch.compile(model) if settings.get("compile") else model
     images, labels = synthetic_batch(args, device, channels_last=settings["channels_last"])
 
@@ -108,7 +123,8 @@ def reference_case(settings, args, device):
 
     steps(args.warmup_steps)
     reset_peak_memory(device)
-    return {"images_per_s": args.steps * args.batch_size / steps(args.steps), "peak_gpu_memory_gib": peak_memory(device)}
+    return {"images_per_s": world_size * args.steps * args.batch_size / steps(args.steps),
+            "peak_gpu_memory_gib": peak_memory(device)}
 
 
 def reset_peak_memory(device):
@@ -129,11 +145,13 @@ def trainer_case(flags, args, device):
 
     argv = ["--batch_size", str(args.batch_size), "--image_size", str(args.image_size), *flags]
     train_args = parse_args(train_deepspeed.get_args_parser, argv)
-    init_distributed()
+    _, world_size = init_distributed()
+    device = torch.device(device.type, torch.cuda.current_device()) if device.type == "cuda" else device
     torch.backends.cudnn.benchmark = True
-    images_per_epoch = args.batch_size * (args.warmup_steps + args.steps)
-    config = build_ds_config(train_args, 1, images_per_epoch, device_type=device.type)
+    images_per_epoch = args.batch_size * world_size * (args.warmup_steps + args.steps)
     model = ResNet18Animals90(num_classes=args.num_classes)
+    config = build_ds_config(train_args, world_size, images_per_epoch, device_type=device.type,
+                             num_params=sum(p.numel() for p in model.parameters()))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     if train_args.compile:
         engine.compile()
@@ -147,9 +165,11 @@ def trainer_case(flags, args, device):
 
 
 def real_case(flags, args, workdir):
-    """src/train_deepspeed.py end to end on the JPEG folder (one process, as `python` runs it for one
-    GPU); figures from the history it writes."""
-    command = [sys.executable, str(ROOT / "src" / "train_deepspeed.py"),
+    """src/train_deepspeed.py end to end on the JPEG folder (one process, as `python` runs it, for one GPU;
+    launch_deepspeed.py for several); figures from the history it writes."""
+    script = (["src/train_deepspeed.py"] if args.num_gpus == 1
+              else ["launch_deepspeed.py", "--num_gpus", str(args.num_gpus)])
+    command = [sys.executable, str(ROOT / script[0]), *script[1:],
                "--train_dir", str(args.data / "train"), "--val_dir", str(args.data / "val"),
                "--epochs", str(args.epochs), "--batch_size", str(args.batch_size),
                "--image_size", str(args.image_size), "--num_workers", str(args.num_workers),
@@ -169,9 +189,14 @@ def real_case(flags, args, workdir):
 
 
 def run_case(kind, name, args):
-    """One measurement in a child process; returns its result dict or {"error": ...}."""
+    """One measurement in a child process (torchrun's, one per GPU, for several GPUs; the real-data runs
+    start their own); returns its result dict or {"error": ...}."""
     command = [sys.executable, __file__, "--case", json.dumps([kind, name]), *passed_settings(args)]
-    env = {**os.environ, "MASTER_PORT": str(free_port())}
+    port = free_port()
+    if args.num_gpus > 1 and kind != "real":
+        command[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(args.num_gpus),
+                        "--master_port", str(port)]
+    env = {**os.environ, "MASTER_PORT": str(port)}
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=args.case_timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -191,13 +216,14 @@ def child(kind, name, args):
     else:
         with tempfile.TemporaryDirectory() as tmp:
             result = real_case(REAL[name][0], args, Path(tmp))
-    print("RESULT " + json.dumps(result), flush=True)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("RESULT " + json.dumps(result), flush=True)
 
 
 def passed_settings(args):
     return ["--batch_size", str(args.batch_size), "--image_size", str(args.image_size), "--num_classes", str(args.num_classes),
             "--steps", str(args.steps), "--warmup_steps", str(args.warmup_steps), "--epochs", str(args.epochs),
-            "--num_workers", str(args.num_workers), "--data", str(args.data),
+            "--num_workers", str(args.num_workers), "--data", str(args.data), "--num_gpus", str(args.num_gpus),
             "--case_timeout", str(args.case_timeout)]
 
 
@@ -210,6 +236,8 @@ def get_args_parser():
     parser.add_argument("--warmup_steps", type=int, default=20)
     parser.add_argument("--epochs", type=int, default=4, help="epochs per real-data run (the first is not counted)")
     parser.add_argument("--num_workers", type=int, default=12, help="DataLoader workers for the DataLoader run")
+    parser.add_argument("--num_gpus", type=int, default=1,
+                        help="GPUs for every measurement (the reference then runs as DistributedDataParallel)")
     parser.add_argument("--data", type=Path, default=ROOT / "bench_data",
                         help="JPEG image folder for the real-data runs; drawn there (Animals-90 size) if missing")
     parser.add_argument("--images_per_class", type=int, default=60,
@@ -258,7 +286,7 @@ def main():
     slug = re.sub(r"[^a-z0-9]+", "_", (env["gpu"] or "cpu").lower()).strip("_")
     args.output_dir.mkdir(parents=True, exist_ok=True)
     path = args.output_dir / f"throughput_{slug}.json"
-    results, rows = {}, []
+    results = {}
     for kind, name in cases:
         if kind == "real" and drawing is not None and drawing.wait() != 0:
             sys.exit(f"error: drawing the sample dataset into {args.data} failed")
