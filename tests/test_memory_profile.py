@@ -1,0 +1,70 @@
+"""src/memory_profile.py: the ZeRO formulas, and a real two-rank run (gloo) that writes its report."""
+import json
+import sys
+from argparse import Namespace
+
+import pytest
+import torch
+
+import memory_profile
+from conftest import ROOT, run
+from launch_deepspeed import free_port
+from memory_profile import GIB, paper_formula_bytes, trainer_config
+from options import run_cli
+
+PSI = 1_000_000
+
+
+@pytest.mark.parametrize("flags, world_size, bytes_per_param", [
+    # the ZeRO paper's mixed-precision Adam: 16, 4 + 12/N, 2 + 14/N, 16/N
+    (["--zero_stage", "0", "--bf16"], 4, 16),
+    (["--zero_stage", "1", "--bf16"], 4, 4 + 12 / 4),
+    (["--zero_stage", "2", "--bf16"], 4, 2 + 14 / 4),
+    (["--zero_stage", "3", "--bf16"], 4, 16 / 4),
+    # fp32 weights (fp32, or autocast on a GPU): 4 + 4 + 8
+    (["--zero_stage", "1"], 2, 8 + 8 / 2),
+    (["--zero_stage", "2"], 2, 4 + 12 / 2),
+    (["--zero_stage", "2", "--bf16", "--offload_optimizer"], 2, 2),
+    (["--zero_stage", "3", "--bf16", "--offload_optimizer", "--offload_param"], 2, 0),
+])
+def test_paper_formulas(flags, world_size, bytes_per_param):
+    args = Namespace(fp16=False, bf16=False, precision_mode="auto", steps=1)
+    config = trainer_config(args, flags, 8, world_size, torch.device("cpu"), None)
+    assert paper_formula_bytes(config, PSI, world_size) == pytest.approx(bytes_per_param * PSI)
+
+
+def test_two_ranks_write_table_json_and_chart(tmp_path):
+    command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
+               str(ROOT / "src/memory_profile.py"), "--batch_size", "2", "--image_size", "32", "--steps", "1",
+               "--configs", "ZeRO-0 (DDP-like)", "ZeRO-3", "--output_dir", "report"]
+    result = run(command, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "report/memory_resnet18_cpu_x2.json").read_text())
+    assert (tmp_path / "report/memory_resnet18_cpu_x2.png").stat().st_size > 10_000
+    assert report["world_size"] == 2 and report["environment"]["gpu"] is None
+    zero0, zero3 = report["results"]
+    assert (zero0["config"], zero3["config"]) == ("ZeRO-0 (DDP-like)", "ZeRO-3")
+    params = zero0["params"]
+    assert params == sum(p.numel() for p in __import__("model").ResNet18Animals90().parameters())
+    assert zero0["paper_formula_gib"] == pytest.approx(16 * params / GIB)
+    assert zero3["paper_formula_gib"] == pytest.approx(16 * params / 2 / GIB)
+    assert zero0["deepspeed_estimate_gpu_gib"] is None and zero3["deepspeed_estimate_gpu_gib"] > 0
+    for row in (zero0, zero3):
+        assert len(row["per_rank"]) == 2
+        assert row["model_states_gib"] is None and row["peak_allocated_gib"] is None  # no GPU counters on CPU
+        assert 0.1 < row["host_peak_rss_gib"] == max(r["host_peak_rss_gib"] for r in row["per_rank"])
+    assert "ZeRO-0 (DDP-like)" in result.stdout and "2 rank(s) on CPU" in result.stdout
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--find_max_batch"], "--find_max_batch needs one GPU and one process"),
+    (["--fp16", "--bf16"], "--fp16 and --bf16 exclude each other"),
+    (["--fp16"], "fp16 needs a GPU"),
+])
+def test_bad_input(capsys, extra, message):
+    with pytest.raises(SystemExit) as stop:
+        run_cli(memory_profile.main, extra)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err
+
