@@ -232,23 +232,36 @@ def measure(args, name, world_size, device, counters, sizes):
             **peaks, "seconds": time.perf_counter() - started}
 
 
-def fits(args, name, micro_batch, device, num_params):
-    """Whether `micro_batch` trains for two steps on one GPU without running out of memory."""
-    config = trainer_config(args, CONFIGS[name], micro_batch, 1, device, num_params)
+def is_out_of_memory(err):
+    # some of DeepSpeed's allocations report it as a plain RuntimeError
+    return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and "out of memory" in str(err))
+
+
+def train_briefly(args, config, micro_batch, device):
     engine = None
     try:
         _, engine = new_engine(args, config)
         train_steps(engine, config, micro_batch, args, device, 2)
-        return True
-    except torch.OutOfMemoryError:
-        return False
-    except RuntimeError as err:  # some of DeepSpeed's allocations report it as a plain RuntimeError
-        if "out of memory" not in str(err):
-            raise
-        return False
     finally:
         if engine is not None:
             release(engine)
+
+
+def fits(args, name, micro_batch, device, num_params):
+    """Whether `micro_batch` trains for two steps on one GPU without running out of memory."""
+    config = trainer_config(args, CONFIGS[name], micro_batch, 1, device, num_params)
+    try:
+        train_briefly(args, config, micro_batch, device)
+        ok = True
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        if not is_out_of_memory(err):
+            raise
+        ok = False
+    # Out of the except block the traceback is gone; collecting it frees the engine and the activations
+    # its frames held, before the next try.
+    gc.collect()
+    torch.cuda.empty_cache()
+    return ok
 
 
 def find_max_batch(args, name, device, num_params, start=16):
@@ -284,9 +297,11 @@ def report(args, rows, world_size, env):
               f"{'host':>7}" + (f"{'max batch':>10}" if args.find_max_batch else ""))
     print(header)
     for row in rows:
-        print(f"{row['config']:<38}{fmt(row['paper_formula_gib']):>7}{fmt(row['deepspeed_estimate_gpu_gib']):>8}"
-              f"{fmt(row['model_states_gib']):>8}{fmt(row['activations_gib']):>8}{fmt(row['peak_allocated_gib']):>8}"
-              f"{fmt(row['peak_reserved_gib']):>9}{fmt(row['host_peak_rss_gib']):>7}"
+        figures = ("paper_formula_gib", "deepspeed_estimate_gpu_gib", "model_states_gib", "activations_gib",
+                   "peak_allocated_gib", "peak_reserved_gib", "host_peak_rss_gib")
+        shown = ([fmt(row.get(key)) for key in figures] if not row.get("out_of_memory")
+                 else ["-"] * 4 + [f"OOM at {args.batch_size}", "-", "-"])
+        print(f"{row['config']:<38}" + "".join(f"{value:>{width}}" for value, width in zip(shown, (7, 8, 8, 8, 8, 9, 7)))
               + (f"{row.get('max_micro_batch') or '-':>10}" if args.find_max_batch else ""))
     print(f"results: {args.output_dir / stem}.json and .png")
     return args.output_dir / f"{stem}.json"
@@ -306,12 +321,12 @@ def plot(rows, args, world_size, env, path):
     fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(rows)), 5), constrained_layout=True)
     width = 0.8 / len(series)
     for i, (label, key) in enumerate(series):
-        ax.bar([x + i * width for x in range(len(rows))], [row[key] or 0 for row in rows], width, label=label)
+        ax.bar([x + i * width for x in range(len(rows))], [row.get(key) or 0 for row in rows], width, label=label)
     ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(rows))],
                   [row["config"].replace(" + ", "\n+ ") for row in rows], fontsize=8)
     ax.set_ylabel("GiB per rank (largest over ranks)" if gpu else "GiB per process")
     ax.set_title(f"{args.model}, micro-batch {args.batch_size}, {args.image_size} px, {world_size} rank(s), "
-                 f"{rows[0]['precision'] if rows else ''} — {env['gpu'] or 'CPU'}")
+                 f"{rows[0].get('precision', '') if rows else ''} — {env['gpu'] or 'CPU'}")
     ax.legend(fontsize=8)
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -358,6 +373,10 @@ def main(argv=None):
     env = environment(shlex.join(["python", *sys.argv]))
     mine = []
     for name in args.configs:
+        if args.find_max_batch and not fits(args, name, args.batch_size, device, sizes[0]):
+            mine.append({"config": name, "flags": CONFIGS[name], "params": sizes[0], "out_of_memory": True,
+                         "max_micro_batch": find_max_batch(args, name, device, sizes[0], start=1)})
+            continue
         result = measure(args, name, world_size, device, counters, sizes)
         if args.find_max_batch:
             result["max_micro_batch"] = find_max_batch(args, name, device, sizes[0])

@@ -68,3 +68,22 @@ def test_bad_input(capsys, extra, message):
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err
 
+
+
+def test_a_configuration_out_of_memory_is_a_row_of_the_report(tmp_path, capsys):
+    # --find_max_batch on a small GPU: a configuration that cannot train even the asked micro-batch is
+    # reported with its largest micro-batch, not a traceback (the GPU search itself needs a GPU)
+    args = memory_profile.get_args_parser().parse_args(["--find_max_batch", "--batch_size", "8",
+                                                        "--output_dir", str(tmp_path)])
+    env = {"gpu": "Some GPU", "command": "python src/memory_profile.py"}
+    fitted = {"config": "ZeRO-0 (DDP-like)", "params": PSI, "precision": "autocast-bf16", "max_micro_batch": 40,
+              **{key: 1.0 for key in ("paper_formula_gib", "deepspeed_estimate_gpu_gib", "model_states_gib",
+                                      "activations_gib", "peak_allocated_gib", "peak_reserved_gib",
+                                      "host_peak_rss_gib")}}
+    oom = {"config": "ZeRO-1", "params": PSI, "out_of_memory": True, "max_micro_batch": 3}
+    memory_profile.report(args, [fitted, oom], 1, env)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-3].startswith("ZeRO-0 (DDP-like)") and lines[-3].split()[-1] == "40"
+    assert lines[-2].startswith("ZeRO-1") and "OOM at 8" in lines[-2] and lines[-2].split()[-1] == "3"
+    saved = json.loads((tmp_path / "memory_resnet18_some_gpu_x1.json").read_text())
+    assert saved["results"][1] == oom and (tmp_path / "memory_resnet18_some_gpu_x1.png").is_file()
