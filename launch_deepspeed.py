@@ -23,6 +23,7 @@ from data_check import CACHE_FILE, check_data  # noqa: E402
 from ds_config import build_ds_config, check_device_support, check_monitor_support, load_base_config  # noqa: E402
 from failures import check_writable, stop_on_write_error  # noqa: E402
 from history import write_json_atomic  # noqa: E402
+from model import num_parameters  # noqa: E402
 from options import UsageError, add_training_args, parse_args, run_cli  # noqa: E402
 
 TRAIN_SCRIPT = ROOT / "src" / "train_deepspeed.py"
@@ -179,8 +180,8 @@ def main(argv=None):
     import torch
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    config = build_ds_config(args, world_size, num_train_images,
-                             base=load_base_config(args.deepspeed_config), device_type=device_type)
+    config = build_ds_config(args, world_size, num_train_images, base=load_base_config(args.deepspeed_config),
+                             device_type=device_type, num_params=num_parameters(len(data_check.classes)))
     check_device_support(config, device_type)
     check_monitor_support(config)
     resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from data import build_loaders, load_datasets  # noqa: E402
 from prepare_data import make_sample_dataset  # noqa: E402
-from reproducibility import environment as run_environment  # noqa: E402
+from reproducibility import environment as run_environment, machine_slug  # noqa: E402
 
 # name -> (launcher flags, the plain-PyTorch reference it is compared with)
 TRAINER_VARIANTS = {
@@ -145,7 +145,7 @@ def main():
 
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     report = {"environment": env, "settings": settings, "reference": references, "trainer": trainer}
-    slug = re.sub(r"[^a-z0-9]+", "_", (env["gpu"] or "cpu").lower()).strip("_")
+    slug = machine_slug(env)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     path = args.output_dir / f"end_to_end_{slug}_x{args.num_gpus}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")

@@ -10,7 +10,6 @@ efficiency = speed-up / N. Prints a table last and writes JSON to benchmarks/res
     python benchmarks/scaling.py --only accuracy
 """
 import json
-import re
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import throughput  # noqa: E402
 from end_to_end import environment, fmt, shown  # noqa: E402
+from reproducibility import machine_slug  # noqa: E402
 
 DDP = "torch bf16 channels_last"  # as DistributedDataParallel when run on several GPUs
 MEASUREMENTS = [("reference", DDP)] + [("synthetic", f"step: zero{stage} bf16") for stage in range(4)] + [
@@ -78,7 +78,7 @@ def main():
         subprocess.run([sys.executable, str(ROOT / "src" / "prepare_data.py"), "sample", "--output",
                         str(args.sample_data)], check=True, stdout=subprocess.DEVNULL)
     env = environment()
-    slug = re.sub(r"[^a-z0-9]+", "_", (env["gpu"] or "cpu").lower()).strip("_")
+    slug = machine_slug(env)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     path = args.output_dir / f"scaling_{slug}_x{args.max_gpus}.json"
     gpu_counts = [1, args.max_gpus]

@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
 from end_to_end import environment, fmt, peak_memory, shown  # noqa: E402
+from reproducibility import machine_slug  # noqa: E402
 from launch_deepspeed import free_port  # noqa: E402
 
 # name -> settings of a plain-PyTorch loop on GPU-resident synthetic data
@@ -283,7 +284,7 @@ def main():
                                     "--val_per_class", str(val_per_class), "--image_size", "256", "--seed", "0"],
                                    stdout=subprocess.DEVNULL)
     env = environment()
-    slug = re.sub(r"[^a-z0-9]+", "_", (env["gpu"] or "cpu").lower()).strip("_")
+    slug = machine_slug(env)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     path = args.output_dir / f"throughput_{slug}.json"
     results = {}

@@ -21,7 +21,7 @@ import os
 import shutil
 from pathlib import Path
 
-from distributed import average_buffers, barrier, rank_zero_only
+from distributed import barrier, rank_zero_only
 from failures import stop_on_write_error
 from history import write_json_atomic
 from options import UsageError
@@ -100,7 +100,6 @@ class CheckpointSaver:
             names.append(LAST)
         if not names:
             return names
-        average_buffers(self.engine.module)  # what is saved is one model, also mid-epoch
         staging = self.dir / STAGING
         rank_zero_only(shutil.rmtree)(staging, ignore_errors=True)
         barrier()

@@ -40,7 +40,7 @@ from distributed import init_distributed, rank_zero_only
 from ds_config import build_ds_config, precision
 from model import BatchNorm2dFP32, ResNet18Animals90
 from options import UsageError, parse_args, run_cli
-from reproducibility import environment
+from reproducibility import environment, machine_slug
 from training import input_dtype
 
 MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "wide_resnet50_2", "wide_resnet101_2")
@@ -282,7 +282,7 @@ def fmt(value):
 @rank_zero_only
 def report(args, rows, world_size, env):
     """Print the table and write the JSON and the bar chart; returns the JSON path."""
-    slug = re.sub(r"[^a-z0-9]+", "_", (env["gpu"] or "cpu").lower()).strip("_")
+    slug = machine_slug(env)
     stem = f"memory_{args.model}_{slug}_x{world_size}"
     args.output_dir.mkdir(parents=True, exist_ok=True)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "local_rank"}

@@ -2,6 +2,7 @@
 import os
 import platform
 import random
+import re
 
 import numpy as np
 import torch
@@ -43,3 +44,8 @@ def environment(command):
             "python": platform.python_version(), "torch": torch.__version__,
             "torchvision": torchvision.__version__, "deepspeed": deepspeed.__version__,
             "cuda": torch.version.cuda if cuda else None, "command": command}
+
+
+def machine_slug(env):
+    """The GPU's name (or "cpu") as a file-name part: "NVIDIA H200" -> "nvidia_h200"."""
+    return re.sub(r"[^a-z0-9]+", "_", (env["gpu"] or "cpu").lower()).strip("_")

@@ -128,11 +128,11 @@ def train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step=0, c
             break
     progress.close()
     counts = health.end_epoch(epoch, step)  # nonfinite_steps, skipped_steps
+    average_buffers(engine.module)  # one model to validate and save, also when stopped mid-epoch
     if step < micro_batches:
         summed = totals.summed_over_ranks(engine.device)
         return {"interrupted": True, "step": step,
                 "carried": {**summed, **counts, "time_s": time.perf_counter() - start, "data_wait_s": data_wait_s}}
-    average_buffers(engine.module)
     summed = totals.summed_over_ranks(engine.device)
     elapsed = time.perf_counter() - start
     return {"loss": summed["loss"] / summed["count"], "acc": summed["correct"] / summed["count"],

@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from conftest import ROOT, assert_usage_error, data_args, launch, run
+from model import ResNet18Animals90
 
 
 def split_dry_run(stdout):
@@ -22,6 +23,10 @@ def test_dry_run_prints_config_and_command_and_spawns_nothing(tiny_data, tmp_pat
     assert config["bf16"] == {"enabled": True}
     assert config["zero_optimization"]["stage"] == 3
     assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
+    # DeepSpeed's buckets, which it allocates at full size, capped at the model's 4-class parameter count
+    params = sum(p.numel() for p in ResNet18Animals90(num_classes=4).parameters())
+    assert config["zero_optimization"]["reduce_bucket_size"] == params
+    assert config["zero_optimization"]["stage3_prefetch_bucket_size"] == params
     # 48 train images / 2 ranks / micro-batch 2 = 12 steps per epoch.
     assert config["scheduler"]["params"]["total_num_steps"] == 36
     assert command[:5] == [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
