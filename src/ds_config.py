@@ -124,6 +124,9 @@ def build_ds_config(args, world_size, num_train_images, base=None, device_type="
     config["gradient_clipping"] = _pick(config, "gradient_clipping", args, "clip_grad", missing=args.clip_grad)
     _skip_unused_grad_norm(config)
     config.setdefault("steps_per_print", 1_000_000)  # the progress bar reports; keep DeepSpeed's log quiet
+    # DeepSpeed's throughput timer synchronises the device at the start and the end of every step, for a
+    # figure it only logs every steps_per_print steps; the trainer times its epochs itself.
+    config.setdefault("timers", {"throughput": {"enabled": False}})
 
     leftover = _auto_paths(config)
     if leftover:
@@ -177,6 +180,12 @@ def _autocast_half(section):
     return AUTOCAST_DTYPE_NAMES[dtype]
 
 
+# ZeRO-3 gathers and releases each module's parameters in Python hooks, per module and per step: ~50 of
+# them for ResNet18, and on a GPU the step then waits on the host. Modules holding fewer parameters per
+# layer than this are gathered as one unit instead: ResNet18's first five residual blocks (15k-131k per
+# layer), never the whole model (224k; a whole-model unit fails in backward in DeepSpeed 0.19.8).
+ZERO3_MODULE_GRANULARITY = 200_000
+
 # DeepSpeed allocates these buffers at their full size whatever the model: ZeRO-1/2 two reduce buckets
 # of 5e8 elements, 3.7 GiB in fp32 for ResNet18's 11 M parameters. A bucket larger than the model buys
 # nothing, so unset ones are capped at the model's size.
@@ -201,6 +210,8 @@ def _resolve_zero(config, args, num_params=None):
     for key, value in ZERO_AUTO_DEFAULTS.items():
         if zero.get(key) == AUTO:
             zero[key] = value
+    if stage == 3 and zero.get("stage3_module_granularity_threshold", AUTO) == AUTO:
+        zero["stage3_module_granularity_threshold"] = ZERO3_MODULE_GRANULARITY
     if stage not in (0, 1, 2, 3):
         raise UsageError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
     if _offloads(zero, "offload_param") and stage != 3:

@@ -255,6 +255,17 @@ def test_gradient_norm_is_computed_only_when_something_uses_it():
         assert "compute_grad_norm" not in build(*argv, device_type="cuda")["zero_optimization"]
 
 
+def test_step_syncs_and_zero3_hooks_are_cut_unless_the_base_config_sets_them():
+    assert build()["timers"] == {"throughput": {"enabled": False}}  # no device sync at each step's start and end
+    assert build(base={"timers": {"throughput": {"enabled": True}}})["timers"]["throughput"]["enabled"] is True
+    zero3 = build("--zero_stage", "3")["zero_optimization"]
+    assert zero3["stage3_module_granularity_threshold"] == 200_000
+    assert "stage3_module_granularity_threshold" not in build("--zero_stage", "2")["zero_optimization"]
+    for value, expected in ((0, 0), ("auto", 200_000)):
+        base = {"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": value}}
+        assert build(base=base)["zero_optimization"]["stage3_module_granularity_threshold"] == expected
+
+
 def scheduled_lrs(config, steps):
     """The learning rate DeepSpeed's scheduler of `config` sets at each of `steps` optimizer steps."""
     import torch
