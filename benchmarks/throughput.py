@@ -15,6 +15,11 @@ Prints a table last and writes JSON to benchmarks/results/throughput_<gpu>.json.
 
     python benchmarks/throughput.py                  # all but the torch.compile runs; micro-batch 256, 224 px
     python benchmarks/throughput.py --only reference "step: zero2 bf16 compile"
+    python benchmarks/throughput.py --only "torch bf16 channels_last" real --update   # into the same JSON
+
+With --update, measurements not run this time keep their earlier results (same GPU and versions only),
+so one JSON can come from several shorter runs; every ratio is still taken against the reference
+measured in the same run as the measurement (`reference_images_per_s`), and `commands` lists the runs.
 """
 import argparse
 import json
@@ -69,9 +74,12 @@ REAL = {
     "epoch: zero2 bf16 offload_optimizer, data on GPU": (["--zero_stage", "2", "--bf16", "--offload_optimizer",
                                                           "--data_on_device", "on"], BF16_REF, 0.5),
     "epoch: zero2 bf16, DataLoader": (["--zero_stage", "2", "--bf16", "--data_on_device", "off"], BF16_REF, None),
+    "epoch: zero2 bf16 compile, data on GPU": (["--zero_stage", "2", "--bf16", "--compile", "--data_on_device", "on"],
+                                               BF16_REF, 0.9),
 }
 # minutes of compiling, or measured for benchmarks/scaling.py only
 SKIPPED_BY_DEFAULT = {"torch bf16 channels_last compile", "step: zero2 bf16 compile", "step: zero2 bf16 offload_optimizer",
+                      "epoch: zero2 bf16 compile, data on GPU",
                       "epoch: zero0 bf16, data on GPU", "epoch: zero1 bf16, data on GPU"}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -245,6 +253,8 @@ def get_args_parser():
                         help="of the drawn dataset (80%% train, 20%% val); 60 x 90 classes is Animals-90's size")
     parser.add_argument("--only", nargs="+", metavar="NAME",
                         help="run only these measurements (names as in the table, or: reference, synthetic, real)")
+    parser.add_argument("--update", action="store_true",
+                        help="keep the JSON's results of the measurements not run this time")
     parser.add_argument("--case_timeout", type=int, default=240, help="seconds before one measurement is given up")
     parser.add_argument("--output_dir", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--case", help=argparse.SUPPRESS)
@@ -259,6 +269,21 @@ def selected(args):
     if unknown:
         sys.exit(f"error: unknown measurement(s): {', '.join(sorted(unknown))}")
     return chosen
+
+
+MACHINE = ("gpu", "torch", "torchvision", "deepspeed", "cuda")
+
+
+def earlier_results(path, env):
+    """(results, commands) of the JSON at `path` for --update; refused if another GPU or versions measured it."""
+    if not path.exists():
+        return {}, []
+    earlier = json.loads(path.read_text())
+    differs = [key for key in MACHINE if earlier["environment"].get(key) != env.get(key)]
+    if differs:
+        sys.exit(f"error: --update: {path} was measured with another {', '.join(differs)}; "
+                 f"write to another --output_dir")
+    return earlier["results"], earlier.get("commands", [earlier["environment"]["command"]])
 
 
 def ratio(results, name, reference):
@@ -287,20 +312,24 @@ def main():
     slug = machine_slug(env)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     path = args.output_dir / f"throughput_{slug}.json"
-    results = {}
+    results, commands = earlier_results(path, env) if args.update else ({}, [])
+    commands.append(env["command"])
     for kind, name in cases:
         if kind == "real" and drawing is not None and drawing.wait() != 0:
             sys.exit(f"error: drawing the sample dataset into {args.data} failed")
         started = time.perf_counter()
-        results[name] = {"kind": kind, **run_case(kind, name, args), "wall_s": round(time.perf_counter() - started, 1)}
+        results[name] = {"kind": kind, **run_case(kind, name, args), "wall_s": round(time.perf_counter() - started, 1),
+                         "run": len(commands) - 1}
         if kind != "reference":
             reference, goal = {**SYNTHETIC, **REAL}[name][1:]
             results[name].update(reference=reference, goal_ratio=goal,
+                                 reference_images_per_s=results.get(reference, {}).get("images_per_s"),
                                  ratio_to_reference=ratio(results, name, reference))
         print(f"{name}: {json.dumps(results[name])[:300]}", flush=True)
         settings = {k: os.path.relpath(v, ROOT) if isinstance(v, Path) else v for k, v in vars(args).items()
                     if k != "case"}
-        path.write_text(json.dumps({"environment": env, "settings": settings, "results": results}, indent=2) + "\n")
+        path.write_text(json.dumps({"environment": env, "settings": settings, "commands": commands, "results": results},
+                                   indent=2) + "\n")
 
     print(f"\n{env['gpu'] or 'CPU'} | torch {env['torch']} | DeepSpeed {env['deepspeed']} | CUDA {env['cuda']} | "
           f"micro-batch {args.batch_size}, {args.image_size} px")
@@ -314,6 +343,8 @@ def main():
             notes.append(f"data wait {r['data_wait_share']:.0%}, val acc {r['val_acc']:.3f}")
         if r.get("reference"):
             notes.append(f"vs {r['reference']}")
+        if len(commands) > 1:
+            notes.append(f"run {r.get('run', 0) + 1} of {len(commands)}")
         print(f"{name:<46}{r['images_per_s']:>9.0f}{fmt(r.get('ratio_to_reference')):>7}{fmt(r.get('goal_ratio')):>6}"
               f"{fmt(r['peak_gpu_memory_gib']):>9}  {'; '.join(notes)}")
     print(f"results: {shown([str(path)])}")
