@@ -9,7 +9,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from checkpoints import check_resumable, find_checkpoint  # noqa: E402
 from data_check import CACHE_FILE, check_data  # noqa: E402
+from distributed import free_port  # noqa: E402
 from ds_config import build_ds_config, check_device_support, check_monitor_support, load_base_config  # noqa: E402
 from failures import check_writable, stop_on_write_error  # noqa: E402
 from history import write_json_atomic  # noqa: E402
@@ -83,12 +83,6 @@ def forwarded_args(args, config_path):
         else:
             argv += [f"--{name}", str(value)]
     return argv
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def read_hostfile(path):

@@ -37,11 +37,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT))
 
 from end_to_end import environment, fmt, peak_memory, shown  # noqa: E402
 from reproducibility import machine_slug  # noqa: E402
-from launch_deepspeed import free_port  # noqa: E402
+from distributed import free_port  # noqa: E402
 
 # name -> settings of a plain-PyTorch loop on GPU-resident synthetic data
 REFERENCES = {

@@ -1,6 +1,7 @@
 """Process-group setup and the rank-0 helper every piece of rank-0-only I/O goes through."""
 import functools
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,13 @@ def init_distributed():
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     return dist.get_rank(), dist.get_world_size()
+
+
+def free_port():
+    """A TCP port free on this machine now, for a rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def rank() -> int:

@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ import torchvision
 
 import train_deepspeed
 from data import batch_memory_format
-from distributed import init_distributed, rank_zero_only
+from distributed import free_port, init_distributed, rank_zero_only
 from ds_config import build_ds_config, precision
 from model import BatchNorm2dFP32, ResNet18Animals90
 from options import UsageError, parse_args, run_cli
@@ -75,6 +76,7 @@ def get_args_parser():
     parser.add_argument("--gpu_memory_gib", type=float, default=None,
                         help="let PyTorch use only this much GPU memory, as on a smaller GPU")
     parser.add_argument("--output_dir", type=Path, default=Path("memory_profile"))
+    parser.add_argument("--probe", nargs=2, metavar=("CONFIG", "BATCH"), help=argparse.SUPPRESS)  # one try of fits()
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by `deepspeed`
     return parser
 
@@ -237,31 +239,39 @@ def is_out_of_memory(err):
     return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and "out of memory" in str(err))
 
 
-def train_briefly(args, config, micro_batch, device):
-    engine = None
-    try:
-        _, engine = new_engine(args, config)
-        train_steps(engine, config, micro_batch, args, device, 2)
-    finally:
-        if engine is not None:
-            release(engine)
+PROBE_OUT_OF_MEMORY = 3  # exit status of a --probe that ran out of memory
 
 
 def fits(args, name, micro_batch, device, num_params):
-    """Whether `micro_batch` trains for two steps on one GPU without running out of memory."""
+    """Whether `micro_batch` trains for two steps on one GPU without running out of memory.
+
+    Each try runs in a process of its own: after an out-of-memory error inside a ZeRO-3 step, DeepSpeed
+    keeps gathered parameters alive that neither engine.destroy() nor the garbage collector frees, and
+    every later try in the same process then ran out of memory at any micro-batch (seen on an H100).
+    """
+    command = [sys.executable, os.path.abspath(__file__), "--probe", name, str(micro_batch),
+               "--model", args.model, "--num_classes", str(args.num_classes), "--image_size", str(args.image_size),
+               "--precision_mode", args.precision_mode, *[f"--{flag}" for flag in ("fp16", "bf16") if getattr(args, flag)],
+               *(["--gpu_memory_gib", str(args.gpu_memory_gib)] if args.gpu_memory_gib else [])]
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(free_port())}
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    if result.returncode not in (0, PROBE_OUT_OF_MEMORY):
+        raise RuntimeError(f"the try of {name} at micro-batch {micro_batch} failed:\n{result.stderr[-3000:]}")
+    return result.returncode == 0
+
+
+def probe(args, device, num_params):
+    """--probe NAME BATCH: two training steps; exit status 0 if they fit, PROBE_OUT_OF_MEMORY if not."""
+    name, micro_batch = args.probe[0], int(args.probe[1])
     config = trainer_config(args, CONFIGS[name], micro_batch, 1, device, num_params)
     try:
-        train_briefly(args, config, micro_batch, device)
-        ok = True
+        _, engine = new_engine(args, config)
+        train_steps(engine, config, micro_batch, args, device, 2)
     except (torch.OutOfMemoryError, RuntimeError) as err:
         if not is_out_of_memory(err):
             raise
-        ok = False
-    # Out of the except block the traceback is gone; collecting it frees the engine and the activations
-    # its frames held, before the next try.
-    gc.collect()
-    torch.cuda.empty_cache()
-    return ok
+        return PROBE_OUT_OF_MEMORY
+    return 0
 
 
 def find_max_batch(args, name, device, num_params, start=16):
@@ -369,6 +379,8 @@ def main(argv=None):
     from deepspeed.runtime.zero.stage3 import model_to_params
 
     sizes = model_to_params(build_model(args.model, args.num_classes))
+    if args.probe:
+        return probe(args, device, sizes[0])
     counters = MemoryCounters(device)
     env = environment(shlex.join(["python", *sys.argv]))
     mine = []

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from distributed import average_buffers
-from launch_deepspeed import free_port
+from distributed import free_port
 from model import BatchNorm2dFP32, synchronize_batch_norm
 
 WORLD_SIZE = 2

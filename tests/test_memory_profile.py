@@ -8,7 +8,7 @@ import torch
 
 import memory_profile
 from conftest import ROOT, run
-from launch_deepspeed import free_port
+from distributed import free_port
 from memory_profile import GIB, paper_formula_bytes, trainer_config
 from options import run_cli
 
@@ -87,3 +87,12 @@ def test_a_configuration_out_of_memory_is_a_row_of_the_report(tmp_path, capsys):
     assert lines[-2].startswith("ZeRO-1") and "OOM at 8" in lines[-2] and lines[-2].split()[-1] == "3"
     saved = json.loads((tmp_path / "memory_resnet18_some_gpu_x1.json").read_text())
     assert saved["results"][1] == oom and (tmp_path / "memory_resnet18_some_gpu_x1.png").is_file()
+
+
+def test_each_max_batch_try_runs_in_a_process_of_its_own():
+    # the out-of-memory outcome needs a GPU; the child process, its exit status and a broken try do not
+    args = memory_profile.get_args_parser().parse_args(["--image_size", "32", "--bf16"])
+    assert memory_profile.fits(args, "ZeRO-3", 2, torch.device("cpu"), PSI)
+    args.model = "resnet_none"  # the child's own argument parser refuses it: an error, not "does not fit"
+    with pytest.raises(RuntimeError, match="the try of ZeRO-0 \\(DDP-like\\) at micro-batch 2 failed"):
+        memory_profile.fits(args, "ZeRO-0 (DDP-like)", 2, torch.device("cpu"), PSI)

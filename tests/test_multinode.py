@@ -8,7 +8,7 @@ import pytest
 
 import launch_deepspeed
 from conftest import ROOT, TINY_VAL_IMAGES, data_args
-from launch_deepspeed import free_port
+from distributed import free_port
 from options import run_cli
 from test_launcher import split_dry_run
 
