@@ -93,7 +93,10 @@ def trainer_config(args, flags, micro_batch, world_size, device, num_params):
     argv = ["--batch_size", str(micro_batch), "--epochs", "1", "--precision_mode", args.precision_mode,
             *[f"--{flag}" for flag in precision_flags], *flags]
     train_args = parse_args(train_deepspeed.get_args_parser, argv)
-    return build_ds_config(train_args, world_size, micro_batch * world_size * (args.steps + 1),
+    # The trainer's ZeRO-3 module granularity is ResNet18's; ResNet50/101/152 hold fewer parameters per
+    # layer than it as a whole, and a whole-model unit fails in backward: DeepSpeed's default for the rest.
+    base = {} if args.model == "resnet18" else {"zero_optimization": {"stage3_module_granularity_threshold": 0}}
+    return build_ds_config(train_args, world_size, micro_batch * world_size * (args.steps + 1), base=base,
                            device_type=device.type, num_params=num_params)
 
 

@@ -28,9 +28,17 @@ PSI = 1_000_000
     (["--zero_stage", "3", "--bf16", "--offload_optimizer", "--offload_param"], 2, 0),
 ])
 def test_paper_formulas(flags, world_size, bytes_per_param):
-    args = Namespace(fp16=False, bf16=False, precision_mode="auto", steps=1)
+    args = Namespace(model="resnet18", fp16=False, bf16=False, precision_mode="auto", steps=1)
     config = trainer_config(args, flags, 8, world_size, torch.device("cpu"), None)
     assert paper_formula_bytes(config, PSI, world_size) == pytest.approx(bytes_per_param * PSI)
+
+
+@pytest.mark.parametrize("model, threshold", [("resnet18", 200_000), ("resnet50", 0), ("wide_resnet50_2", 0)])
+def test_zero3_module_granularity_is_the_trainers_for_resnet18_only(model, threshold):
+    # 200,000 would make ResNet50's whole model one unit (it holds 191,068 parameters per layer)
+    args = Namespace(model=model, fp16=False, bf16=True, precision_mode="auto", steps=1)
+    config = trainer_config(args, ["--zero_stage", "3"], 8, 1, torch.device("cpu"), PSI)
+    assert config["zero_optimization"]["stage3_module_granularity_threshold"] == threshold
 
 
 def test_two_ranks_write_table_json_and_chart(tmp_path):
