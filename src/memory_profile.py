@@ -29,6 +29,7 @@ import shlex
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -55,6 +56,7 @@ CONFIGS = {
     "ZeRO-3 + offload optimizer + params": ["--zero_stage", "3", "--offload_optimizer", "--offload_param"],
 }
 GIB = 2**30
+CUDA_CONTEXT_GIB = 1  # what a process's CUDA context takes on the GPU besides its capped allocations, at most
 
 
 def get_args_parser():
@@ -289,6 +291,21 @@ def find_max_batch(args, name, device, num_params, start=16):
     return low
 
 
+def max_batches(args, device, num_params):
+    """{config: (largest micro-batch, whether --batch_size fits)}. Under --gpu_memory_gib every try is held to
+    the cap, so when the GPU has room for one capped process per configuration, the searches run side by side."""
+    def search(name):
+        fits_given = fits(args, name, args.batch_size, device, num_params)
+        return find_max_batch(args, name, device, num_params, start=16 if fits_given else 1), fits_given
+
+    side_by_side = 1
+    if args.gpu_memory_gib:
+        free, _ = torch.cuda.mem_get_info(device)
+        side_by_side = max(1, min(len(args.configs), int(free // ((args.gpu_memory_gib + CUDA_CONTEXT_GIB) * GIB))))
+    with ThreadPoolExecutor(side_by_side) as pool:
+        return dict(zip(args.configs, pool.map(search, args.configs)))
+
+
 def fmt(value):
     return "-" if value is None else f"{value:.2f}"
 
@@ -387,16 +404,15 @@ def main(argv=None):
         return probe(args, device, sizes[0])
     counters = MemoryCounters(device)
     env = environment(shlex.join(["python", *sys.argv]))
+    max_batch = max_batches(args, device, sizes[0]) if args.find_max_batch else {}
     mine = []
     for name in args.configs:
-        if args.find_max_batch and not fits(args, name, args.batch_size, device, sizes[0]):
+        if max_batch.get(name, (None, True))[1]:
+            mine.append({**measure(args, name, world_size, device, counters, sizes),
+                         **({"max_micro_batch": max_batch[name][0]} if name in max_batch else {})})
+        else:
             mine.append({"config": name, "flags": CONFIGS[name], "params": sizes[0], "out_of_memory": True,
-                         "max_micro_batch": find_max_batch(args, name, device, sizes[0], start=1)})
-            continue
-        result = measure(args, name, world_size, device, counters, sizes)
-        if args.find_max_batch:
-            result["max_micro_batch"] = find_max_batch(args, name, device, sizes[0])
-        mine.append(result)
+                         "max_micro_batch": max_batch[name][0]})
     per_rank = [mine]
     if world_size > 1:
         per_rank = [None] * world_size

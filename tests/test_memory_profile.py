@@ -104,3 +104,14 @@ def test_each_max_batch_try_runs_in_a_process_of_its_own():
     args.model = "resnet_none"  # the child's own argument parser refuses it: an error, not "does not fit"
     with pytest.raises(RuntimeError, match="the try of ZeRO-0 \\(DDP-like\\) at micro-batch 2 failed"):
         memory_profile.fits(args, "ZeRO-0 (DDP-like)", 2, torch.device("cpu"), PSI)
+
+
+def test_max_batch_search_per_configuration(monkeypatch):
+    # the search itself (doubling, then bisecting to within 5%) against known limits; a real try needs a GPU
+    limits = {"ZeRO-0 (DDP-like)": 300, "ZeRO-3": 5}
+    monkeypatch.setattr(memory_profile, "fits", lambda args, name, batch, device, n: batch <= limits[name])
+    args = memory_profile.get_args_parser().parse_args(["--batch_size", "8", "--configs", *limits])
+    found = memory_profile.max_batches(args, torch.device("cpu"), PSI)
+    assert found["ZeRO-3"] == (5, False)  # --batch_size 8 does not fit: searched from 1, exactly
+    batch, fits_given = found["ZeRO-0 (DDP-like)"]
+    assert fits_given and 300 * 0.95 <= batch <= 300
