@@ -4,8 +4,8 @@ The DataLoader path (data.py) decodes and augments every image in worker process
 Here every image is decoded once at start (nvJPEG in batches on a GPU, torchvision/PIL on the CPU),
 and each batch is cut out of the resident tensors with a few tensor ops, the way airbench does:
 
-- training images are stored as `round(image_size / 0.875)`-pixel squares (resized so that the shorter
-  side has that length, then centre-cropped); torchvision's RandomResizedCrop (scale 0.08-1, ratio
+- training images are stored as squares of `--device_train_size` pixels, by default `round(image_size /
+  0.875)` (resized so that the shorter side has that length, then centre-cropped); torchvision's RandomResizedCrop (scale 0.08-1, ratio
   3/4-4/3) and RandomHorizontalFlip are drawn per image from that square and applied to the whole
   batch with one `grid_sample`. Unlike the DataLoader path, crops never reach the parts of a
   non-square image's longer side that lie outside its central square.
@@ -36,18 +36,18 @@ CROP_TRIES = 10  # as torchvision's RandomResizedCrop
 FREE_MEMORY_SHARE = 0.25  # auto mode uses the GPU for data when it needs at most this share of free memory
 
 
-def store_size(image_size):
-    """Side of the stored training squares: the validation resize (224 -> 256)."""
+def resize_size(image_size):
+    """The validation resize (224 -> 256), and the default side of the stored training squares."""
     return round(image_size / 0.875)
 
 
-def dataset_bytes(num_train, num_val, image_size):
-    return 3 * (num_train * store_size(image_size) ** 2 + num_val * image_size ** 2)
+def dataset_bytes(num_train, num_val, image_size, train_size=None):
+    return 3 * (num_train * (train_size or resize_size(image_size)) ** 2 + num_val * image_size ** 2)
 
 
-def choose_device_data(mode, device, num_train, num_val, image_size):
+def choose_device_data(mode, device, num_train, num_val, image_size, train_size=None):
     """(use the device path?, why) for --data_on_device auto|on|off."""
-    needed = dataset_bytes(num_train, num_val, image_size)
+    needed = dataset_bytes(num_train, num_val, image_size, train_size)
     if mode != "auto":
         return mode == "on", f"--data_on_device {mode}"
     if device.type != "cuda":
@@ -211,14 +211,16 @@ class DeviceValLoader:
             yield self.normalize(self.images[start:end]), self.labels[start:end]
 
 
-def build_device_loaders(train_set, val_set, micro_batch_size, image_size, rank, world_size, seed, device, dtype):
-    """Decode both ImageFolders onto `device`; return (train_loader, val_loader, seconds spent decoding)."""
+def build_device_loaders(train_set, val_set, micro_batch_size, image_size, rank, world_size, seed, device, dtype,
+                         train_size=None):
+    """Decode both ImageFolders onto `device` (training squares of `train_size` pixels, default the validation
+    resize); return (train_loader, val_loader, seconds spent decoding)."""
     start = time.perf_counter()
     train_paths, train_labels = zip(*train_set.samples)
     val_paths, val_labels = zip(*val_set.samples)
-    size = store_size(image_size)
-    train_images = decode_dataset(train_paths, size, size, device)
-    val_images = decode_dataset(val_paths, size, image_size, device)
+    train_size = train_size or resize_size(image_size)
+    train_images = decode_dataset(train_paths, train_size, train_size, device)
+    val_images = decode_dataset(val_paths, resize_size(image_size), image_size, device)
     train_loader = DeviceTrainLoader(train_images, torch.tensor(train_labels, device=device), micro_batch_size,
                                      image_size, rank, world_size, seed, dtype)
     val_loader = DeviceValLoader(val_images, torch.tensor(val_labels, device=device), micro_batch_size, rank,

@@ -14,7 +14,7 @@ import torch
 from checkpoints import CheckpointSaver, find_checkpoint, load
 from data import build_loaders, load_datasets
 from data_check import CACHE_FILE
-from device_data import build_device_loaders, choose_device_data
+from device_data import build_device_loaders, choose_device_data, resize_size
 from distributed import init_distributed, rank_zero_only
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, load_base_config, lr_schedule,
                        precision)
@@ -79,10 +79,11 @@ def main(argv=None):
     accumulation = ds_config["gradient_accumulation_steps"]
     dtype = input_dtype(precision(ds_config))
     on_device, why = choose_device_data(args.data_on_device, engine.device, len(train_set), len(val_set),
-                                        args.image_size)
+                                        args.image_size, args.device_train_size)
     if on_device:
         train_loader, val_loader, decode_s = build_device_loaders(
-            train_set, val_set, micro_batch, args.image_size, rank, world_size, args.seed, engine.device, dtype)
+            train_set, val_set, micro_batch, args.image_size, rank, world_size, args.seed, engine.device, dtype,
+            args.device_train_size)
         say(f"Data on {device_type} ({why}): decoded {len(train_set) + len(val_set)} images in {decode_s:.1f} s")
     else:
         train_loader, val_loader = build_loaders(train_set, val_set, micro_batch, args.num_workers, rank,
@@ -97,7 +98,9 @@ def main(argv=None):
         "train_images": len(train_set), "val_images": len(val_set),
         "epochs": args.epochs, "world_size": world_size, "device": device_type,
         "precision": precision(ds_config), "zero_stage": zero_stage, "seed": args.seed,
-        "sync_bn": args.sync_bn, "data_on_device": on_device, "data_check": data_check.summary(),
+        "sync_bn": args.sync_bn, "data_on_device": on_device,
+        "device_train_size": (args.device_train_size or resize_size(args.image_size)) if on_device else None,
+        "data_check": data_check.summary(),
         "training": {"lr_schedule": lr_schedule(ds_config), "learning_rate": ds_config["optimizer"]["params"]["lr"],
                      "weight_decay": ds_config["optimizer"]["params"].get("weight_decay"),
                      "warmup_epochs": args.warmup_epochs, "label_smoothing": args.label_smoothing,

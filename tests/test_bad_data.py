@@ -12,7 +12,7 @@ import data_check
 from conftest import ROOT, data_args, launch, run
 from data import ImageFiles, build_transform, load_datasets, load_rgb
 from data_check import CACHE_FILE, check_data, check_folders
-from device_data import Normalize, decode_chunk, decode_dataset, store_size
+from device_data import Normalize, decode_chunk, decode_dataset, resize_size
 from options import UsageError, run_cli
 from prepare_data import main as prepare_data_main
 from prepare_data import make_sample_dataset
@@ -152,7 +152,7 @@ def test_the_device_path_decodes_what_the_dataloader_path_does(bad_data, tmp_pat
         expected = np.array(ImageOps.exif_transpose(Image.open(tmp_path / f"{orientation}.jpg")))
         assert torch.equal(decode_chunk([tmp_path / f"{orientation}.jpg"], CPU)[0],
                            torch.from_numpy(expected).permute(2, 0, 1)), orientation
-    device_images = Normalize(CPU, torch.float32)(decode_dataset(paths, store_size(24), 24, CPU))
+    device_images = Normalize(CPU, torch.float32)(decode_dataset(paths, resize_size(24), 24, CPU))
     reference = ImageFiles([(path, 0) for path in paths], ["badger"], build_transform(24, train=False))
     expected = torch.stack([reference[i][0] for i in range(len(paths))])
     assert ((device_images - expected).abs().mean(dim=(1, 2, 3)) < 0.02).all()

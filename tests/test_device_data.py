@@ -11,7 +11,7 @@ from torchvision.transforms import functional as TF
 from conftest import TINY_VAL_IMAGES, data_args, launch
 from data import build_transform
 from device_data import (DeviceTrainLoader, DeviceValLoader, build_device_loaders, choose_device_data,
-                         crop_transforms, random_resized_crops)
+                         crop_transforms, dataset_bytes, random_resized_crops)
 
 CPU = torch.device("cpu")
 
@@ -49,7 +49,10 @@ def test_grid_sample_crop_equals_torchvision_resized_crop():
 
 def test_validation_images_match_the_dataloader_path(tiny_data):
     train_set, val_set = ImageFolder(tiny_data / "train"), ImageFolder(tiny_data / "val")
-    _, val_loader, _ = build_device_loaders(train_set, val_set, 8, 24, 0, 1, 0, CPU, torch.float32)
+    train_loader, val_loader, _ = build_device_loaders(train_set, val_set, 8, 24, 0, 1, 0, CPU, torch.float32,
+                                                       train_size=40)
+    assert train_loader.images.shape[1:] == (3, 40, 40)  # --device_train_size: training squares only
+    assert next(train_loader.epoch(0))[0].shape == (8, 3, 24, 24)
     images, labels = next(iter(val_loader))
     reference = ImageFolder(tiny_data / "val", transform=build_transform(24, train=False))
     expected = torch.stack([reference[i][0] for i in range(8)])
@@ -89,15 +92,19 @@ def test_choice_of_data_path():
     assert choose_device_data("auto", CPU, 100, 10, 224) == (False, "auto: the device is a CPU")
     assert choose_device_data("on", CPU, 100, 10, 224)[0] is True
     assert choose_device_data("off", CPU, 100, 10, 224)[0] is False
+    # training squares of the validation resize by default (256 for 224), or of --device_train_size
+    assert dataset_bytes(100, 10, 224) == 3 * (100 * 256**2 + 10 * 224**2)
+    assert dataset_bytes(100, 10, 224, train_size=384) == 3 * (100 * 384**2 + 10 * 224**2)
 
 
 def test_training_with_the_dataset_on_the_device(tiny_data, tmp_path):
     result = launch(data_args(tiny_data) + ["--epochs", "2", "--batch_size", "4", "--image_size", "32",
-                                            "--save_every", "1", "--data_on_device", "on"], tmp_path)
+                                            "--save_every", "1", "--data_on_device", "on",
+                                            "--device_train_size", "40"], tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"Data on cpu (--data_on_device on): decoded {48 + TINY_VAL_IMAGES} images" in result.stdout
     history = json.loads((tmp_path / "logs/training_history.json").read_text())
-    assert history["config"]["data_on_device"] is True
+    assert history["config"]["data_on_device"] is True and history["config"]["device_train_size"] == 40
     for epoch in history["epochs"]:
         assert 0 <= epoch["data_wait_s"] <= epoch["epoch_time_s"]
         assert epoch["compute_s"] == pytest.approx(epoch["epoch_time_s"] - epoch["data_wait_s"])

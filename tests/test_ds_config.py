@@ -363,6 +363,7 @@ def test_launcher_refuses_tensorboard_without_the_package_before_starting(tiny_d
     (["--label_smoothing", "-0.1"], "--label_smoothing must be in [0, 1), got -0.1"),
     (["--weight_decay", "inf"], "--weight_decay must be a finite number, got inf"),
     (["--image_size", "0"], "--image_size must be at least 1"),
+    (["--device_train_size", "0"], "--device_train_size must be at least 1, got 0"),
 ])
 def test_bad_training_flag_values_are_usage_errors(argv, message):
     with pytest.raises(UsageError) as error:
