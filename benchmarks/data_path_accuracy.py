@@ -7,9 +7,10 @@ per seed, its mean and standard deviation, and the mean difference to the DataLo
 interval (Student's t over the seeds). Before training it compares the pixels themselves: for the same
 crop boxes, each device variant's training crops against torchvision's antialiased RandomResizedCrop of
 the decoded image (what the DataLoader path feeds), as the mean absolute difference and the ratio of
-high-frequency energy (variance of the Laplacian; below 1: blurrier, above 1: aliased), by crop area. Runs on a CPU as well as a GPU (the device path keeps the tensors
-in RAM there); --jobs runs several trainings at once (they are small), and --update adds runs to an
-earlier JSON, so the seeds can be spread over several invocations. Prints the table last and writes JSON
+high-frequency energy (variance of the Laplacian; below 1: blurrier, above 1: aliased), by crop area.
+Runs on a CPU as well as a GPU (the device path keeps the tensors in RAM there); --jobs runs several
+trainings at once (they are small), and --update adds runs to an earlier JSON, so the seeds can be
+spread over several invocations. Prints the table last and writes JSON
 to benchmarks/results/data_path_accuracy_<machine>.json.
 
     python benchmarks/data_path_accuracy.py --seeds 1 2 3 4 5 6 7 8 9 10 --jobs 6
