@@ -34,7 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 from torchvision.io import ImageReadMode, decode_image  # noqa: E402
 from torchvision.transforms import functional as TF  # noqa: E402
 
-from device_data import crop_transforms, random_resized_crops, resize_and_crop, resize_size  # noqa: E402
+from device_data import crop_transforms, random_resized_crops, resize_and_crop, train_square_size  # noqa: E402
 from end_to_end import environment, shown  # noqa: E402
 from throughput import earlier_results  # noqa: E402
 from reproducibility import machine_slug  # noqa: E402
@@ -73,8 +73,8 @@ def train(flags, seed, args):
 
 
 def train_size(flags, image_size):
-    given = flags[flags.index("--device_train_size") + 1] if "--device_train_size" in flags else None
-    return int(given) if given else resize_size(image_size)
+    given = int(flags[flags.index("--device_train_size") + 1]) if "--device_train_size" in flags else None
+    return train_square_size(image_size, given)
 
 
 def high_frequency_energy(images):

@@ -4,11 +4,11 @@ The DataLoader path (data.py) decodes and augments every image in worker process
 Here every image is decoded once at start (nvJPEG in batches on a GPU, torchvision/PIL on the CPU),
 and each batch is cut out of the resident tensors with a few tensor ops, the way airbench does:
 
-- training images are stored as squares of `--device_train_size` pixels, by default `round(image_size /
-  0.875)` (resized so that the shorter side has that length, then centre-cropped); torchvision's RandomResizedCrop (scale 0.08-1, ratio
-  3/4-4/3) and RandomHorizontalFlip are drawn per image from that square and applied to the whole
-  batch with one `grid_sample`. Unlike the DataLoader path, crops never reach the parts of a
-  non-square image's longer side that lie outside its central square.
+- training images are stored as squares of `--device_train_size` pixels, by default
+  `round(image_size / 0.875)` (resized so that the shorter side has that length, then centre-cropped);
+  torchvision's RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3) and RandomHorizontalFlip are drawn per
+  image from that square and applied to the whole batch with one `grid_sample`. Unlike the DataLoader
+  path, crops never reach the parts of a non-square image's longer side that lie outside its central square.
 - validation images are stored exactly as the DataLoader path feeds them (Resize + CenterCrop).
 
 Shuffling and sharding come from the same EpochSampler as the DataLoader path, and each epoch's crops
@@ -41,8 +41,13 @@ def resize_size(image_size):
     return round(image_size / 0.875)
 
 
+def train_square_size(image_size, requested=None):
+    """Side of the stored training squares: --device_train_size, else the validation resize."""
+    return requested or resize_size(image_size)
+
+
 def dataset_bytes(num_train, num_val, image_size, train_size=None):
-    return 3 * (num_train * (train_size or resize_size(image_size)) ** 2 + num_val * image_size ** 2)
+    return 3 * (num_train * train_square_size(image_size, train_size) ** 2 + num_val * image_size ** 2)
 
 
 def choose_device_data(mode, device, num_train, num_val, image_size, train_size=None):
@@ -218,7 +223,7 @@ def build_device_loaders(train_set, val_set, micro_batch_size, image_size, rank,
     start = time.perf_counter()
     train_paths, train_labels = zip(*train_set.samples)
     val_paths, val_labels = zip(*val_set.samples)
-    train_size = train_size or resize_size(image_size)
+    train_size = train_square_size(image_size, train_size)
     train_images = decode_dataset(train_paths, train_size, train_size, device)
     val_images = decode_dataset(val_paths, resize_size(image_size), image_size, device)
     train_loader = DeviceTrainLoader(train_images, torch.tensor(train_labels, device=device), micro_batch_size,

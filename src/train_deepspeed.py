@@ -14,7 +14,7 @@ import torch
 from checkpoints import CheckpointSaver, find_checkpoint, load
 from data import build_loaders, load_datasets
 from data_check import CACHE_FILE
-from device_data import build_device_loaders, choose_device_data, resize_size
+from device_data import build_device_loaders, choose_device_data, train_square_size
 from distributed import init_distributed, rank_zero_only
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, load_base_config, lr_schedule,
                        precision)
@@ -99,7 +99,7 @@ def main(argv=None):
         "epochs": args.epochs, "world_size": world_size, "device": device_type,
         "precision": precision(ds_config), "zero_stage": zero_stage, "seed": args.seed,
         "sync_bn": args.sync_bn, "data_on_device": on_device,
-        "device_train_size": (args.device_train_size or resize_size(args.image_size)) if on_device else None,
+        "device_train_size": train_square_size(args.image_size, args.device_train_size) if on_device else None,
         "data_check": data_check.summary(),
         "training": {"lr_schedule": lr_schedule(ds_config), "learning_rate": ds_config["optimizer"]["params"]["lr"],
                      "weight_decay": ds_config["optimizer"]["params"].get("weight_decay"),
