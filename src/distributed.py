@@ -79,3 +79,12 @@ def average_buffers(module):
 def barrier():
     if _initialized():
         dist.barrier()
+
+
+def shut_down():
+    """Leave the process group together: a rank that exits while another still works (rank 0 writing a
+    report) can abort in the communication backend's teardown ("terminate called without an active
+    exception", seen with gloo on CPU)."""
+    if _initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -38,7 +38,7 @@ import torchvision
 
 import train_deepspeed
 from data import batch_memory_format
-from distributed import free_port, init_distributed, rank_zero_only
+from distributed import free_port, init_distributed, rank_zero_only, shut_down
 from ds_config import build_ds_config, precision
 from model import BatchNorm2dFP32, ResNet18Animals90
 from options import UsageError, parse_args, run_cli
@@ -418,6 +418,7 @@ def main(argv=None):
         per_rank = [None] * world_size
         torch.distributed.all_gather_object(per_rank, mine)
     report(args, largest_over_ranks(per_rank), world_size, env)
+    shut_down()
     return 0
 
 
