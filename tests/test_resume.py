@@ -85,7 +85,8 @@ def test_keep_last_prunes_old_epoch_checkpoints(uninterrupted):
 
 def test_kill_9_then_resume_equals_an_uninterrupted_run(tiny_data, tmp_path, uninterrupted):
     run = start(train_args(tiny_data), tmp_path, tmp_path / "killed.log")
-    wait_for(lambda: last_epoch_saved(tmp_path) == 2, run)
+    # epoch 2's checkpoint is written before its line in the history: wait for both
+    wait_for(lambda: last_epoch_saved(tmp_path) == 2 and len(history(tmp_path)["epochs"]) == 2, run)
     kill_9_everything(run)
     assert len(history(tmp_path)["epochs"]) == 2, "the kill came after epoch 3 had finished"
 
