@@ -37,6 +37,7 @@ from torchvision.transforms import functional as TF  # noqa: E402
 from device_data import crop_transforms, random_resized_crops, resize_and_crop, train_square_size  # noqa: E402
 from end_to_end import environment, shown  # noqa: E402
 from throughput import earlier_results  # noqa: E402
+from distributed import run_on_free_port  # noqa: E402
 from reproducibility import machine_slug  # noqa: E402
 
 REFERENCE = "DataLoader"
@@ -64,7 +65,8 @@ def train(flags, seed, args):
                    "--save_every", "0", "--save_last_every", "0",
                    "--log_dir", str(tmp / "logs"), "--checkpoint_dir", str(tmp / "checkpoints"), *flags]
         started = time.perf_counter()
-        result = subprocess.run(command, capture_output=True, text=True)
+        result = run_on_free_port(lambda port: subprocess.run(command + ["--master_port", str(port)],
+                                                              capture_output=True, text=True))
         if result.returncode != 0:
             return {"command": shown(command), "seed": seed, "error": (result.stdout + result.stderr)[-2000:]}
         history = json.loads((tmp / "logs" / "training_history.json").read_text())

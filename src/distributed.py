@@ -31,6 +31,16 @@ def free_port():
         return sock.getsockname()[1]
 
 
+def run_on_free_port(start, tries=3):
+    """start(port) -> CompletedProcess of a process that rendezvouses on `port`; started again on another port
+    when another process took the port between free_port() and the bind (EADDRINUSE), as concurrent runs can."""
+    for _ in range(tries):
+        result = start(free_port())
+        if result.returncode == 0 or "EADDRINUSE" not in (result.stdout or "") + (result.stderr or ""):
+            break
+    return result
+
+
 def rank() -> int:
     return dist.get_rank() if _initialized() else 0
 

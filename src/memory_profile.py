@@ -38,7 +38,7 @@ import torchvision
 
 import train_deepspeed
 from data import batch_memory_format
-from distributed import free_port, init_distributed, rank_zero_only, shut_down
+from distributed import init_distributed, rank_zero_only, run_on_free_port, shut_down
 from ds_config import build_ds_config, precision
 from model import BatchNorm2dFP32, ResNet18Animals90
 from options import UsageError, parse_args, run_cli
@@ -259,10 +259,14 @@ def fits(args, name, micro_batch, device, num_params):
                "--model", args.model, "--num_classes", str(args.num_classes), "--image_size", str(args.image_size),
                "--precision_mode", args.precision_mode, *[f"--{flag}" for flag in ("fp16", "bf16") if getattr(args, flag)],
                *(["--gpu_memory_gib", str(args.gpu_memory_gib)] if args.gpu_memory_gib else [])]
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": str(free_port())}
-    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    started = time.perf_counter()
+    result = run_on_free_port(lambda port: subprocess.run(command, env={**env, "MASTER_PORT": str(port)},
+                                                          capture_output=True, text=True))
     if result.returncode not in (0, PROBE_OUT_OF_MEMORY):
         raise RuntimeError(f"the try of {name} at micro-batch {micro_batch} failed:\n{result.stderr[-3000:]}")
+    print(f"  {name}: micro-batch {micro_batch} {'fits' if result.returncode == 0 else 'runs out of memory'} "
+          f"({time.perf_counter() - started:.0f} s)", flush=True)
     return result.returncode == 0
 
 

@@ -86,3 +86,36 @@ def test_average_buffers_makes_every_rank_hold_the_mean_statistics(ranks):
     for result in ranks:
         torch.testing.assert_close(result["unsynced_after"][0], mean_of_ranks)
     torch.testing.assert_close(ranks[0]["unsynced_after"][1], ranks[1]["unsynced_after"][1], rtol=0, atol=0)
+
+
+def test_a_rendezvous_that_lost_its_port_starts_again_on_another(monkeypatch):
+    """Runs started side by side (the benchmarks' jobs, the memory search's probes) race for free ports:
+    a port taken between free_port() and the bind gets a new start on another port; other failures do not."""
+    import socket
+    import subprocess
+    import sys
+
+    import distributed
+
+    bind = "import sys, torch.distributed as d; d.TCPStore('127.0.0.1', int(sys.argv[1]), 1, True)"
+    tried = []
+
+    def start(port):
+        tried.append(port)
+        return subprocess.run([sys.executable, "-c", bind, str(port)], capture_output=True, text=True)
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        taken_port = taken.getsockname()[1]
+        ports = iter([taken_port, free_port()])
+        monkeypatch.setattr(distributed, "free_port", lambda: next(ports))
+        result = distributed.run_on_free_port(start)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert tried[0] == taken_port and len(tried) == 2
+
+    monkeypatch.setattr(distributed, "free_port", lambda: 0)
+    failures = []
+    broken = subprocess.CompletedProcess([], 1, stdout="", stderr="ValueError: something else")
+    assert distributed.run_on_free_port(lambda port: failures.append(port) or broken) is broken
+    assert len(failures) == 1
