@@ -34,7 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 from torchvision.io import ImageReadMode, decode_image  # noqa: E402
 from torchvision.transforms import functional as TF  # noqa: E402
 
-from device_data import crop_transforms, random_resized_crops, resize_and_crop, train_square_size  # noqa: E402
+from device_data import ResizedCrops, random_resized_crops, resize_and_crop, train_square_size  # noqa: E402
 from end_to_end import environment, shown  # noqa: E402
 from throughput import earlier_results  # noqa: E402
 from distributed import run_on_free_port  # noqa: E402
@@ -88,6 +88,7 @@ def crop_detail(paths, side, image_size, seed=0):
     resized crop of each decoded image's centre square (the part the device path keeps), same boxes."""
     generator = torch.Generator().manual_seed(seed)
     by_area = {bucket: {"diff": [], "ours": 0.0, "torchvision": 0.0} for bucket in CROP_AREAS}
+    crops = ResizedCrops(side, image_size, torch.device("cpu"))
     for path in paths:
         image = decode_image(str(path), mode=ImageReadMode.RGB)
         full = min(image.shape[-2:])
@@ -96,10 +97,10 @@ def crop_detail(paths, side, image_size, seed=0):
         top, left, height, width, flip = random_resized_crops(1, full, generator)
         expected = TF.resized_crop(square, int(top), int(left), int(height), int(width), [image_size] * 2,
                                    antialias=True)[None]
-        k = side / full
-        theta = crop_transforms(top * k, left * k, height * k, width * k, torch.zeros_like(flip), side)
-        grid = F.affine_grid(theta, (1, 3, image_size, image_size), align_corners=False)
-        ours = F.grid_sample(stored, grid, mode="bilinear", padding_mode="border", align_corners=False)
+        # The same box on the stored square, in whole pixels of it as the trainer draws them (where side !=
+        # full, rounding shifts it by up to half a stored pixel, which adds to the difference, not to the detail).
+        box = [(v * side / full).round() for v in (top, left, height, width)]
+        ours = crops(stored, *box, torch.zeros_like(flip))
         area = float(height * width) / full**2
         bucket = next(b for b in CROP_AREAS if area <= b[1])
         by_area[bucket]["diff"].append((ours - expected).abs().mean().item())

@@ -7,8 +7,10 @@ and each batch is cut out of the resident tensors with a few tensor ops, the way
 - training images are stored as squares of `--device_train_size` pixels, by default
   `round(image_size / 0.875)` (resized so that the shorter side has that length, then centre-cropped);
   torchvision's RandomResizedCrop (scale 0.08-1, ratio 3/4-4/3) and RandomHorizontalFlip are drawn per
-  image from that square and applied to the whole batch with one `grid_sample`. Unlike the DataLoader
-  path, crops never reach the parts of a non-square image's longer side that lie outside its central square.
+  image from that square and applied to the whole batch as two batched matrix products (ResizedCrops):
+  torchvision's antialiased bilinear resize is separable, so each crop is rows @ square @ columns^T with
+  per-image weight matrices, and gives torchvision's pixels for the same box. Unlike the DataLoader path,
+  crops never reach the parts of a non-square image's longer side that lie outside its central square.
 - validation images are stored exactly as the DataLoader path feeds them (Resize + CenterCrop).
 
 Shuffling and sharding come from the same EpochSampler as the DataLoader path, and each epoch's crops
@@ -21,7 +23,6 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg, read_file
 from torchvision.transforms import functional as TF
@@ -52,16 +53,17 @@ def dataset_bytes(num_train, num_val, image_size, train_size=None):
 
 def choose_device_data(mode, device, num_train, num_val, image_size, train_size=None):
     """(use the device path?, why) for --data_on_device auto|on|off."""
-    needed = dataset_bytes(num_train, num_val, image_size, train_size)
+    needed = (dataset_bytes(num_train, num_val, image_size, train_size)
+              + crop_weights_bytes(train_square_size(image_size, train_size), image_size))
     if mode != "auto":
         return mode == "on", f"--data_on_device {mode}"
     if device.type != "cuda":
         return False, "auto: the device is a CPU"
     free, _ = torch.cuda.mem_get_info(device)
     if needed > FREE_MEMORY_SHARE * free:
-        return False, (f"auto: the decoded dataset ({needed / 2**30:.2f} GiB) needs more than "
+        return False, (f"auto: the decoded dataset and crop weights ({needed / 2**30:.2f} GiB) need more than "
                        f"{FREE_MEMORY_SHARE:.0%} of the GPU's free {free / 2**30:.1f} GiB")
-    return True, f"auto: the decoded dataset ({needed / 2**30:.2f} GiB) fits on the GPU"
+    return True, f"auto: the decoded dataset and crop weights ({needed / 2**30:.2f} GiB) fit on the GPU"
 
 
 # EXIF orientation -> the (C, H, W) tensor op that makes the image upright, as PIL's ImageOps.exif_transpose.
@@ -141,15 +143,45 @@ def random_resized_crops(count, side, generator):
     return top, left, height, width, flip
 
 
-def crop_transforms(top, left, height, width, flip, side):
-    """The affine_grid matrices (N, 2, 3) that map an output image onto each crop box of a side x side image."""
-    scale_x = width / side * torch.where(flip, -1.0, 1.0)
-    theta = torch.zeros(len(top), 2, 3)
-    theta[:, 0, 0] = scale_x
-    theta[:, 0, 2] = (2 * left + width) / side - 1
-    theta[:, 1, 1] = height / side
-    theta[:, 1, 2] = (2 * top + height) / side - 1
-    return theta
+def resize_weights(lengths, side, out_size):
+    """torchvision's antialiased bilinear resize of the window [0, length) of a `side`-pixel axis to `out_size`
+    pixels, as an (out_size, side) matrix per length: PIL's triangle filter, widened by the shrink factor
+    when the window shrinks, each row normalised over the pixels inside the window."""
+    scale = (lengths / out_size).view(-1, 1, 1)
+    centre = scale * (torch.arange(out_size, device=lengths.device) + 0.5).view(1, -1, 1)
+    pixel = torch.arange(side, device=lengths.device).view(1, 1, -1)
+    weights = (1 - (pixel + 0.5 - centre).abs() / scale.clamp(min=1)).clamp_(min=0)
+    weights *= pixel < lengths.view(-1, 1, 1)
+    return weights / weights.sum(-1, keepdim=True)
+
+
+def crop_weights_bytes(side, out_size, element_bytes=2):
+    """GPU memory of ResizedCrops' weight table (float16 there)."""
+    return 2 * (side + 1) * out_size * 2 * side * element_bytes
+
+
+class ResizedCrops:
+    """torchvision's resized_crop(antialias=True) + hflip for whole batches of (N, 3, side, side) images, as
+    two batched matrix products: rows @ image @ columns^T, each (out_size, side) weight matrix a window's
+    resize_weights. The weights of every window length, plain and mirrored, are computed once, zero-padded
+    so that shifting a window to its start is a strided view; a batch then fetches its weight matrices with
+    one gather. Pixels in `dtype` (float16 holds uint8 values exactly; CPUs lack fast float16 matmuls)."""
+
+    def __init__(self, side, out_size, device, dtype=torch.float32):
+        table = resize_weights(torch.arange(1, side + 1, dtype=torch.float32, device=device), side, out_size)
+        padded = torch.zeros(2, side + 1, out_size, 2 * side, dtype=dtype, device=device)
+        padded[0, 1:, :, side:] = table
+        padded[1, 1:, :, side:] = table.flip(1)
+        # windows[mirrored, length, i, side - start, pixel]: output i's weight of each pixel of the axis
+        self.windows = padded.unfold(-1, side, 1)
+        self.side, self.dtype = side, dtype
+
+    def __call__(self, images, top, left, height, width, flip):
+        mirrored = torch.stack([torch.zeros_like(flip), flip], 1).long()  # only the columns are mirrored
+        lengths = torch.stack([height, width], 1).long()
+        shifts = self.side - torch.stack([top, left], 1).long()
+        rows, columns = self.windows[mirrored, lengths, :, shifts].unbind(1)  # each (N, out, side)
+        return rows.unsqueeze(1) @ images.to(self.dtype) @ columns.transpose(1, 2).unsqueeze(1)
 
 
 class Normalize:
@@ -177,26 +209,27 @@ class DeviceTrainLoader:
         self.seed, self.rank, self.micro_batch_size, self.image_size = seed, rank, micro_batch_size, image_size
         self.batches_per_epoch = self.sampler.num_samples // micro_batch_size
         self.normalize = Normalize(images.device, dtype)
+        self.crops = ResizedCrops(images.shape[-1], image_size, images.device,
+                                  torch.float16 if images.device.type == "cuda" else torch.float32)
 
-    def epoch(self, epoch, start_batch=0):
+    def epoch_boxes(self, epoch, start_batch=0):
+        """(indices, boxes) of the epoch's batches from `start_batch` on; boxes (B, 5): top, left, height,
+        width, flip of each image's crop, all drawn at the epoch's start from (seed, rank, epoch)."""
         self.sampler.set_epoch(epoch)
         self.sampler.start = 0
         order = torch.tensor(list(self.sampler))
         generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.rank, epoch))
-        theta = crop_transforms(*random_resized_crops(len(order), self.images.shape[-1], generator),
-                                side=self.images.shape[-1])
-        device = self.images.device
-        order, theta = order.to(device), theta.to(device)
-        return (self.batch(order[start:start + self.micro_batch_size], theta[start:start + self.micro_batch_size])
+        boxes = torch.stack(random_resized_crops(len(order), self.images.shape[-1], generator), dim=1).long()
+        order, boxes = order.to(self.images.device), boxes.to(self.images.device)
+        return ((order[start:start + self.micro_batch_size], boxes[start:start + self.micro_batch_size])
                 for start in range(start_batch * self.micro_batch_size,
                                    self.batches_per_epoch * self.micro_batch_size, self.micro_batch_size))
 
-    def batch(self, indices, theta):
-        shape = (len(indices), 3, self.image_size, self.image_size)
-        grid = F.affine_grid(theta, shape, align_corners=False)
-        crops = F.grid_sample(self.images[indices].float(), grid, mode="bilinear", padding_mode="border",
-                              align_corners=False)
-        return self.normalize(crops), self.labels[indices]
+    def epoch(self, epoch, start_batch=0):
+        return (self.batch(indices, boxes) for indices, boxes in self.epoch_boxes(epoch, start_batch))
+
+    def batch(self, indices, boxes):
+        return self.normalize(self.crops(self.images[indices], *boxes.unbind(1))), self.labels[indices]
 
 
 class DeviceValLoader:

@@ -11,16 +11,9 @@ from torchvision.transforms import functional as TF
 from conftest import TINY_VAL_IMAGES, data_args, launch
 from data import build_transform
 from device_data import (DeviceTrainLoader, DeviceValLoader, build_device_loaders, choose_device_data,
-                         crop_transforms, dataset_bytes, random_resized_crops)
+                         ResizedCrops, crop_weights_bytes, dataset_bytes, random_resized_crops)
 
 CPU = torch.device("cpu")
-
-
-def crop(images, top, left, height, width, flip, out):
-    theta = crop_transforms(torch.tensor([float(top)]), torch.tensor([float(left)]), torch.tensor([float(height)]),
-                            torch.tensor([float(width)]), torch.tensor([flip]), side=images.shape[-1])
-    grid = F.affine_grid(theta, (1, 3, out, out), align_corners=False)
-    return F.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)
 
 
 def test_crop_boxes_follow_random_resized_crop():
@@ -35,16 +28,30 @@ def test_crop_boxes_follow_random_resized_crop():
     assert all(torch.equal(a, b) for a, b in zip((top, left, height, width, flip), again))
 
 
-def test_grid_sample_crop_equals_torchvision_resized_crop():
-    images = torch.rand(1, 3, 40, 40) * 255
-    whole = crop(images, 0, 0, 40, 40, False, 56)
-    assert torch.allclose(whole, F.interpolate(images, size=(56, 56), mode="bilinear", align_corners=False),
-                          atol=1e-3)
-    assert torch.allclose(crop(images, 0, 0, 40, 40, True, 56), whole.flip(-1), atol=1e-3)
-    part = crop(images, 5, 9, 20, 16, False, 32)
-    expected = TF.resized_crop(images, 5, 9, 20, 16, [32, 32], antialias=False)
-    # Inside the box both sample the same points; at its edge torchvision clamps to the crop, we read on.
-    assert torch.allclose(part[..., 2:-2, 2:-2], expected[..., 2:-2, 2:-2], atol=1e-3)
+@pytest.mark.parametrize("side, out", [(73, 64), (40, 56), (256, 224)])  # shrinking and enlarging boxes
+def test_crops_are_torchvisions_antialiased_resized_crops(side, out):
+    generator = torch.Generator().manual_seed(side)
+    images = torch.randint(0, 256, (24, 3, side, side), dtype=torch.uint8, generator=generator)
+    top, left, height, width, flip = random_resized_crops(24, side, generator)
+    assert flip.any() and not flip.all()
+    ours = ResizedCrops(side, out, CPU)(images, top, left, height, width, flip)
+    for i in range(24):
+        box = [int(v[i]) for v in (top, left, height, width)]
+        expected = TF.resized_crop(images[i].float(), *box, [out, out], antialias=True)
+        assert torch.allclose(ours[i], expected.flip(-1) if flip[i] else expected, atol=1e-3)
+
+
+def test_crops_match_the_dataloader_paths_pil_crops():
+    """RandomResizedCrop on a PIL image (the DataLoader path) resamples with PIL's own filter, in integers."""
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (8, 3, 96, 96), dtype=torch.uint8, generator=generator)
+    images = F.avg_pool2d(images.float(), 3, stride=1, padding=1).to(torch.uint8)  # some detail at every scale
+    top, left, height, width, flip = random_resized_crops(8, 96, generator)
+    ours = ResizedCrops(96, 64, CPU)(images, top, left, height, width, torch.zeros(8, dtype=torch.bool))
+    for i in range(8):
+        box = [int(v[i]) for v in (top, left, height, width)]
+        pil = TF.resized_crop(TF.to_pil_image(images[i]), *box, [64, 64], antialias=True)
+        assert (ours[i] - TF.pil_to_tensor(pil).float()).abs().max() <= 1.0
 
 
 def test_validation_images_match_the_dataloader_path(tiny_data):
@@ -95,6 +102,9 @@ def test_choice_of_data_path():
     # training squares of the validation resize by default (256 for 224), or of --device_train_size
     assert dataset_bytes(100, 10, 224) == 3 * (100 * 256**2 + 10 * 224**2)
     assert dataset_bytes(100, 10, 224, train_size=384) == 3 * (100 * 384**2 + 10 * 224**2)
+    # the crop weights auto mode counts on top: the table ResizedCrops keeps (float16 on a GPU)
+    table = ResizedCrops(40, 24, CPU, torch.float16).windows
+    assert table.untyped_storage().nbytes() == crop_weights_bytes(40, 24)
 
 
 def test_training_with_the_dataset_on_the_device(tiny_data, tmp_path):
