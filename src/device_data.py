@@ -155,9 +155,9 @@ def resize_weights(lengths, side, out_size):
     return weights / weights.sum(-1, keepdim=True)
 
 
-def crop_weights_bytes(side, out_size, element_bytes=2):
-    """GPU memory of ResizedCrops' weight table (float16 there)."""
-    return 2 * (side + 1) * out_size * 2 * side * element_bytes
+def crop_weights_bytes(side, out_size):
+    """GPU memory of ResizedCrops' weight table (float16 there: 2 bytes a weight)."""
+    return 2 * (side + 1) * out_size * 2 * side * 2
 
 
 class ResizedCrops:
