@@ -69,7 +69,8 @@ def grid_sample_batches(loader, epoch):
 
 def device_path(pixel_dtype):
     def batches(loader, epoch):
-        loader.crops = ResizedCrops(loader.images.shape[-1], loader.image_size, loader.images.device, pixel_dtype)
+        if loader.crops.dtype != pixel_dtype:  # built once, by the warm-up: the trainer builds it at start
+            loader.crops = ResizedCrops(loader.images.shape[-1], loader.image_size, loader.images.device, pixel_dtype)
         return loader.epoch(epoch)
     return batches
 
