@@ -187,9 +187,12 @@ def _autocast_half(section):
 ZERO3_MODULE_GRANULARITY = 200_000
 
 # DeepSpeed allocates these buffers at their full size whatever the model: ZeRO-1/2 two reduce buckets
-# of 5e8 elements, 3.7 GiB in fp32 for ResNet18's 11 M parameters. A bucket larger than the model buys
-# nothing, so unset ones are capped at the model's size.
-MODEL_SIZED_BUCKETS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
+# of 5e8 elements, 3.7 GiB in fp32 for ResNet18's 11 M parameters, allocated in the backward pass, where
+# memory peaks. A bucket larger than the model buys nothing, and one larger than DeepSpeed's own stage-3
+# prefetch bucket (5e7 elements, 191 MiB in fp32; PyTorch DDP's buckets are 25 MiB) buys no bandwidth,
+# so unset ones are capped at both.
+BUCKETS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
+BUCKET_CAP = 50_000_000
 
 
 def _resolve_zero(config, args, num_params=None):
@@ -204,9 +207,9 @@ def _resolve_zero(config, args, num_params=None):
         elif key not in zero and getattr(args, flag):
             zero[key] = dict(OFFLOAD_TO_CPU)
     if num_params:
-        for key in MODEL_SIZED_BUCKETS:
+        for key in BUCKETS:
             if zero.get(key, AUTO) == AUTO:
-                zero[key] = min(ZERO_AUTO_DEFAULTS[key], num_params)
+                zero[key] = min(ZERO_AUTO_DEFAULTS[key], num_params, BUCKET_CAP)
     for key, value in ZERO_AUTO_DEFAULTS.items():
         if zero.get(key) == AUTO:
             zero[key] = value

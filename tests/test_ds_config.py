@@ -180,9 +180,10 @@ def test_fp16_on_cpu_is_refused_with_a_hint():
 
 def test_reference_zero2_config():
     base = load_base_config(ROOT / "ds_config_zero2.json")
-    config = build(world_size=2, base=base)
+    config = build_ds_config(make_args(), 2, 1000, base=base, num_params=11_000_000)
     zero = config["zero_optimization"]
     assert zero["stage"] == 2
+    assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == 11_000_000
     assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
     for key in ("allgather_partitions", "overlap_comm", "reduce_scatter", "contiguous_gradients"):
         assert zero[key] is True
@@ -385,8 +386,11 @@ def test_unset_zero_buckets_are_capped_at_the_model_size():
     assert config["zero_optimization"]["allgather_bucket_size"] == 11_000_000
     zero3 = build_ds_config(make_args("--zero_stage", "3"), 1, 1000, num_params=11_000_000)["zero_optimization"]
     assert zero3["stage3_prefetch_bucket_size"] == 11_000_000  # DeepSpeed's 5e7 is larger than the model
-    huge = build_ds_config(args, 1, 1000, num_params=10**10)["zero_optimization"]
-    assert huge["reduce_bucket_size"] == 500_000_000 and huge["stage3_prefetch_bucket_size"] == 50_000_000
+    # wide_resnet101_2: a 125 M-element fp32 bucket (0.47 GiB) in backward took what optimizer offload saved
+    wide = build_ds_config(args, 1, 1000, num_params=125_022_106)["zero_optimization"]
+    assert wide["reduce_bucket_size"] == wide["allgather_bucket_size"] == 50_000_000
+    huge = build_ds_config(make_args("--zero_stage", "3"), 1, 1000, num_params=10**10)["zero_optimization"]
+    assert huge["reduce_bucket_size"] == huge["stage3_prefetch_bucket_size"] == 50_000_000
 
 
 def test_buckets_the_config_sets_are_kept():
