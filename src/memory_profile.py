@@ -357,8 +357,14 @@ def plot(rows, args, world_size, env, path):
     width = 0.8 / len(series)
     for i, (label, key) in enumerate(series):
         ax.bar([x + i * width for x in range(len(rows))], [row.get(key) or 0 for row in rows], width, label=label)
-    ax.set_xticks([x + width * (len(series) - 1) / 2 for x in range(len(rows))],
-                  [row["config"].replace(" + ", "\n+ ") for row in rows], fontsize=8)
+    centres = [x + width * (len(series) - 1) / 2 for x in range(len(rows))]
+    ax.set_xticks(centres, [row["config"].replace(" + ", "\n+ ").replace(", ", ",\n") for row in rows], fontsize=8)
+    top = max((row.get(key) or 0 for row in rows for _, key in series), default=0)
+    for centre, row in zip(centres, rows):
+        if row.get("max_micro_batch") is not None:
+            ax.text(centre, top * 1.04, f"max batch {row['max_micro_batch']}", ha="center", fontsize=8)
+    if any(row.get("max_micro_batch") is not None for row in rows):
+        ax.set_ylim(0, top * 1.12)
     ax.set_ylabel("GiB per rank (largest over ranks)" if gpu else "GiB per process")
     ax.set_title(f"{args.model}, micro-batch {args.batch_size}, {args.image_size} px, {world_size} rank(s), "
                  f"{rows[0].get('precision', '') if rows else ''} — {env['gpu'] or 'CPU'}")
