@@ -39,6 +39,19 @@ def data_args(data_root):
     return ["--train_dir", str(data_root / "train"), "--val_dir", str(data_root / "val")]
 
 
+def assert_usage_error_in_process(main, argv, capsys, message):
+    """assert_usage_error for a command's main() run in this process; returns (stdout, stderr)."""
+    from options import run_cli
+
+    with pytest.raises(SystemExit) as exited:
+        run_cli(main, argv)
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2, err[-2000:]
+    assert err.startswith("error: ") and err.count("\n") == 1, err[-2000:]
+    assert message in err
+    return out, err
+
+
 def assert_usage_error(result, message):
     """The process failed the way bad input must: exit status 2 and one line on stderr naming the problem."""
     lines = result.stderr.strip().splitlines()

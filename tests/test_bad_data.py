@@ -9,11 +9,11 @@ import torch
 from PIL import Image, ImageOps
 
 import data_check
-from conftest import ROOT, data_args, launch, run
+from conftest import ROOT, assert_usage_error_in_process, data_args, launch, run
 from data import ImageFiles, build_transform, load_datasets, load_rgb
 from data_check import CACHE_FILE, check_data, check_folders
 from device_data import Normalize, decode_chunk, decode_dataset, resize_size
-from options import UsageError, run_cli
+from options import UsageError
 from prepare_data import main as prepare_data_main
 from prepare_data import make_sample_dataset
 
@@ -196,11 +196,8 @@ def test_unusable_data_stops_the_launcher_and_the_check_with_status_2(tmp_path, 
     message = unusable(tmp_path / "data", kind)
     for main, argv in ((launch_deepspeed.main, data_args(tmp_path / "data") + ["--log_dir", str(tmp_path / "logs")]),
                        (prepare_data_main, ["--check", str(tmp_path / "data")])):
-        with pytest.raises(SystemExit) as exit_:
-            run_cli(main, argv)
-        assert exit_.value.code == 2
-        stderr = capsys.readouterr().err
-        assert stderr.startswith(f"error: {message}") and stderr.count("\n") == 1, stderr
+        _, stderr = assert_usage_error_in_process(main, argv, capsys, message)
+        assert stderr.startswith(f"error: {message}"), stderr
     assert not (tmp_path / "logs").exists()
     with pytest.raises(UsageError):
         check_data(tmp_path / "data/train", tmp_path / "data/val")

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, assert_usage_error, data_args, launch, run
+from conftest import ROOT, assert_usage_error, assert_usage_error_in_process, data_args, launch, run
 from model import ResNet18Animals90
 
 
@@ -48,7 +48,7 @@ def test_wrapper_script_passes_arguments_through(tiny_data, tmp_path):
     assert "--gradient_accumulation_steps" in command
 
 
-@pytest.mark.parametrize("extra, message", [
+BAD_INPUT = [
     (["--train_dir", "nowhere"], "image folder not found: nowhere"),
     (["--fp16"], "fp16 needs a GPU"),
     (["--zero_stage", "2", "--offload_param"], "offload_param needs ZeRO stage 3"),
@@ -67,29 +67,45 @@ def test_wrapper_script_passes_arguments_through(tiny_data, tmp_path):
     (["--deepspeed_config", "WRONG_BATCH"], "train_batch_size 7 in the DeepSpeed config is not micro-batch 4"),
     (["--deepspeed_config", "WRONG_TYPE"], 'zero_optimization in the DeepSpeed config must be a JSON object, got 2'),
     (["--checkpoint_dir", "FILE/checkpoints"], "is not a folder; choose another --checkpoint_dir"),
-])
-def test_bad_input_is_one_line_and_exit_status_2(tiny_data, tmp_path, extra, message):
+]
+
+
+def bad_input_argv(tmp_path, tiny_data, extra):
     files = {"BROKEN": "{\"train_batch_size\": ", "LIST": "[]", "FILE": "",
              "WRONG_BATCH": '{"train_batch_size": 7, "train_micro_batch_size_per_gpu": 4}',
              "WRONG_TYPE": '{"zero_optimization": 2}'}
     for name, text in files.items():
         (tmp_path / name).write_text(text)
-    extra = [str(tmp_path / arg) if arg.split("/")[0] in files else arg for arg in extra]
-    assert_usage_error(launch(data_args(tiny_data) + extra, tmp_path), message)
+    return data_args(tiny_data) + [str(tmp_path / arg) if arg.split("/")[0] in files else arg for arg in extra]
+
+
+@pytest.mark.parametrize("extra, message", BAD_INPUT)
+def test_bad_input_is_one_line_and_exit_status_2(tiny_data, tmp_path, monkeypatch, capsys, extra, message):
+    # In process (a launcher process takes 5 s to import torch and torchvision); the command line's own
+    # path, from the process's exit status to its stderr, is the test below.
+    import launch_deepspeed
+
+    argv = bad_input_argv(tmp_path, tiny_data, extra)
+    monkeypatch.chdir(tmp_path)
+    assert_usage_error_in_process(launch_deepspeed.main, argv, capsys, message)
+    assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.parametrize("extra, message", BAD_INPUT[:2])
+def test_bad_input_on_the_command_line_is_one_line_and_exit_status_2(tiny_data, tmp_path, extra, message):
+    assert_usage_error(launch(bad_input_argv(tmp_path, tiny_data, extra), tmp_path), message)
     assert not (tmp_path / "logs").exists()
 
 
 def test_more_gpus_than_the_machine_has_are_refused(tiny_data, tmp_path, monkeypatch, capsys):
     import launch_deepspeed
     import torch
-    from options import run_cli
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # what a two-GPU machine reports
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit) as exited:
-        run_cli(launch_deepspeed.main, data_args(tiny_data) + ["--num_gpus", "4", "--dry_run"])
-    out, err = capsys.readouterr()
-    assert exited.value.code == 2 and out == ""
+    argv = data_args(tiny_data) + ["--num_gpus", "4", "--dry_run"]
+    out, err = assert_usage_error_in_process(launch_deepspeed.main, argv, capsys, "--num_gpus 4")
+    assert out == ""
     assert err == ("error: --num_gpus 4, but this machine has 2 visible GPU(s): use --num_gpus 2 or fewer "
                    "(CUDA_VISIBLE_DEVICES decides which GPUs are visible)\n")
 
