@@ -193,6 +193,9 @@ ZERO3_MODULE_GRANULARITY = 200_000
 # so unset ones are capped at both.
 BUCKETS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
 BUCKET_CAP = 50_000_000
+# ZeRO-1/2 assert allgather_bucket_size % 2 == 0 (nccl_start_alignment_factor: 4 bytes of fp16), and a
+# model-sized bucket is odd for every odd class count (ResNet18: 11,176,512 + 513 x classes).
+BUCKET_ALIGNMENT = 2
 
 
 def _resolve_zero(config, args, num_params=None):
@@ -209,7 +212,7 @@ def _resolve_zero(config, args, num_params=None):
     if num_params:
         for key in BUCKETS:
             if zero.get(key, AUTO) == AUTO:
-                zero[key] = min(ZERO_AUTO_DEFAULTS[key], num_params, BUCKET_CAP)
+                zero[key] = min(ZERO_AUTO_DEFAULTS[key], _round_up(num_params, BUCKET_ALIGNMENT), BUCKET_CAP)
     for key, value in ZERO_AUTO_DEFAULTS.items():
         if zero.get(key) == AUTO:
             zero[key] = value
@@ -217,12 +220,20 @@ def _resolve_zero(config, args, num_params=None):
         zero["stage3_module_granularity_threshold"] = ZERO3_MODULE_GRANULARITY
     if stage not in (0, 1, 2, 3):
         raise UsageError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    allgather = zero.get("allgather_bucket_size")
+    if stage in (1, 2) and isinstance(allgather, int) and allgather % BUCKET_ALIGNMENT:
+        raise UsageError(f"zero_optimization.allgather_bucket_size must be a multiple of {BUCKET_ALIGNMENT} "
+                         f"(DeepSpeed's alignment), got {allgather}")
     if _offloads(zero, "offload_param") and stage != 3:
         raise UsageError(f"offload_param needs ZeRO stage 3 (this run uses stage {stage})")
     if _offloads(zero, "offload_optimizer") and stage == 0:
         raise UsageError("offload_optimizer needs ZeRO stage 1, 2 or 3 (this run uses stage 0)")
     if "offload_param" in zero and stage != 3:
         zero.pop("offload_param")
+
+
+def _round_up(value, multiple):
+    return -(-value // multiple) * multiple
 
 
 def _skip_unused_grad_norm(config):

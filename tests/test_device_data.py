@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torchvision.datasets import ImageFolder
 from torchvision.transforms import functional as TF
 
-from conftest import TINY_VAL_IMAGES, data_args, launch
+from conftest import TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, data_args, launch
 from data import build_transform
 from device_data import (DeviceTrainLoader, DeviceValLoader, build_device_loaders, choose_device_data,
                          ResizedCrops, crop_weights_bytes, dataset_bytes, random_resized_crops)
@@ -112,7 +112,7 @@ def test_training_with_the_dataset_on_the_device(tiny_data, tmp_path):
                                             "--save_every", "1", "--data_on_device", "on",
                                             "--device_train_size", "40"], tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert f"Data on cpu (--data_on_device on): decoded {48 + TINY_VAL_IMAGES} images" in result.stdout
+    assert f"Data on cpu (--data_on_device on): decoded {TINY_TRAIN_IMAGES + TINY_VAL_IMAGES} images" in result.stdout
     history = json.loads((tmp_path / "logs/training_history.json").read_text())
     assert history["config"]["data_on_device"] is True and history["config"]["device_train_size"] == 40
     for epoch in history["epochs"]:

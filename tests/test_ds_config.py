@@ -398,3 +398,23 @@ def test_buckets_the_config_sets_are_kept():
     zero = build_ds_config(make_args(), 1, 1000, base=base, num_params=11_000_000)["zero_optimization"]
     assert zero["reduce_bucket_size"] == 200_000_000 and zero["allgather_bucket_size"] == 11_000_000
     assert "reduce_bucket_size" not in build("--zero_stage", "2")["zero_optimization"]  # no model size: DeepSpeed's
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("num_classes", range(1, 10))
+def test_model_sized_buckets_are_valid_for_every_class_count(stage, num_classes):
+    """ResNet18 has 11,176,512 + 513 x classes parameters: odd for odd class counts, and ZeRO-1/2 assert
+    an even allgather bucket."""
+    from model import ResNet18Animals90
+
+    num_params = sum(p.numel() for p in ResNet18Animals90(num_classes=num_classes).parameters())
+    assert num_params == 11_176_512 + 513 * num_classes
+    zero = build_ds_config(make_args("--zero_stage", str(stage)), 1, 1000, num_params=num_params)["zero_optimization"]
+    buckets = [zero[key] for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")]
+    assert all(bucket % 2 == 0 and num_params <= bucket <= num_params + 1 for bucket in buckets)
+
+
+def test_an_odd_allgather_bucket_in_the_json_is_a_usage_error():
+    base = {"zero_optimization": {"stage": 2, "allgather_bucket_size": 11_177_025}}
+    with pytest.raises(UsageError, match="allgather_bucket_size must be a multiple of 2"):
+        build_ds_config(make_args(), 1, 1000, base=base, num_params=11_000_000)

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, assert_usage_error, assert_usage_error_in_process, data_args, launch, run
+from conftest import ROOT, TINY_CLASSES, assert_usage_error, assert_usage_error_in_process, data_args, launch, run
 from model import ResNet18Animals90
 
 
@@ -23,10 +23,12 @@ def test_dry_run_prints_config_and_command_and_spawns_nothing(tiny_data, tmp_pat
     assert config["bf16"] == {"enabled": True}
     assert config["zero_optimization"]["stage"] == 3
     assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
-    # DeepSpeed's buckets, which it allocates at full size, capped at the model's 4-class parameter count
-    params = sum(p.numel() for p in ResNet18Animals90(num_classes=4).parameters())
-    assert config["zero_optimization"]["reduce_bucket_size"] == params
-    assert config["zero_optimization"]["stage3_prefetch_bucket_size"] == params
+    # DeepSpeed's buckets, which it allocates at full size, capped at the model's parameter count (odd for 3
+    # classes), rounded up to the even size ZeRO-1/2 require
+    params = sum(p.numel() for p in ResNet18Animals90(num_classes=TINY_CLASSES).parameters())
+    assert params % 2 == 1
+    assert config["zero_optimization"]["reduce_bucket_size"] == params + 1
+    assert config["zero_optimization"]["stage3_prefetch_bucket_size"] == params + 1
     # 48 train images / 2 ranks / micro-batch 2 = 12 steps per epoch.
     assert config["scheduler"]["params"]["total_num_steps"] == 36
     assert command[:5] == [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from conftest import TINY_CLASSES, TINY_VAL_IMAGES, data_args, launch
+from conftest import TINY_CLASSES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, TINY_VAL_PER_CLASS, data_args, launch
 from model import ResNet18Animals90
 from monitor import EPOCH_SCALARS, epoch_events, prepare_csv_files
 
@@ -21,7 +21,7 @@ def read_csv(path):
 @pytest.fixture(scope="module")
 def stalled_run(tiny_data, tmp_path_factory):
     """Three epochs in which val accuracy cannot improve after the first: a classifier head with zero
-    weights and bias (1, 0, 0, 0) predicts class 0 for every image, and at learning rate 1e-8 the 24
+    weights and bias (1, 0, 0) predicts class 0 for every image, and at learning rate 1e-8 the 24
     steps move its logits by far less than that margin of 1 (a tiny learning rate alone would not do:
     the batch-norm running statistics still move)."""
     workdir = tmp_path_factory.mktemp("stalled")
@@ -42,16 +42,16 @@ def stalled_run(tiny_data, tmp_path_factory):
 def test_early_stopping_ends_the_run_and_the_csv_monitor_holds_every_epoch(stalled_run):
     workdir, result = stalled_run
     history = json.loads((workdir / "logs/training_history.json").read_text())
-    class_0_share = 4 / TINY_VAL_IMAGES  # 4 val images of the first class
+    class_0_share = TINY_VAL_PER_CLASS / TINY_VAL_IMAGES
     epochs = history["epochs"]
     assert [e["epoch"] for e in epochs] == [1, 2]  # stopped before epoch 3
     assert [e["val_acc"] for e in epochs] == [class_0_share] * 2
-    # Logits (1, 0, 0, 0) over balanced classes: the mean loss is log(e + 3) - 1/4, label smoothing or not.
-    assert all(e["train_loss"] == pytest.approx(math.log(math.e + 3) - 0.25, abs=1e-4) for e in epochs)
+    # Logits (1, 0, 0) over balanced classes: the mean loss is log(e + 2) - 1/3, label smoothing or not.
+    assert all(e["train_loss"] == pytest.approx(math.log(math.e + 2) - 1 / 3, abs=1e-4) for e in epochs)
     assert history["best"] == {"epoch": 1, "val_acc": class_0_share}
     assert "Early stopping after epoch 2: val acc has not improved on epoch 1's for 1 epoch(s) " \
            "(--early_stopping_patience 1)" in result.stdout
-    assert re.search(r"Best val acc 0\.2667 at epoch 1; total time \d+:\d\d:\d\d; history in "
+    assert re.search(r"Best val acc 0\.3333 at epoch 1; total time \d+:\d\d:\d\d; history in "
                      r"logs/training_history\.json, checkpoints in checkpoints_deepspeed", result.stdout)
     checkpoints = workdir / "checkpoints_deepspeed"
     assert json.loads((checkpoints / "last/extra_info.json").read_text())["epoch"] == 2
@@ -71,10 +71,10 @@ def test_early_stopping_ends_the_run_and_the_csv_monitor_holds_every_epoch(stall
         assert [int(step) for step, _ in rows] == [1, 2]
         assert [float(value) for _, value in rows] == pytest.approx([e[key] for e in epochs])
     assert not (csv_dir / "Epoch_peak_gpu_memory_gib.csv").exists()  # null on CPU
-    # DeepSpeed's own per-step learning rate, at every optimizer step (48 images / 4 per step, 2 epochs).
+    # DeepSpeed's own per-step learning rate, at every optimizer step (4 images per step, 2 epochs).
     header, *rows = read_csv(csv_dir / "Train_Samples_lr.csv")
     assert header == ["step", "lr"]
-    assert [int(step) for step, _ in rows] == list(range(4, 2 * 48 + 1, 4))
+    assert [int(step) for step, _ in rows] == list(range(4, 2 * TINY_TRAIN_IMAGES + 1, 4))
     assert max(float(value) for _, value in rows) == pytest.approx(1e-8)  # after the warmup epoch
 
 
