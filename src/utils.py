@@ -25,11 +25,13 @@ def load_history(path):
     return history
 
 
-# (history key, title, y-axis label); the last two only when a history records them.
+# (history key, title, y-axis label); the last three only when a history records them (skipped steps:
+# when there were any).
 PANELS = (("loss", "Loss", "cross-entropy"), ("acc", "Top-1 accuracy", "accuracy"),
           ("lr", "Learning rate (last step of the epoch)", "learning rate"),
           ("images_per_s", "Training throughput", "images / s"),
-          ("peak_gpu_memory_gib", "Peak GPU memory (max over ranks)", "GiB"))
+          ("peak_gpu_memory_gib", "Peak GPU memory (max over ranks)", "GiB"),
+          ("skipped_steps", "Optimizer steps skipped (fp16 overflow)", "steps"))
 
 
 def run_labels(paths):
@@ -45,12 +47,12 @@ def run_labels(paths):
 
 
 def _recorded(histories, key):
-    return any(e.get(key) is not None for h in histories for e in h["epochs"])
+    return any(e.get(key) not in (None, 0) for h in histories for e in h["epochs"])
 
 
 def curves_figure(histories, labels=None):
-    """Loss and accuracy (train dashed, val solid), learning rate, and images/s and peak GPU memory when
-    the histories record them (memory is null on CPU), per epoch; one colour per run; a star and a
+    """Loss and accuracy (train dashed, val solid), learning rate, and images/s, peak GPU memory and
+    skipped fp16 steps when the histories record them (memory is null on CPU), per epoch; one colour per run; a star and a
     dotted line at each run's best epoch. Returns the matplotlib figure (close it when done)."""
     import matplotlib
 
@@ -79,7 +81,7 @@ def curves_figure(histories, labels=None):
                            label=f"{prefix}train")
             axes[key].plot(x, [e[f"val_{key}"] for e in epochs], "s-", color=colour, markersize=3,
                            label=f"{prefix}val")
-        for key in ("lr", "images_per_s", "peak_gpu_memory_gib"):
+        for key in ("lr", "images_per_s", "peak_gpu_memory_gib", "skipped_steps"):
             if key in axes:
                 values = [math.nan if e.get(key) is None else e[key] for e in epochs]
                 axes[key].plot(x, values, "o-", color=colour, markersize=3, label=label)

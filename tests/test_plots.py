@@ -8,12 +8,12 @@ from options import UsageError
 from utils import curves_figure, main, run_labels
 
 
-def synthetic_history(epochs, best_epoch, memory=None, throughput=True):
+def synthetic_history(epochs, best_epoch, memory=None, throughput=True, skipped=0):
     records = []
     for epoch in range(1, epochs + 1):
         record = {"epoch": epoch, "train_loss": 2.0 / epoch, "train_acc": 0.1 * epoch, "val_loss": 2.2 / epoch,
                   "val_acc": 0.5 if epoch == best_epoch else 0.1 * epoch / 2, "lr": 1e-3 / epoch,
-                  "peak_gpu_memory_gib": memory}
+                  "peak_gpu_memory_gib": memory, "skipped_steps": skipped if epoch == 1 else 0}
         if throughput:
             record["images_per_s"] = 100.0 + epoch
         records.append(record)
@@ -55,6 +55,15 @@ def test_cpu_run_has_no_memory_panel_and_old_histories_no_throughput_panel():
     fig = curves_figure([synthetic_history(3, best_epoch=1, throughput=False)])
     assert set(panels(fig)) == {"Loss", "Top-1 accuracy", "Learning rate (last step of the epoch)"}
     plt.close(fig)
+
+
+def test_skipped_fp16_steps_get_a_panel_when_there_were_any():
+    fig = curves_figure([synthetic_history(3, best_epoch=1, skipped=7)])
+    try:
+        panel = panels(fig)["Optimizer steps skipped (fp16 overflow)"]
+        assert list(panel.get_lines()[0].get_ydata()) == [7, 0, 0]
+    finally:
+        plt.close(fig)
 
 
 def test_several_runs_on_one_figure_one_colour_each():
