@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from device_data import DeviceTrainLoader, Normalize, ResizedCrops  # noqa: E402
-from end_to_end import environment, shown  # noqa: E402
+from common import environment, shown  # noqa: E402
 from reproducibility import machine_slug  # noqa: E402
 
 REFERENCE = "torchvision per image"

@@ -21,8 +21,6 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -35,9 +33,7 @@ from torchvision.io import ImageReadMode, decode_image  # noqa: E402
 from torchvision.transforms import functional as TF  # noqa: E402
 
 from device_data import ResizedCrops, random_resized_crops, resize_and_crop, train_square_size  # noqa: E402
-from end_to_end import environment, shown  # noqa: E402
-from throughput import earlier_results  # noqa: E402
-from distributed import run_on_free_port  # noqa: E402
+from common import earlier_results, environment, run_trainer, shown  # noqa: E402
 from reproducibility import machine_slug  # noqa: E402
 
 REFERENCE = "DataLoader"
@@ -56,22 +52,15 @@ T_975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31
 
 def train(flags, seed, args):
     """One run of the trainer; its last and best validation accuracy from the history it writes."""
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        command = [sys.executable, str(ROOT / "launch_deepspeed.py"), "--num_gpus", "1",
-                   "--train_dir", str(args.sample_data / "train"), "--val_dir", str(args.sample_data / "val"),
-                   "--epochs", str(args.epochs), "--batch_size", str(args.batch_size),
-                   "--image_size", str(args.image_size), "--bf16", "--seed", str(seed),
-                   "--save_every", "0", "--save_last_every", "0",
-                   "--log_dir", str(tmp / "logs"), "--checkpoint_dir", str(tmp / "checkpoints"), *flags]
-        started = time.perf_counter()
-        result = run_on_free_port(lambda port: subprocess.run(command + ["--master_port", str(port)],
-                                                              capture_output=True, text=True))
-        if result.returncode != 0:
-            return {"command": shown(command), "seed": seed, "error": (result.stdout + result.stderr)[-2000:]}
-        history = json.loads((tmp / "logs" / "training_history.json").read_text())
-    return {"command": shown(command), "seed": seed, "val_acc": history["epochs"][-1]["val_acc"],
-            "best_val_acc": history["best"]["val_acc"], "wall_s": round(time.perf_counter() - started, 1)}
+    result = run_trainer(["--num_gpus", "1", "--train_dir", str(args.sample_data / "train"),
+                          "--val_dir", str(args.sample_data / "val"), "--epochs", str(args.epochs),
+                          "--batch_size", str(args.batch_size), "--image_size", str(args.image_size), "--bf16",
+                          "--seed", str(seed), "--save_every", "0", "--save_last_every", "0", *flags])
+    if "error" in result:
+        return {**result, "seed": seed}
+    history = result.pop("history")
+    return {**result, "seed": seed, "val_acc": history["epochs"][-1]["val_acc"],
+            "best_val_acc": history["best"]["val_acc"], "wall_s": round(result["wall_s"], 1)}
 
 
 def train_size(flags, image_size):

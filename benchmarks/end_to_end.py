@@ -27,7 +27,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from data import build_loaders, load_datasets  # noqa: E402
 from prepare_data import make_sample_dataset  # noqa: E402
-from reproducibility import environment as run_environment, machine_slug  # noqa: E402
+from common import environment, fmt, peak_memory, shown  # noqa: E402
+from reproducibility import machine_slug  # noqa: E402
 
 # name -> (launcher flags, the plain-PyTorch reference it is compared with)
 TRAINER_VARIANTS = {
@@ -69,8 +70,6 @@ def reference_run(dtype, args, device):
     return epochs[-1]
 
 
-def peak_memory(device):
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
 def trainer_run(flags, args, workdir):
@@ -95,14 +94,8 @@ def trainer_run(flags, args, workdir):
             "loss_scale_overflows": len(re.findall(r"OVERFLOW", log))}
 
 
-def shown(command):
-    """The command as a user would type it in the repository root."""
-    return shlex.join("python" if part == sys.executable else os.path.relpath(part, ROOT)
-                      if part.startswith(str(ROOT)) else part for part in command)
 
 
-def environment():
-    return run_environment(shown([sys.executable, *sys.argv]))
 
 
 def main():
@@ -165,8 +158,6 @@ def main():
     print(f"results: {path}")
 
 
-def fmt(value):
-    return "-" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":

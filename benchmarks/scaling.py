@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import throughput  # noqa: E402
-from end_to_end import environment, fmt, shown  # noqa: E402
+from common import environment, fmt, shown  # noqa: E402
 from reproducibility import machine_slug  # noqa: E402
 
 DDP = "torch bf16 channels_last"  # as DistributedDataParallel when run on several GPUs

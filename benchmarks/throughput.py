@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from end_to_end import environment, fmt, peak_memory, shown  # noqa: E402
+from common import earlier_results, environment, fmt, peak_memory, shown  # noqa: E402
 from reproducibility import machine_slug  # noqa: E402
 from distributed import free_port  # noqa: E402
 
@@ -268,21 +268,6 @@ def selected(args):
     if unknown:
         sys.exit(f"error: unknown measurement(s): {', '.join(sorted(unknown))}")
     return chosen
-
-
-MACHINE = ("gpu", "torch", "torchvision", "deepspeed", "cuda")
-
-
-def earlier_results(path, env):
-    """(results, commands) of the JSON at `path` for --update; refused if another GPU or versions measured it."""
-    if not path.exists():
-        return {}, []
-    earlier = json.loads(path.read_text())
-    differs = [key for key in MACHINE if earlier["environment"].get(key) != env.get(key)]
-    if differs:
-        sys.exit(f"error: --update: {path} was measured with another {', '.join(differs)}; "
-                 f"write to another --output_dir")
-    return earlier["results"], earlier.get("commands", [earlier["environment"]["command"]])
 
 
 def ratio(results, name, reference):
