@@ -3,28 +3,32 @@
     python launch_deepspeed.py --num_gpus 2 --fp16
     python launch_deepspeed.py --zero_stage 3 --offload_param --offload_optimizer --bf16 --dry_run
 """
-import argparse
-import json
-import os
-import re
-import shlex
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
+
+LAUNCHED_AT = time.time()  # the training processes count their startup from here (timing.py)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import re  # noqa: E402
+import shlex  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from checkpoints import check_resumable, find_checkpoint  # noqa: E402
-from data_check import CACHE_FILE, check_data  # noqa: E402
+from data_check import check_data  # noqa: E402
 from distributed import free_port  # noqa: E402
 from ds_config import build_ds_config, check_device_support, check_monitor_support, load_base_config  # noqa: E402
 from failures import check_writable, stop_on_write_error  # noqa: E402
 from history import write_json_atomic  # noqa: E402
 from model import num_parameters  # noqa: E402
 from options import UsageError, add_training_args, parse_args, run_cli  # noqa: E402
+from timing import LAUNCHED_AT_ENV, SPAWNED_AT_ENV  # noqa: E402
 
 TRAIN_SCRIPT = ROOT / "src" / "train_deepspeed.py"
 LAUNCHER_FLAGS = {"num_gpus", "num_nodes", "hostfile", "master_addr", "master_port", "launcher", "node_rank",
@@ -169,7 +173,7 @@ def main(argv=None):
     check_writable(args.log_dir, "--log_dir")
     # Pre-flight: an unusable dataset stops here, before any process starts; the training script reads
     # the per-file results back from the cache instead of decoding every image again.
-    data_check = check_data(args.train_dir, args.val_dir, Path(args.log_dir) / CACHE_FILE)
+    data_check = check_data(args.train_dir, args.val_dir)
     num_train_images = data_check.train.num_images
     import torch
 
@@ -187,9 +191,9 @@ def main(argv=None):
         print(json.dumps(config, indent=2))
         print(shlex.join(command))
         return 0
+    data_check.save_cache()
     with stop_on_write_error("DeepSpeed config", "--log_dir"):
         write_json_atomic(config_path, config)  # each node's launcher may write it into one shared folder
-        data_check.save_cache(Path(args.log_dir) / CACHE_FILE)
     print(f"DeepSpeed config written to {config_path}\n$ {shlex.join(command)}", flush=True)
     return run_and_forward_signals(command)
 
@@ -200,7 +204,8 @@ def run_and_forward_signals(command):
     The training ranks then finish their step, save a resumable checkpoint and exit; this waits for
     all of them (the `deepspeed` runner alone would exit first) and returns the runner's status.
     """
-    child = subprocess.Popen(command, start_new_session=True)
+    env = {**os.environ, LAUNCHED_AT_ENV: repr(LAUNCHED_AT), SPAWNED_AT_ENV: repr(time.time())}
+    child = subprocess.Popen(command, start_new_session=True, env=env)
 
     def forward(signum, frame):
         try:

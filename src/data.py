@@ -67,9 +67,9 @@ def image_folder(root, transform=None, classes=None):
     return ImageFiles(labelled_samples(check.train, classes), classes, transform), check
 
 
-def load_datasets(train_dir, val_dir, image_size, cache_file=None):
+def load_datasets(train_dir, val_dir, image_size):
     """(train set, val set, DataCheck): the checked images, validation labelled by the training classes' names."""
-    check = check_data(train_dir, val_dir, cache_file)
+    check = check_data(train_dir, val_dir)
 
     def dataset(scan, train):
         return ImageFiles(labelled_samples(scan, check.classes), check.classes, build_transform(image_size, train))

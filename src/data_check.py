@@ -7,11 +7,14 @@
 - validation labels follow the training classes by name: a validation class without training images
   makes the dataset unusable, a training class without validation images is only a warning.
 
-Each file's result is cached under its size and mtime (`save_cache`), so the training script, started
-after the launcher has checked the data, decodes nothing again.
+Each file's result is cached under its size and mtime, one cache file per folder in the user's cache
+folder (`save_cache`), so the training script, started after the launcher has checked the data, and every
+later run on the same folders decode nothing again.
 """
+import hashlib
 import json
 import os
+import sys
 import warnings
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -24,8 +27,9 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 from history import write_json_atomic
 from options import UsageError
 
-CACHE_FILE = "data_check.json"
 CACHE_VERSION = 1
+CACHE_DIR_ENV = "TRAINER_CACHE_DIR"
+APP = "deepspeed-image-trainer"
 SHOWN = 5  # files named in a one-line warning
 EXIF_ORIENTATION = 0x0112
 SCAN_THREADS = min(16, os.cpu_count() or 1)  # PIL decodes with the GIL released
@@ -219,23 +223,39 @@ class DataCheck:
         if self.errors:
             raise UsageError("; ".join(self.errors))
 
-    def save_cache(self, path):
-        write_json_atomic(path, {"version": CACHE_VERSION, "files": {
-            os.path.abspath(p): record for scan in self.scans for p, record in scan.records.items()}})
+    def save_cache(self):
+        """Keep each folder's per-file results for the next check; a cache that cannot be written (a
+        read-only home folder) only costs the next check its speed, so that is a warning."""
+        for scan in self.scans:
+            path = cache_path(scan.root)
+            try:
+                write_json_atomic(path, {"version": CACHE_VERSION, "root": os.path.abspath(scan.root), "files": {
+                    os.path.abspath(p): record for p, record in scan.records.items()}})
+            except OSError as err:
+                print(f"warning: cannot write the data check's cache {path} ({err.strerror or err}); "
+                      f"the next run decodes every image again", file=sys.stderr)
 
 
-def load_cache(path):
-    """The per-file records of an earlier check, or {} when there is none (or it is unreadable or outdated)."""
+def cache_path(root):
+    """Where the per-file results of the folder `root` are kept: one file per folder (its absolute path
+    hashed) under $TRAINER_CACHE_DIR, by default ~/.cache/deepspeed-image-trainer."""
+    base = os.environ.get(CACHE_DIR_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / APP
+    digest = hashlib.sha256(os.path.abspath(root).encode()).hexdigest()[:16]
+    return Path(base) / "data_check" / f"{Path(root).name or 'root'}-{digest}.json"
+
+
+def load_cache(root):
+    """The per-file records of an earlier check of `root`, or {} when there is none (or it is unreadable
+    or outdated)."""
     try:
-        cache = json.loads(Path(path).read_text())
+        cache = json.loads(cache_path(root).read_text())
         return cache["files"] if cache.get("version") == CACHE_VERSION else {}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
 
 
-def check_folders(train_dir, val_dir=None, cache_file=None):
+def check_folders(train_dir, val_dir=None):
     """Scan the folders and collect why they cannot be used (DataCheck.errors); raises nothing."""
-    cache = load_cache(cache_file) if cache_file else {}
     scans, errors = [], []
     for root in (train_dir, val_dir):
         if root is None:
@@ -244,7 +264,7 @@ def check_folders(train_dir, val_dir=None, cache_file=None):
             errors.append(f"image folder not found: {root}")
             scans.append(FolderScan(Path(root)))
         else:
-            scan = scan_folder(root, cache)
+            scan = scan_folder(root, load_cache(root))
             if not scan.class_folders:
                 errors.append(f"{root}: no class folders (expected {Path(root) / '<class>' / '<image>'})")
             elif not scan.num_images:
@@ -260,8 +280,8 @@ def check_folders(train_dir, val_dir=None, cache_file=None):
     return check
 
 
-def check_data(train_dir, val_dir, cache_file=None):
+def check_data(train_dir, val_dir):
     """check_folders for training, raising a UsageError when the data cannot be trained on."""
-    check = check_folders(train_dir, val_dir, cache_file)
+    check = check_folders(train_dir, val_dir)
     check.raise_if_unusable()
     return check

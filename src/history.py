@@ -6,11 +6,13 @@ from pathlib import Path
 from distributed import rank_zero_only
 from failures import stop_on_write_error
 
-# data_wait_s: time the training loop waited for batches; compute_s: the rest of epoch_time_s.
+# epoch_time_s: the training loop; data_wait_s: the part of it spent waiting for batches; compute_s: the rest.
+# validation_s, checkpoint_s (the checkpoints due and the history): after the loop; epoch_wall_s: all three.
 # skipped_steps: optimizer steps the fp16 loss scaler skipped (overflow); nonfinite_steps: micro-batches
 # whose training loss was NaN/inf (the most on any rank).
 EPOCH_KEYS = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "val_images", "lr", "epoch_time_s",
-              "images_per_s", "data_wait_s", "compute_s", "peak_gpu_memory_gib", "skipped_steps", "nonfinite_steps")
+              "images_per_s", "data_wait_s", "compute_s", "validation_s", "checkpoint_s", "epoch_wall_s",
+              "peak_gpu_memory_gib", "skipped_steps", "nonfinite_steps")
 
 
 def write_json_atomic(path, data):
@@ -29,19 +31,36 @@ def write_json_atomic(path, data):
         raise
 
 
+def epoch_line(record, epochs, is_best):
+    """The line printed after each epoch, from its history record."""
+    r = record
+    return (f"Epoch {r['epoch']}/{epochs}: train loss {r['train_loss']:.4f} acc {r['train_acc']:.4f} | "
+            f"val loss {r['val_loss']:.4f} acc {r['val_acc']:.4f} | {r['images_per_s']:.1f} img/s, "
+            f"{r['data_wait_s'] / r['epoch_time_s']:.0%} waiting for data | epoch {r['epoch_wall_s']:.1f} s "
+            f"(training {r['epoch_time_s']:.1f}, validation {r['validation_s']:.1f}, checkpoints {r['checkpoint_s']:.1f})"
+            + (f" | peak GPU memory {r['peak_gpu_memory_gib']:.2f} GiB" if r["peak_gpu_memory_gib"] is not None else "")
+            + (f" | {r['skipped_steps']} step(s) skipped (fp16 overflow)" if r["skipped_steps"] else "")
+            + (f" | {r['nonfinite_steps']} non-finite loss(es)" if r["nonfinite_steps"] else "")
+            + (" | best" if is_best else ""))
+
+
 class TrainingHistory:
-    def __init__(self, path, config):
+    def __init__(self, path, config, timing=None):
         self.path = Path(path)
-        self.data = {"config": config, "epochs": [], "best": {"epoch": None, "val_acc": None}}
+        self.data = {"config": config, "timing": timing or {}, "epochs": [], "best": {"epoch": None, "val_acc": None}}
 
     def add(self, record):
-        """Append one epoch's record; return True when it is the best validation accuracy so far."""
-        self.data["epochs"].append({key: record[key] for key in EPOCH_KEYS})
+        """Append one epoch's record (the times measured after it, None until update_last); return True when
+        it is the best validation accuracy so far."""
+        self.data["epochs"].append({key: record.get(key) for key in EPOCH_KEYS})
         best = self.data["best"]
         if best["val_acc"] is None or record["val_acc"] > best["val_acc"]:
             self.data["best"] = {"epoch": record["epoch"], "val_acc": record["val_acc"]}
             return True
         return False
+
+    def update_last(self, **values):
+        self.data["epochs"][-1].update(values)
 
     def epochs_since_best(self):
         """Completed epochs after the best one: 0 when the last epoch was the best (--early_stopping_patience)."""

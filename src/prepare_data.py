@@ -155,6 +155,7 @@ def check_dataset(folder):
     else:
         check = check_folders(folder)
     print(check.report())
+    check.save_cache()
     check.raise_if_unusable()
 
 

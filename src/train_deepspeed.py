@@ -3,30 +3,33 @@
     deepspeed --num_gpus=1 src/train_deepspeed.py --train_dir data/train --val_dir data/val
     python launch_deepspeed.py --num_gpus 2 --bf16          # builds the config and runs the line above
 """
-import argparse
-import datetime
-import sys
 import time
-from pathlib import Path
 
-import torch
+PROCESS_STARTED = time.time()  # before the imports below: the startup timing counts them
 
-from checkpoints import CheckpointSaver, find_checkpoint, load
-from data import build_loaders, load_datasets
-from data_check import CACHE_FILE
-from device_data import build_device_loaders, choose_device_data, train_square_size
-from distributed import init_distributed, rank_zero_only
-from ds_config import (build_ds_config, check_device_support, check_monitor_support, load_base_config, lr_schedule,
-                       precision)
-from failures import advise_on_out_of_memory, check_writable
-from history import TrainingHistory
-from interrupt import StopOnSignal
-from model import MODEL_NAME, ResNet18Animals90, synchronize_batch_norm
-from numerics import StepHealth
-from monitor import prepare_csv_files, write_epoch_events
-from options import UsageError, add_training_args, parse_args, run_cli
-from reproducibility import restore_rng_state, rng_state, seed_everything
-from training import evaluate, input_dtype, peak_gpu_memory_gib, train_one_epoch
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from checkpoints import CheckpointSaver, find_checkpoint, load  # noqa: E402
+from data import build_loaders, load_datasets  # noqa: E402
+from device_data import build_device_loaders, choose_device_data, train_square_size  # noqa: E402
+from distributed import init_distributed, rank_zero_only  # noqa: E402
+from ds_config import (build_ds_config, check_device_support, check_monitor_support, load_base_config,  # noqa: E402
+                       lr_schedule, precision)
+from failures import advise_on_out_of_memory, check_writable  # noqa: E402
+from history import TrainingHistory, epoch_line  # noqa: E402
+from interrupt import StopOnSignal  # noqa: E402
+from model import MODEL_NAME, ResNet18Animals90, synchronize_batch_norm  # noqa: E402
+from numerics import StepHealth  # noqa: E402
+from monitor import prepare_csv_files, write_epoch_events  # noqa: E402
+from options import UsageError, add_training_args, parse_args, run_cli  # noqa: E402
+from reproducibility import restore_rng_state, rng_state, seed_everything  # noqa: E402
+from timing import StartupClock  # noqa: E402
+from training import evaluate, input_dtype, peak_gpu_memory_gib, train_one_epoch  # noqa: E402
 
 HISTORY_FILE = "training_history.json"
 
@@ -44,15 +47,15 @@ def say(message):
 
 
 def main(argv=None):
-    started = time.perf_counter()
+    clock = StartupClock(PROCESS_STARTED)
+    clock.lap("imports")
     args = parse_args(get_args_parser, argv)
     if args.pretrained and not Path(args.pretrained).is_file():
         raise UsageError(f"--pretrained {args.pretrained}: file not found")
     check_writable(args.checkpoint_dir, "--checkpoint_dir")
     check_writable(args.log_dir, "--log_dir")
     base_config = load_base_config(args.deepspeed_config)
-    train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size,
-                                                   Path(args.log_dir) / CACHE_FILE)
+    train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size)
     resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
 
     rank, world_size = init_distributed()
@@ -67,6 +70,7 @@ def main(argv=None):
     check_monitor_support(ds_config)
     if device_type == "cuda":
         torch.backends.cudnn.benchmark = True
+    clock.lap("setup")
 
     import deepspeed
 
@@ -75,6 +79,7 @@ def main(argv=None):
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     if args.compile:
         engine.compile()
+    clock.lap("engine")
     micro_batch = ds_config["train_micro_batch_size_per_gpu"]
     accumulation = ds_config["gradient_accumulation_steps"]
     dtype = input_dtype(precision(ds_config))
@@ -89,6 +94,7 @@ def main(argv=None):
         train_loader, val_loader = build_loaders(train_set, val_set, micro_batch, args.num_workers, rank,
                                                  world_size, args.seed, pin_memory=device_type == "cuda")
         say(f"Data from {args.num_workers} DataLoader worker(s) per rank ({why})")
+    clock.lap("data")
     micro_batches = train_loader.batches_per_epoch // accumulation * accumulation
     zero_stage = ds_config["zero_optimization"]["stage"]
 
@@ -132,37 +138,40 @@ def main(argv=None):
 
     with StopOnSignal(engine.device, world_size) as stop, advise_on_out_of_memory(ds_config, on_device):
         for epoch in range(start_epoch, args.epochs + 1):
+            epoch_started = time.perf_counter()
             loader = train_loader.epoch(epoch, start_batch=start_step)
             train = train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step, carried, stop,
-                                    args.label_smoothing, health)
+                                    args.label_smoothing, health, on_first_step=clock.first_step)
             if train.get("interrupted"):
                 saver.save(epoch - 1, {**extra_info, "interrupted_at": {"epoch": epoch, "step": train["step"]}},
                            training_state(epoch, train["step"], train["carried"]), interrupted=True)
                 say(f"Stopped by {stop.name} at epoch {epoch}, step {train['step']} of {micro_batches}: saved "
                     f"{Path(args.checkpoint_dir) / 'last'}; continue with --resume auto")
                 return 128 + stop.signal
+            if not history.data["timing"]:
+                history.data["timing"] = clock.summary()
+                say(clock.line())
             start_step, carried = 0, None
+            validation_started = time.perf_counter()
             val = evaluate(engine, val_loader, dtype)
             health.check_validation(val["loss"], epoch)
+            validation_s = time.perf_counter() - validation_started
             record = {"epoch": epoch, "train_loss": train["loss"], "train_acc": train["acc"],
                       "val_loss": val["loss"], "val_acc": val["acc"], "val_images": val["images"],
                       "lr": train["lr"],
-                      "epoch_time_s": train["time_s"], "images_per_s": train["images_per_s"],
+                      "epoch_time_s": train["time_s"], "validation_s": validation_s,
+                      "images_per_s": train["images_per_s"],
                       "data_wait_s": train["data_wait_s"], "compute_s": train["compute_s"],
                       "peak_gpu_memory_gib": peak_gpu_memory_gib(engine.device),
                       "skipped_steps": train["skipped_steps"], "nonfinite_steps": train["nonfinite_steps"]}
             is_best = history.add(record)
+            saving_started = time.perf_counter()
             saver.save(epoch, {**extra_info, "metrics": record}, training_state(epoch + 1), best=is_best)
+            history.update_last(checkpoint_s=time.perf_counter() - saving_started,
+                                epoch_wall_s=time.perf_counter() - epoch_started)
             history.save()
             write_epoch_events(engine, record)
-            say(f"Epoch {epoch}/{args.epochs}: train loss {train['loss']:.4f} acc {train['acc']:.4f} | "
-                f"val loss {val['loss']:.4f} acc {val['acc']:.4f} | {train['images_per_s']:.1f} img/s, "
-                f"{train['data_wait_s'] / train['time_s']:.0%} waiting for data"
-                + (f" | peak GPU memory {record['peak_gpu_memory_gib']:.2f} GiB"
-                   if record["peak_gpu_memory_gib"] is not None else "")
-                + (f" | {train['skipped_steps']} step(s) skipped (fp16 overflow)" if train["skipped_steps"] else "")
-                + (f" | {train['nonfinite_steps']} non-finite loss(es)" if train["nonfinite_steps"] else "")
-                + (" | best" if is_best else ""))
+            say(epoch_line(history.data["epochs"][-1], args.epochs, is_best))
             if stop.signal is not None:
                 say(f"Stopped by {stop.name} after epoch {epoch}; continue with --resume auto")
                 return 128 + stop.signal
@@ -174,7 +183,9 @@ def main(argv=None):
 
     best = history.data["best"]
     if best["epoch"] is not None:
-        total = datetime.timedelta(seconds=round(time.perf_counter() - started))
+        history.data["timing"]["total_s"] = round(clock.since_start(), 3)
+        history.save()
+        total = datetime.timedelta(seconds=round(clock.since_start()))
         say(f"Best val acc {best['val_acc']:.4f} at epoch {best['epoch']}; total time {total}; "
             f"history in {history.path}, checkpoints in {args.checkpoint_dir}")
     return 0

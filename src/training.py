@@ -72,14 +72,15 @@ class LaggingReadout:
 
 
 def train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step=0, carried=None, stop=None,
-                    label_smoothing=0.0, health=None):
+                    label_smoothing=0.0, health=None, on_first_step=None):
     """Train micro-batches start_step .. micro_batches-1 of `loader`; return metrics summed over ranks
     (the loss is the one trained on, label smoothing included).
 
     When `stop` asks for it (SIGINT/SIGTERM), stop at the next optimizer-step boundary and return
     {"interrupted": True, "step": ..., "carried": ...} instead, for a checkpoint to carry on from.
     `health` (a numerics.StepHealth kept across epochs) counts non-finite losses and skipped fp16 steps,
-    and raises Diverged when the loss stays non-finite.
+    and raises Diverged when the loss stays non-finite. `on_first_step(device)` is called after the
+    epoch's first step.
     """
     engine.train()
     health = health or StepHealth(engine, max_nonfinite_steps=0)
@@ -111,6 +112,8 @@ def train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step=0, c
         engine.step()
         health.after_step()
         totals.add(loss * labels.numel(), logits, labels)
+        if on_first_step is not None and step == start_step:
+            on_first_step(engine.device)
         step += 1
         progress.update()
         diverged = health.check(epoch, step) if step % PROGRESS_EVERY == 0 else None

@@ -30,6 +30,7 @@ def load_history(path):
 PANELS = (("loss", "Loss", "cross-entropy"), ("acc", "Top-1 accuracy", "accuracy"),
           ("lr", "Learning rate (last step of the epoch)", "learning rate"),
           ("images_per_s", "Training throughput", "images / s"),
+          ("epoch_wall_s", "Time per epoch (dashed: training loop)", "seconds"),
           ("peak_gpu_memory_gib", "Peak GPU memory (max over ranks)", "GiB"),
           ("skipped_steps", "Optimizer steps skipped (fp16 overflow)", "steps"))
 
@@ -50,9 +51,14 @@ def _recorded(histories, key):
     return any(e.get(key) not in (None, 0) for h in histories for e in h["epochs"])
 
 
+def _values(epochs, key):
+    return [math.nan if e.get(key) is None else e[key] for e in epochs]
+
+
 def curves_figure(histories, labels=None):
-    """Loss and accuracy (train dashed, val solid), learning rate, and images/s, peak GPU memory and
-    skipped fp16 steps when the histories record them (memory is null on CPU), per epoch; one colour per run; a star and a
+    """Loss and accuracy (train dashed, val solid), learning rate, and images/s, the time per epoch (whole
+    and training loop), peak GPU memory and skipped fp16 steps when the histories record them (memory is
+    null on CPU), per epoch; one colour per run; a star and a
     dotted line at each run's best epoch. Returns the matplotlib figure (close it when done)."""
     import matplotlib
 
@@ -81,10 +87,11 @@ def curves_figure(histories, labels=None):
                            label=f"{prefix}train")
             axes[key].plot(x, [e[f"val_{key}"] for e in epochs], "s-", color=colour, markersize=3,
                            label=f"{prefix}val")
-        for key in ("lr", "images_per_s", "peak_gpu_memory_gib", "skipped_steps"):
+        for key in ("lr", "images_per_s", "epoch_wall_s", "peak_gpu_memory_gib", "skipped_steps"):
             if key in axes:
-                values = [math.nan if e.get(key) is None else e[key] for e in epochs]
-                axes[key].plot(x, values, "o-", color=colour, markersize=3, label=label)
+                axes[key].plot(x, _values(epochs, key), "o-", color=colour, markersize=3, label=label)
+        if "epoch_wall_s" in axes:
+            axes["epoch_wall_s"].plot(x, _values(epochs, "epoch_time_s"), "o--", color=colour, markersize=3)
         best = history.get("best") or {}
         if best.get("epoch") is not None:
             for ax in axes.values():

@@ -1,12 +1,15 @@
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+# The data check's cache goes to a folder of the test session's own, for the tests and every process they start.
+os.environ["TRAINER_CACHE_DIR"] = tempfile.mkdtemp(prefix="test-cache-")
 
 from prepare_data import make_sample_dataset  # noqa: E402
 

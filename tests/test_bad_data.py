@@ -11,7 +11,7 @@ from PIL import Image, ImageOps
 import data_check
 from conftest import ROOT, assert_usage_error_in_process, data_args, launch, run
 from data import ImageFiles, build_transform, load_datasets, load_rgb
-from data_check import CACHE_FILE, check_data, check_folders
+from data_check import cache_path, check_data, check_folders
 from device_data import Normalize, decode_chunk, decode_dataset, resize_size
 from options import UsageError
 from prepare_data import main as prepare_data_main
@@ -162,12 +162,12 @@ def test_the_cache_spares_unchanged_files_a_second_decode(bad_data, tmp_path, mo
     root = tmp_path / "data"
     shutil.copytree(bad_data / "val", root)
     first = check_folders(root)
-    first.save_cache(tmp_path / CACHE_FILE)
+    first.save_cache()
     decoded = []
     inspect = data_check.inspect_image
     monkeypatch.setattr(data_check, "inspect_image", lambda path: decoded.append(path) or inspect(path))
     (root / "bat/bat_0000.jpg").write_bytes((root / "bat/truncated.jpg").read_bytes())
-    again = check_folders(root, cache_file=tmp_path / CACHE_FILE)
+    again = check_folders(root)
     assert decoded == [str(root / "bat/bat_0000.jpg")]
     assert [path for path, _ in again.skipped] == [str(root / "bat/bat_0000.jpg"), str(root / "bat/truncated.jpg")]
 
@@ -231,4 +231,5 @@ def test_training_skips_the_bad_files_and_records_them(bad_data, tmp_path):
     assert {item["path"] for item in recorded["skipped"]} == {str(bad_data / name) for name in UNREADABLE}
     assert history["config"]["train_images"] == recorded["train_images"] == 34
     assert history["epochs"][0]["val_images"] == recorded["val_images"] == 15
-    assert len(json.loads((tmp_path / "logs" / CACHE_FILE).read_text())["files"]) == 34 + 15 + 7
+    cached = [json.loads(cache_path(bad_data / split).read_text())["files"] for split in ("train", "val")]
+    assert sum(map(len, cached)) == 34 + 15 + 7  # every file checked, readable or not, kept for the next run

@@ -65,8 +65,11 @@ def test_training_run_writes_history_and_checkpoints(name, tmp_path_factory, tin
     assert [e["epoch"] for e in epochs] == list(range(1, EPOCHS + 1))
     for record in epochs:
         assert set(record) == {"epoch", "train_loss", "train_acc", "val_loss", "val_acc", "val_images", "lr",
-                               "epoch_time_s", "images_per_s", "data_wait_s", "compute_s", "peak_gpu_memory_gib",
-                               "skipped_steps", "nonfinite_steps"}
+                               "epoch_time_s", "images_per_s", "data_wait_s", "compute_s", "validation_s",
+                               "checkpoint_s", "epoch_wall_s", "peak_gpu_memory_gib", "skipped_steps",
+                               "nonfinite_steps"}
+        parts = record["epoch_time_s"] + record["validation_s"] + record["checkpoint_s"]
+        assert 0 < parts <= record["epoch_wall_s"] < parts + 0.5  # the rest: metrics, monitors, the epoch line
         assert record["skipped_steps"] == record["nonfinite_steps"] == 0
         assert record["peak_gpu_memory_gib"] is None  # CPU run
         assert record["data_wait_s"] + record["compute_s"] == pytest.approx(record["epoch_time_s"])
@@ -77,6 +80,14 @@ def test_training_run_writes_history_and_checkpoints(name, tmp_path_factory, tin
         assert abs(record["val_acc"] * 15 - round(record["val_acc"] * 15)) < 1e-9
     best = max(epochs, key=lambda e: e["val_acc"])
     assert history["best"] == {"epoch": best["epoch"], "val_acc": best["val_acc"]}
+    # Startup: from the launcher's start to the end of the first optimizer step, in phases that add up to it.
+    timing = history["timing"]
+    assert list(timing["phases"]) == ["launcher_s", "deepspeed_launcher_s", "imports_s", "setup_s", "engine_s",
+                                      "data_s", "first_step_s"]
+    assert all(seconds >= 0 for seconds in timing["phases"].values())
+    assert sum(timing["phases"].values()) == pytest.approx(timing["startup_s"], abs=0.01)
+    assert timing["startup_s"] < timing["total_s"] and sum(e["epoch_wall_s"] for e in epochs) < timing["total_s"]
+    assert f"First optimizer step {timing['startup_s']:.1f} s after the start (launcher " in result.stdout
 
     ckpt = workdir / "checkpoints_deepspeed"
     assert (ckpt / "best_model/latest").read_text().strip() == "best"
@@ -84,7 +95,9 @@ def test_training_run_writes_history_and_checkpoints(name, tmp_path_factory, tin
     for epoch in range(1, EPOCHS + 1):
         assert (ckpt / f"epoch_{epoch}/epoch_{epoch}").is_dir()
         info = json.loads((ckpt / f"epoch_{epoch}/extra_info.json").read_text())
-        assert info["epoch"] == epoch and info["metrics"] == epochs[epoch - 1]
+        saved_after = ("checkpoint_s", "epoch_wall_s")  # measured once the checkpoint is written
+        assert info["epoch"] == epoch and info["metrics"] == {k: v for k, v in epochs[epoch - 1].items()
+                                                              if k not in saved_after}
     assert (ckpt / "last/latest").read_text().strip() == "last"
     assert json.loads((ckpt / "last/extra_info.json").read_text())["epoch"] == EPOCHS
     info = json.loads((ckpt / "best_model/extra_info.json").read_text())

@@ -15,7 +15,7 @@ def synthetic_history(epochs, best_epoch, memory=None, throughput=True, skipped=
                   "val_acc": 0.5 if epoch == best_epoch else 0.1 * epoch / 2, "lr": 1e-3 / epoch,
                   "peak_gpu_memory_gib": memory, "skipped_steps": skipped if epoch == 1 else 0}
         if throughput:
-            record["images_per_s"] = 100.0 + epoch
+            record.update(images_per_s=100.0 + epoch, epoch_time_s=2.0, epoch_wall_s=2.5 + epoch)
         records.append(record)
     return {"config": {"model": "ResNet18Animals90", "precision": "bf16", "zero_stage": 2, "world_size": 1},
             "epochs": records, "best": {"epoch": best_epoch, "val_acc": 0.5}}
@@ -34,7 +34,11 @@ def test_gpu_run_gets_throughput_and_memory_panels():
     try:
         axes = panels(fig)
         assert set(axes) == {"Loss", "Top-1 accuracy", "Learning rate (last step of the epoch)",
-                             "Training throughput", "Peak GPU memory (max over ranks)"}
+                             "Training throughput", "Time per epoch (dashed: training loop)",
+                             "Peak GPU memory (max over ranks)"}
+        whole, loop = axes["Time per epoch (dashed: training loop)"].get_lines()[:2]
+        assert list(whole.get_ydata()) == [3.5, 4.5, 5.5, 6.5] and list(loop.get_ydata()) == [2.0] * 4
+        assert loop.get_linestyle() == "--"
         assert axes["Training throughput"].get_ylabel() == "images / s"
         assert list(axes["Training throughput"].get_lines()[0].get_ydata()) == [101.0, 102.0, 103.0, 104.0]
         assert list(axes["Peak GPU memory (max over ranks)"].get_lines()[0].get_ydata()) == [5.5] * 4
