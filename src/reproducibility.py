@@ -1,8 +1,10 @@
 """Seeding, the RNG state a resumed run restores, and the versions a measurement was taken with."""
+import datetime
 import os
 import platform
 import random
 import re
+import subprocess
 
 import numpy as np
 import torch
@@ -35,7 +37,7 @@ def restore_rng_state(state):
 
 
 def environment(command):
-    """The machine and versions behind a measurement, for the JSON it is written to."""
+    """The machine, versions, commit and date behind a measurement, for the JSON it is written to."""
     import deepspeed
     import torchvision
 
@@ -43,7 +45,24 @@ def environment(command):
     return {"gpu": torch.cuda.get_device_name(0) if cuda else None, "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
             "torchvision": torchvision.__version__, "deepspeed": deepspeed.__version__,
-            "cuda": torch.version.cuda if cuda else None, "command": command}
+            "cuda": torch.version.cuda if cuda else None, "commit": source_commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "command": command}
+
+
+def source_commit():
+    """The git commit of the code that runs: $TRAINER_COMMIT where the copy has no .git (a GPU machine's
+    copy of the working tree), else git's HEAD, with "+changes" when the tree differs from it."""
+    if os.environ.get("TRAINER_COMMIT"):
+        return os.environ["TRAINER_COMMIT"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                                 capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+changes" if changed else "")
 
 
 def machine_slug(env):
