@@ -8,6 +8,7 @@ import time
 LAUNCHED_AT = time.time()  # the training processes count their startup from here (timing.py)
 
 import argparse  # noqa: E402
+import base64  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import re  # noqa: E402
@@ -134,28 +135,40 @@ def resolve_topology(args):
     return num_gpus, num_nodes, world_size
 
 
+def local_devices(num_gpus):
+    """The device ids of a one-node run: the first `num_gpus` of CUDA_VISIBLE_DEVICES when it is set (the
+    `deepspeed` runner drops it as soon as --num_gpus is given), else 0 .. num_gpus-1."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return visible[:num_gpus] if visible else list(range(num_gpus))
+
+
 def build_command(args, num_gpus, num_nodes, config_path):
-    """The `deepspeed` launcher command (or, on Windows, the training script itself)."""
+    """The DeepSpeed launcher command (or, on Windows, the training script itself).
+
+    On one node this is DeepSpeed's per-node launcher, `deepspeed.launcher.launch`, with the world
+    description the `deepspeed` runner would pass it: the runner adds nothing else there but a process
+    that imports DeepSpeed (seconds before the first step). Several nodes go through the runner.
+    """
     if os.name == "nt":
         # The deepspeed launcher needs pdsh/NCCL-style multi-process support that Windows lacks.
         return [sys.executable, str(TRAIN_SCRIPT), *forwarded_args(args, config_path)]
+    if not args.hostfile:
+        world_info = base64.urlsafe_b64encode(json.dumps({"localhost": local_devices(num_gpus)}).encode()).decode()
+        return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
+                "--master_addr=127.0.0.1", f"--master_port={args.master_port or free_port()}",
+                str(TRAIN_SCRIPT), *forwarded_args(args, config_path)]
     command = [sys.executable, "-m", "deepspeed.launcher.runner"]
     if num_gpus is not None:
         command += ["--num_gpus", str(num_gpus)]
-    multi_node = bool(args.hostfile)
-    if multi_node:
-        command += ["--hostfile", args.hostfile, "--num_nodes", str(num_nodes)]
-        if args.launcher == "none":
-            command += ["--no_ssh", "--node_rank", str(args.node_rank)]
-        elif args.launcher != "pdsh":
-            command += ["--launcher", args.launcher]
+    command += ["--hostfile", args.hostfile, "--num_nodes", str(num_nodes)]
+    if args.launcher == "none":
+        command += ["--no_ssh", "--node_rank", str(args.node_rank)]
+    elif args.launcher != "pdsh":
+        command += ["--launcher", args.launcher]
     if args.master_addr:
         command += ["--master_addr", args.master_addr]
     if args.master_port:
         command += ["--master_port", str(args.master_port)]
-    elif not multi_node:
-        # DeepSpeed's fixed default (29500) makes two runs on one machine collide.
-        command += ["--master_port", str(free_port())]
     return command + [str(TRAIN_SCRIPT), *forwarded_args(args, config_path)]
 
 
@@ -202,12 +215,15 @@ def run_and_forward_signals(command):
     """Run `command` in its own process group; SIGINT/SIGTERM reach every process of it as SIGTERM.
 
     The training ranks then finish their step, save a resumable checkpoint and exit; this waits for
-    all of them (the `deepspeed` runner alone would exit first) and returns the runner's status.
+    all of them (DeepSpeed's launcher alone would exit first) and returns its status, or 128 + the
+    signal's number when stopped by one (DeepSpeed's launcher itself exits 1 then).
     """
     env = {**os.environ, LAUNCHED_AT_ENV: repr(LAUNCHED_AT), SPAWNED_AT_ENV: repr(time.time())}
     child = subprocess.Popen(command, start_new_session=True, env=env)
+    received = []
 
     def forward(signum, frame):
+        received.append(signum)
         try:
             os.killpg(child.pid, signal.SIGTERM)
         except ProcessLookupError:
@@ -217,11 +233,11 @@ def run_and_forward_signals(command):
         signal.signal(signum, forward)
     status = child.wait()
     status = 128 - status if status < 0 else status  # killed by a signal: the shell's convention
-    while True:  # the group outlives the runner while ranks save
+    while True:  # the group outlives the launcher while ranks save
         try:
             os.killpg(child.pid, 0)
         except (ProcessLookupError, PermissionError):
-            return status
+            return 128 + received[0] if received else status
         time.sleep(0.2)
 
 

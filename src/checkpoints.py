@@ -12,16 +12,24 @@ then hard-links it into the published names and swaps each in with renames, so a
 checkpoint or the new one, never a half-written one. A crash between the two renames of a swap leaves
 `.old-<name>`, which readers fall back to.
 
-A failed write (disk full, permissions) on any rank stops that rank with WriteFailed (exit status 4)
-and leaves the published checkpoints as they were; the `deepspeed` launcher (like torchrun) then ends
-the other ranks, which would otherwise wait in the next barrier for good.
+The files are written in the background while the next epoch trains: DeepSpeed hands each file's state
+to BackgroundCheckpointEngine, which copies it to host memory (the training may then change the live
+tensors) and queues the torch.save on one writer thread. After a checkpoint's files, every rank marks
+its part written; rank 0 waits for all the marks, publishes, and only then writes the history line of
+that epoch, so the history never names an epoch whose checkpoint is not published. The next save, the
+end of the run and a stop by a signal wait for the queue.
+
+A failed write (disk full, permissions) on any rank stops that rank with WriteFailed (exit status 4) at
+its next save or at the end, and leaves the published checkpoints as they were; the `deepspeed`
+launcher (like torchrun) then ends the other ranks, which would otherwise wait in the next barrier for good.
 """
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
-from distributed import barrier, rank_zero_only
+from distributed import barrier, rank, rank_zero_only, world_size
 from failures import stop_on_write_error
 from history import write_json_atomic
 from options import UsageError
@@ -29,6 +37,9 @@ from options import UsageError
 EXTRA_INFO = "extra_info.json"
 LAST, BEST = "last", "best_model"
 STAGING = ".staging"
+# In the staging folder: that rank's files of the checkpoint are complete, or could not be written.
+WRITTEN, FAILED = ".written-rank{}", ".failed-rank{}"
+MARK_POLL_S = 0.01
 
 
 def _tag(name):
@@ -50,7 +61,7 @@ def _copy_as(staging, target, tag):
             shutil.copytree(entry, target / tag, copy_function=_link_or_copy)
         elif entry.name == "latest":
             (target / "latest").write_text(tag)
-        elif entry.name != EXTRA_INFO:
+        elif entry.name != EXTRA_INFO and not entry.name.startswith((WRITTEN.format(""), FAILED.format(""))):
             _link_or_copy(entry, target / entry.name)
 
 
@@ -84,13 +95,23 @@ class CheckpointSaver:
         self.save_every = save_every
         self.keep_last = keep_last
         self.save_last_every = save_last_every
+        from checkpoint_engine import BackgroundCheckpointEngine  # DeepSpeed's classes: not for the launcher
+
+        self.background = engine.checkpoint_engine = BackgroundCheckpointEngine(on_failure=self._mark_failed)
 
     @stop_on_write_error("checkpoint", "--checkpoint_dir")
-    def save(self, epoch, info, state, best=False, interrupted=False):
-        """Save after `epoch` (or mid-epoch when interrupted) and publish it under the names due.
+    def wait(self):
+        """Until every checkpoint saved so far is written and published (and what came after it)."""
+        self.background.wait()
 
-        Every rank must call this: DeepSpeed's save_checkpoint is collective. Returns the names published.
-        """
+    def after(self, fn, *args):
+        """fn(*args) once the checkpoints saved so far are published (the history line of their epoch)."""
+        self.background.after(fn, *args)
+
+    def save(self, epoch, info, state, best=False, interrupted=False):
+        """Save after `epoch` (or mid-epoch when interrupted); it is published under the names due once
+        written, in the background. Every rank must call this: DeepSpeed's save_checkpoint is collective.
+        Returns the names it will be published under."""
         names = []
         if best:
             names.append(BEST)
@@ -100,17 +121,36 @@ class CheckpointSaver:
             names.append(LAST)
         if not names:
             return names
+        self.wait()  # the previous checkpoint is out of the staging folder
         staging = self.dir / STAGING
+        barrier()
         rank_zero_only(shutil.rmtree)(staging, ignore_errors=True)
         barrier()
-        self.engine.save_checkpoint(str(staging), tag="staged", client_state=state)
-        barrier()
-        self._publish_staged(staging, names, {**info, "epoch": epoch})
-        barrier()
+        with stop_on_write_error("checkpoint", "--checkpoint_dir"):
+            self.engine.save_checkpoint(str(staging), tag="staged", client_state=state)
+        self.staging = staging
+        self.after(self._mark, staging, WRITTEN)
+        self.after(self._publish_staged, staging, names, {**info, "epoch": epoch})
         return names
+
+    @staticmethod
+    def _mark(staging, kind):
+        (staging / kind.format(rank())).touch()
+
+    def _mark_failed(self):
+        try:
+            self._mark(self.staging, FAILED)
+        except OSError:  # as full as the disk that failed the write: rank 0 then waits until this rank exits
+            pass
 
     @rank_zero_only
     def _publish_staged(self, staging, names, info):
+        for r in range(world_size()):  # the other ranks' writer threads
+            while not (staging / WRITTEN.format(r)).exists():
+                if (staging / FAILED.format(r)).exists():
+                    raise OSError(f"rank {r} could not write its part of the checkpoint (its own error "
+                                  "is in its output)")
+                time.sleep(MARK_POLL_S)
         for name in names:
             ready = self.dir / f".ready-{name}"
             shutil.rmtree(ready, ignore_errors=True)

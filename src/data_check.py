@@ -61,7 +61,8 @@ def inspect_image(path):
 
 
 def inspect_files(paths, cache):
-    """Records of `paths` (see inspect_image), decoding only files not in `cache` with the same size and mtime."""
+    """Records of `paths` (see inspect_image), decoding only files not in `cache` with the same size and mtime;
+    and how many were decoded."""
     records, todo = {}, []
     for path in paths:
         try:
@@ -78,7 +79,7 @@ def inspect_files(paths, cache):
     with ThreadPoolExecutor(SCAN_THREADS) as pool:
         for (path, key), record in zip(todo, pool.map(inspect_image, [path for path, _ in todo])):
             records[path] = {**record, "stat": key}
-    return records
+    return records, len(todo)
 
 
 @dataclass
@@ -91,6 +92,7 @@ class FolderScan:
     other_files: list = field(default_factory=list)  # no image suffix
     hidden: list = field(default_factory=list)
     records: dict = field(default_factory=dict)  # path -> inspect_image record
+    decoded: int = 0  # files decoded by this scan, not found in the cache
 
     @property
     def classes(self):
@@ -123,7 +125,7 @@ def scan_folder(root, cache=None):
                 for name in sorted(n for n in names if not n.startswith(".")):
                     is_image = name.lower().endswith(IMG_EXTENSIONS)
                     (files[entry.name] if is_image else scan.other_files).append(os.path.join(folder, name))
-    scan.records = inspect_files([path for paths in files.values() for path in paths], cache or {})
+    scan.records, scan.decoded = inspect_files([path for paths in files.values() for path in paths], cache or {})
     for name, paths in files.items():
         scan.images[name] = [path for path in paths if scan.records[path]["error"] is None]
         scan.unreadable += [(path, scan.records[path]["error"]) for path in paths
@@ -156,6 +158,11 @@ class DataCheck:
     @property
     def scans(self):
         return [scan for scan in (self.train, self.val) if scan is not None]
+
+    @property
+    def decoded(self):
+        """Files this check decoded, not found in the cache: when nonzero, save_cache spares the next check."""
+        return sum(scan.decoded for scan in self.scans)
 
     @property
     def skipped(self):

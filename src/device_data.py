@@ -35,6 +35,7 @@ CROP_SCALE = (0.08, 1.0)
 CROP_RATIO = (3 / 4, 4 / 3)
 CROP_TRIES = 10  # as torchvision's RandomResizedCrop
 FREE_MEMORY_SHARE = 0.25  # auto mode uses the GPU for data when it needs at most this share of free memory
+MODEL_STATE_BYTES_PER_PARAMETER = 16  # fp32 weights, gradients and AdamW's two moments
 
 
 def resize_size(image_size):
@@ -51,15 +52,17 @@ def dataset_bytes(num_train, num_val, image_size, train_size=None):
     return 3 * (num_train * train_square_size(image_size, train_size) ** 2 + num_val * image_size ** 2)
 
 
-def choose_device_data(mode, device, num_train, num_val, image_size, train_size=None):
-    """(use the device path?, why) for --data_on_device auto|on|off."""
+def choose_device_data(mode, device, num_train, num_val, image_size, train_size=None, num_params=0):
+    """(use the device path?, why) for --data_on_device auto|on|off. Decided before the engine exists (the
+    dataset decodes while DeepSpeed sets up), so the model's states, at most 16 bytes a parameter for
+    AdamW with fp32 weights, are counted as taken."""
     needed = (dataset_bytes(num_train, num_val, image_size, train_size)
               + crop_weights_bytes(train_square_size(image_size, train_size), image_size))
     if mode != "auto":
         return mode == "on", f"--data_on_device {mode}"
     if device.type != "cuda":
         return False, "auto: the device is a CPU"
-    free, _ = torch.cuda.mem_get_info(device)
+    free = torch.cuda.mem_get_info(device)[0] - MODEL_STATE_BYTES_PER_PARAMETER * num_params
     if needed > FREE_MEMORY_SHARE * free:
         return False, (f"auto: the decoded dataset and crop weights ({needed / 2**30:.2f} GiB) need more than "
                        f"{FREE_MEMORY_SHARE:.0%} of the GPU's free {free / 2**30:.1f} GiB")

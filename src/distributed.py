@@ -24,6 +24,11 @@ def init_distributed():
     return dist.get_rank(), dist.get_world_size()
 
 
+def local_device():
+    """This rank's device: its GPU (LOCAL_RANK), or the CPU."""
+    return torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def free_port():
     """A TCP port free on this machine now, for a rendezvous."""
     with socket.socket() as sock:
@@ -43,6 +48,10 @@ def run_on_free_port(start, tries=3):
 
 def rank() -> int:
     return dist.get_rank() if _initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if _initialized() else 1
 
 
 def is_main_process() -> bool:

@@ -1,4 +1,5 @@
 """logs/training_history.json: the run's settings, one record per epoch and the best epoch."""
+import copy
 import json
 import os
 from pathlib import Path
@@ -7,7 +8,8 @@ from distributed import rank_zero_only
 from failures import stop_on_write_error
 
 # epoch_time_s: the training loop; data_wait_s: the part of it spent waiting for batches; compute_s: the rest.
-# validation_s, checkpoint_s (the checkpoints due and the history): after the loop; epoch_wall_s: all three.
+# validation_s and checkpoint_s after the loop (checkpoint_s: the copy of the state to host memory, and any
+# wait for the previous checkpoint's files; they are written while the next epoch trains); epoch_wall_s: all.
 # skipped_steps: optimizer steps the fp16 loss scaler skipped (overflow); nonfinite_steps: micro-batches
 # whose training loss was NaN/inf (the most on any rank).
 EPOCH_KEYS = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "val_images", "lr", "epoch_time_s",
@@ -71,7 +73,11 @@ class TrainingHistory:
         self.data["epochs"] = list(saved["epochs"])
         self.data["best"] = dict(saved["best"])
 
+    def snapshot(self):
+        """The history as it stands now, for a save that happens later (after a checkpoint's publication)."""
+        return copy.deepcopy(self.data)
+
     @rank_zero_only
     @stop_on_write_error("training history", "--log_dir")
-    def save(self):
-        write_json_atomic(self.path, self.data)
+    def save(self, data=None):
+        write_json_atomic(self.path, self.data if data is None else data)

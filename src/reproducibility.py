@@ -5,6 +5,7 @@ import platform
 import random
 import re
 import subprocess
+import sys
 
 import numpy as np
 import torch
@@ -45,7 +46,8 @@ def environment(command):
     return {"gpu": torch.cuda.get_device_name(0) if cuda else None, "cpu_count": os.cpu_count(),
             "python": platform.python_version(), "torch": torch.__version__,
             "torchvision": torchvision.__version__, "deepspeed": deepspeed.__version__,
-            "cuda": torch.version.cuda if cuda else None, "commit": source_commit(),
+            "cuda": torch.version.cuda if cuda else None, "pycache_prefix": sys.pycache_prefix,
+            "commit": source_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "command": command}
 
 

@@ -10,6 +10,7 @@ PROCESS_STARTED = time.time()  # before the imports below: the startup timing co
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import sys  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -17,7 +18,7 @@ import torch  # noqa: E402
 from checkpoints import CheckpointSaver, find_checkpoint, load  # noqa: E402
 from data import build_loaders, load_datasets  # noqa: E402
 from device_data import build_device_loaders, choose_device_data, train_square_size  # noqa: E402
-from distributed import init_distributed, rank_zero_only  # noqa: E402
+from distributed import init_distributed, local_device, rank_zero_only  # noqa: E402
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, load_base_config,  # noqa: E402
                        lr_schedule, precision)
 from failures import advise_on_out_of_memory, check_writable  # noqa: E402
@@ -59,41 +60,47 @@ def main(argv=None):
     resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
 
     rank, world_size = init_distributed()
+    if data_check.decoded:  # started without the launcher, which keeps the check's results
+        rank_zero_only(data_check.save_cache)()
     for line in data_check.warnings():
         say(line)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     seed_everything(args.seed)
     model = ResNet18Animals90(num_classes=len(train_set.classes), pretrained=args.pretrained or False)
+    num_params = sum(p.numel() for p in model.parameters())
     ds_config = build_ds_config(args, world_size, len(train_set), base=base_config, device_type=device_type,
-                                num_params=sum(p.numel() for p in model.parameters()))
+                                num_params=num_params)
     check_device_support(ds_config, device_type)
     check_monitor_support(ds_config)
     if device_type == "cuda":
         torch.backends.cudnn.benchmark = True
+    micro_batch = ds_config["train_micro_batch_size_per_gpu"]
+    accumulation = ds_config["gradient_accumulation_steps"]
+    dtype = input_dtype(precision(ds_config))
+    device = local_device()
+    on_device, why = choose_device_data(args.data_on_device, device, len(train_set), len(val_set),
+                                        args.image_size, args.device_train_size, num_params)
     clock.lap("setup")
 
     import deepspeed
 
     if args.sync_bn:
         synchronize_batch_norm(model)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    if args.compile:
-        engine.compile()
-    clock.lap("engine")
-    micro_batch = ds_config["train_micro_batch_size_per_gpu"]
-    accumulation = ds_config["gradient_accumulation_steps"]
-    dtype = input_dtype(precision(ds_config))
-    on_device, why = choose_device_data(args.data_on_device, engine.device, len(train_set), len(val_set),
-                                        args.image_size, args.device_train_size)
-    if on_device:
-        train_loader, val_loader, decode_s = build_device_loaders(
-            train_set, val_set, micro_batch, args.image_size, rank, world_size, args.seed, engine.device, dtype,
-            args.device_train_size)
-        say(f"Data on {device_type} ({why}): decoded {len(train_set) + len(val_set)} images in {decode_s:.1f} s")
-    else:
-        train_loader, val_loader = build_loaders(train_set, val_set, micro_batch, args.num_workers, rank,
-                                                 world_size, args.seed, pin_memory=device_type == "cuda")
-        say(f"Data from {args.num_workers} DataLoader worker(s) per rank ({why})")
+    with ThreadPoolExecutor(1) as decoder:
+        if on_device:  # decodes on the GPU while DeepSpeed sets up (one of them waits on the host most of the time)
+            decoding = decoder.submit(build_device_loaders, train_set, val_set, micro_batch, args.image_size, rank,
+                                      world_size, args.seed, device, dtype, args.device_train_size)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+        if args.compile:
+            engine.compile()
+        clock.lap("engine")
+        if on_device:
+            train_loader, val_loader, decode_s = decoding.result()
+            say(f"Data on {device_type} ({why}): decoded {len(train_set) + len(val_set)} images in {decode_s:.1f} s")
+        else:
+            train_loader, val_loader = build_loaders(train_set, val_set, micro_batch, args.num_workers, rank,
+                                                     world_size, args.seed, pin_memory=device_type == "cuda")
+            say(f"Data from {args.num_workers} DataLoader worker(s) per rank ({why})")
     clock.lap("data")
     micro_batches = train_loader.batches_per_epoch // accumulation * accumulation
     zero_stage = ds_config["zero_optimization"]["stage"]
@@ -145,6 +152,7 @@ def main(argv=None):
             if train.get("interrupted"):
                 saver.save(epoch - 1, {**extra_info, "interrupted_at": {"epoch": epoch, "step": train["step"]}},
                            training_state(epoch, train["step"], train["carried"]), interrupted=True)
+                saver.wait()
                 say(f"Stopped by {stop.name} at epoch {epoch}, step {train['step']} of {micro_batches}: saved "
                     f"{Path(args.checkpoint_dir) / 'last'}; continue with --resume auto")
                 return 128 + stop.signal
@@ -169,10 +177,11 @@ def main(argv=None):
             saver.save(epoch, {**extra_info, "metrics": record}, training_state(epoch + 1), best=is_best)
             history.update_last(checkpoint_s=time.perf_counter() - saving_started,
                                 epoch_wall_s=time.perf_counter() - epoch_started)
-            history.save()
+            saver.after(history.save, history.snapshot())  # once this epoch's checkpoint is published
             write_epoch_events(engine, record)
             say(epoch_line(history.data["epochs"][-1], args.epochs, is_best))
             if stop.signal is not None:
+                saver.wait()
                 say(f"Stopped by {stop.name} after epoch {epoch}; continue with --resume auto")
                 return 128 + stop.signal
             if args.early_stopping_patience and history.epochs_since_best() >= args.early_stopping_patience:
@@ -181,6 +190,7 @@ def main(argv=None):
                     f"(--early_stopping_patience {args.early_stopping_patience})")
                 break
 
+    saver.wait()
     best = history.data["best"]
     if best["epoch"] is not None:
         history.data["timing"]["total_s"] = round(clock.since_start(), 3)

@@ -169,6 +169,7 @@ def test_the_cache_spares_unchanged_files_a_second_decode(bad_data, tmp_path, mo
     (root / "bat/bat_0000.jpg").write_bytes((root / "bat/truncated.jpg").read_bytes())
     again = check_folders(root)
     assert decoded == [str(root / "bat/bat_0000.jpg")]
+    assert first.decoded == len(first.val.records if first.val else first.train.records) and again.decoded == 1
     assert [path for path, _ in again.skipped] == [str(root / "bat/bat_0000.jpg"), str(root / "bat/truncated.jpg")]
 
 

@@ -69,3 +69,29 @@ def test_resuming_with_another_world_size_or_stage_is_refused(tmp_path):
         check_resumable(folder, 1, 3)
     with pytest.raises(UsageError, match=r"zero_stage 3 \(this run: 2\)"):
         check_resumable(folder, 2, 2)
+
+
+def test_the_background_engine_saves_a_copy_and_stops_at_the_first_failed_write(tmp_path):
+    import collections
+
+    import torch
+
+    from checkpoint_engine import BackgroundCheckpointEngine
+
+    weights = torch.zeros(3)
+    state = {"module": collections.OrderedDict(w=weights), "param_shapes": [{"w": torch.Size([3])}], "epoch": 1}
+    engine = BackgroundCheckpointEngine()
+    engine.save(state, tmp_path / "a.pt")
+    weights += 1  # the training goes on at once: the file holds the state as it was at save()
+    engine.wait()
+    saved = torch.load(tmp_path / "a.pt", weights_only=False)
+    assert saved["module"]["w"].tolist() == [0.0, 0.0, 0.0] and type(saved["module"]) is collections.OrderedDict
+    assert type(saved["param_shapes"][0]["w"]) is torch.Size  # zero_to_fp32 calls .numel() on it
+
+    failures, later = [], []
+    engine = BackgroundCheckpointEngine(on_failure=lambda: failures.append(True))
+    engine.save(state, tmp_path / "missing-folder" / "b.pt")
+    engine.after(later.append, "published")
+    with pytest.raises(RuntimeError, match="does not exist"):  # torch.save's own error
+        engine.wait()
+    assert failures == [True] and later == []  # nothing queued behind a failed file runs

@@ -1,3 +1,4 @@
+import base64
 import json
 import shlex
 import sys
@@ -31,14 +32,28 @@ def test_dry_run_prints_config_and_command_and_spawns_nothing(tiny_data, tmp_pat
     assert config["zero_optimization"]["stage3_prefetch_bucket_size"] == params + 1
     # 48 train images / 2 ranks / micro-batch 2 = 12 steps per epoch.
     assert config["scheduler"]["params"]["total_num_steps"] == 36
-    assert command[:5] == [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2"]
-    assert command[5] == "--master_port" and 1024 <= int(command[6]) < 65536
+    # One node: DeepSpeed's per-node launcher, with the world description its runner would give it.
+    assert command[:4] == [sys.executable, "-u", "-m", "deepspeed.launcher.launch"]
+    assert command[4] == "--world_info=" + base64.urlsafe_b64encode(b'{"localhost": [0, 1]}').decode()
+    assert command[5] == "--master_addr=127.0.0.1"
+    assert command[6].startswith("--master_port=") and 1024 <= int(command[6].split("=")[1]) < 65536
     assert command[7] == str(ROOT / "src/train_deepspeed.py")
     assert command[8:10] == ["--deepspeed_config", "logs/ds_config.json"]
     for flag in (["--bf16"], ["--offload_param"], ["--zero_stage", "3"], ["--epochs", "3"]):
         assert " ".join(flag) in " ".join(command[10:])
     assert "--dry_run" not in command and "--num_gpus" not in command[7:]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_one_node_run_uses_the_gpus_cuda_visible_devices_names(monkeypatch):
+    """The `deepspeed` runner drops CUDA_VISIBLE_DEVICES once --num_gpus is given, and DeepSpeed's per-node
+    launcher then sets it to the ids it was handed: those must be the visible ones."""
+    from launch_deepspeed import local_devices
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5")
+    assert local_devices(2) == ["2", "3"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert local_devices(2) == [0, 1]
 
 
 def test_wrapper_script_passes_arguments_through(tiny_data, tmp_path):
