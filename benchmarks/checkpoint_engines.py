@@ -95,6 +95,7 @@ def measure(name, args):
     for repeat in range(args.repeats):
         without.append(steps(args.steps_after))
         sync(device)
+        expected = {k: v.detach().to("cpu", copy=True) for k, v in engine.module.state_dict().items()}
         started = time.perf_counter()
         engine.save_checkpoint(str(folder), tag=f"r{repeat}")
         sync(device)
@@ -104,11 +105,15 @@ def measure(name, args):
             engine.checkpoint_engine.wait()
         complete.append(time.perf_counter() - started)
     files = list((folder / f"r{args.repeats - 1}").glob("*.pt"))
+    saved = torch.load(folder / f"r{args.repeats - 1}" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    # the file holds the weights as they were at the call, not as the steps after it left them
+    matches = saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in expected)
     cost = [c + a - w for c, a, w in zip(calls, after, without)]
     return {"save_call_s": statistics.median(calls), "cost_per_checkpoint_s": statistics.median(cost),
             "files_complete_after_s": statistics.median(complete),
             "step_s": statistics.median(without) / args.steps_after,
-            "checkpoint_mib": sum(f.stat().st_size for f in files) / 2**20, "files": len(files)}
+            "checkpoint_mib": sum(f.stat().st_size for f in files) / 2**20, "files": len(files),
+            "model_file_holds_the_state_at_the_call": matches}
 
 
 def main():
@@ -147,13 +152,15 @@ def main():
 
     print(f"\n{env['gpu'] or 'CPU'} | torch {env['torch']} | DeepSpeed {env['deepspeed']} | ResNet18, ZeRO-2, "
           f"micro-batch {args.batch_size}, {'bf16' if args.bf16 else 'fp32'}; medians of {args.repeats}")
-    print(f"{'engine':<12}{'step s':>8}{'save call s':>13}{'cost / ckpt s':>15}{'files done s':>14}{'MiB':>7}")
+    print(f"{'engine':<12}{'step s':>8}{'save call s':>13}{'cost / ckpt s':>15}{'files done s':>14}{'MiB':>7}"
+          f"{'state as at the call':>22}")
     for name, r in results.items():
         if "error" in r:
             print(f"{name:<12} FAILED: {r['error'].strip().splitlines()[-1][:100]}")
             continue
         print(f"{name:<12}{r['step_s']:>8.3f}{r['save_call_s']:>13.3f}{r['cost_per_checkpoint_s']:>15.3f}"
-              f"{r['files_complete_after_s']:>14.3f}{r['checkpoint_mib']:>7.0f}")
+              f"{r['files_complete_after_s']:>14.3f}{r['checkpoint_mib']:>7.0f}"
+              f"{str(r['model_file_holds_the_state_at_the_call']):>22}")
     print(f"results: {shown([str(path)])}")
     return 0
 

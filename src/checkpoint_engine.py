@@ -1,51 +1,94 @@
 """Checkpoint files written in the background, through DeepSpeed's checkpoint-engine interface."""
 import copy
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 
 
-def to_host(item):
-    """A copy of `item` the training cannot change: tensors copied to host memory, dicts and lists copied
-    (their types kept), everything else shared. DeepSpeed's clone_tensors_for_torch_save would do but for
-    turning every tuple subclass into a tuple: ZeRO-3's param_shapes hold torch.Size, which zero_to_fp32 needs."""
-    if torch.is_tensor(item):
-        return item.detach().clone() if item.device.type == "cpu" else item.detach().to("cpu")
-    if isinstance(item, dict):
-        copied = copy.copy(item)
-        for key, value in item.items():
-            copied[key] = to_host(value)
+class HostCopies:
+    """Copies of a checkpoint file's state that the training cannot change: tensors in host memory, dicts
+    and lists copied (their types kept), everything else shared.
+
+    GPU tensors go to page-locked buffers kept from one checkpoint of the file to the next, copied
+    asynchronously with one wait at the end (a copy to pageable memory waits for each tensor); CPU
+    tensors are cloned. DeepSpeed's clone_tensors_for_torch_save would do but for turning every tuple
+    subclass into a tuple: ZeRO-3's param_shapes hold torch.Size, which zero_to_fp32 needs.
+    """
+
+    def __init__(self):
+        self.buffers = {}  # (file name, position) -> page-locked tensor
+
+    def take(self, item, name):
+        self.position, self.name, self.copied = 0, name, False
+        copied = self._copy(item)
+        if self.copied:
+            torch.cuda.synchronize()
         return copied
-    if isinstance(item, list):
-        return [to_host(value) for value in item]
-    if type(item) is tuple:
-        return tuple(to_host(value) for value in item)
-    return item
+
+    def _copy(self, item):
+        if torch.is_tensor(item):
+            return self._tensor(item.detach())
+        if isinstance(item, dict):
+            copied = copy.copy(item)
+            for key, value in item.items():
+                copied[key] = self._copy(value)
+            return copied
+        if isinstance(item, list):
+            return [self._copy(value) for value in item]
+        if type(item) is tuple:
+            return tuple(self._copy(value) for value in item)
+        return item
+
+    def _tensor(self, tensor):
+        if tensor.device.type != "cuda":
+            return tensor.clone()
+        key = (self.name, self.position)
+        self.position += 1
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = self.buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self.copied = True
+        return buffer.copy_(tensor, non_blocking=True)
 
 
 class BackgroundCheckpointEngine(CheckpointEngine):
-    """torch.save on a writer thread: save() returns once the state is copied to host memory (to_host),
-    so the training may change the live tensors at once.
+    """torch.save on a writer thread: save() returns once the state is copied to host memory (HostCopies),
+    so the training may change the live tensors at once. A file's next save waits for its previous write,
+    whose buffers it refills.
 
     The writer thread also runs whatever `after()` queues behind the files, in order. Once a task has
     failed, nothing queued later runs (no checkpoint is marked complete after a failed file) and
     `on_failure()` runs instead, once; `wait()` raises the error.
+
+    With background=False everything runs at once, in the caller's thread, as DeepSpeed's own engine
+    does: on a CPU-only machine a writer thread takes cores the training needs (2 cores, ResNet18: a
+    checkpoint cost the loop 0.55 s written in the background, 0.43 s in the call).
     """
 
-    def __init__(self, on_failure=None):
+    def __init__(self, on_failure=None, background=True):
         super().__init__()
         self.name = "BackgroundCheckpointEngine"
-        self.writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer")
+        self.background = background
+        self.writer = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer") if background else None
         self.queued = []
         self.failed = None
         self.on_failure = on_failure
+        self.copies = HostCopies()
+        self.writes = {}  # file name -> its last queued write
 
     def create(self, info):
         pass
 
     def save(self, state_dict, path):
-        self.after(torch.save, to_host(state_dict), path)
+        if not self.background:
+            return self.after(torch.save, state_dict, path)
+        name = os.path.basename(path)
+        if name in self.writes:
+            self.writes[name].exception()  # done (its error, if any, is raised by wait())
+        self.after(torch.save, self.copies.take(state_dict, name), path)
+        self.writes[name] = self.queued[-1]
 
     def load(self, path, map_location=None):
         return torch.load(path, map_location=map_location, weights_only=False)
@@ -54,8 +97,12 @@ class BackgroundCheckpointEngine(CheckpointEngine):
         return True
 
     def after(self, fn, *args):
-        """Run fn(*args) on the writer thread once everything queued before it is done."""
-        self.queued.append(self.writer.submit(self._run, fn, *args))
+        """Run fn(*args) on the writer thread once everything queued before it is done (at once, without
+        a writer thread)."""
+        if self.background:
+            self.queued.append(self.writer.submit(self._run, fn, *args))
+        else:
+            self._run(fn, *args)
 
     def _run(self, fn, *args):
         if self.failed is not None:

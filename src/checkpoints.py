@@ -89,7 +89,7 @@ def read_info(folder):
 
 
 class CheckpointSaver:
-    def __init__(self, engine, checkpoint_dir, save_every, keep_last, save_last_every=1):
+    def __init__(self, engine, checkpoint_dir, save_every, keep_last, save_last_every=1, background=True):
         self.engine = engine
         self.dir = Path(checkpoint_dir)
         self.save_every = save_every
@@ -97,7 +97,7 @@ class CheckpointSaver:
         self.save_last_every = save_last_every
         from checkpoint_engine import BackgroundCheckpointEngine  # DeepSpeed's classes: not for the launcher
 
-        self.background = engine.checkpoint_engine = BackgroundCheckpointEngine(on_failure=self._mark_failed)
+        self.background = engine.checkpoint_engine = BackgroundCheckpointEngine(self._mark_failed, background)
 
     @stop_on_write_error("checkpoint", "--checkpoint_dir")
     def wait(self):
@@ -126,11 +126,11 @@ class CheckpointSaver:
         barrier()
         rank_zero_only(shutil.rmtree)(staging, ignore_errors=True)
         barrier()
+        self.staging = staging
         with stop_on_write_error("checkpoint", "--checkpoint_dir"):
             self.engine.save_checkpoint(str(staging), tag="staged", client_state=state)
-        self.staging = staging
-        self.after(self._mark, staging, WRITTEN)
-        self.after(self._publish_staged, staging, names, {**info, "epoch": epoch})
+            self.after(self._mark, staging, WRITTEN)
+            self.after(self._publish_staged, staging, names, {**info, "epoch": epoch})
         return names
 
     @staticmethod

@@ -112,6 +112,7 @@ def main(argv=None):
         "epochs": args.epochs, "world_size": world_size, "device": device_type,
         "precision": precision(ds_config), "zero_stage": zero_stage, "seed": args.seed,
         "sync_bn": args.sync_bn, "data_on_device": on_device,
+        "checkpoint_writes": "background" if device_type == "cuda" else "inline",
         "device_train_size": train_square_size(args.image_size, args.device_train_size) if on_device else None,
         "data_check": data_check.summary(),
         "training": {"lr_schedule": lr_schedule(ds_config), "learning_rate": ds_config["optimizer"]["params"]["lr"],
@@ -121,7 +122,9 @@ def main(argv=None):
         "deepspeed": ds_config,
     }
     history = TrainingHistory(Path(args.log_dir) / HISTORY_FILE, run_config)
-    saver = CheckpointSaver(engine, args.checkpoint_dir, args.save_every, args.keep_last, args.save_last_every)
+    # On a GPU the host is free to write checkpoints while the next epoch trains; on a CPU it is not.
+    saver = CheckpointSaver(engine, args.checkpoint_dir, args.save_every, args.keep_last, args.save_last_every,
+                            background=device_type == "cuda")
     health = StepHealth(engine, args.max_nonfinite_steps)
     extra_info = {"model": MODEL_NAME, "image_size": args.image_size, "class_names": train_set.classes,
                   "world_size": world_size, "zero_stage": zero_stage, "precision": precision(ds_config)}
