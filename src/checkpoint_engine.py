@@ -5,6 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+from torch.utils.serialization import config as serialization_config
 
 
 class HostCopies:
@@ -53,6 +54,15 @@ class HostCopies:
         return buffer.copy_(tensor, non_blocking=True)
 
 
+def write(state, path):
+    """torch.save without the zip format's CRC-32 (DeepSpeed's zero_to_fp32 needs the zip format, whose
+    files it maps into memory). The CRC is computed over every byte with the GIL held: 0.64 s against
+    0.10 s for ResNet18's 171 MB on a CPU, while the training thread waits. The files are published by
+    renames once complete, so a reader never sees a partial one."""
+    with serialization_config.patch({"save.compute_crc32": False}):
+        torch.save(state, path)
+
+
 class BackgroundCheckpointEngine(CheckpointEngine):
     """torch.save on a writer thread: save() returns once the state is copied to host memory (HostCopies),
     so the training may change the live tensors at once. A file's next save waits for its previous write,
@@ -83,11 +93,11 @@ class BackgroundCheckpointEngine(CheckpointEngine):
 
     def save(self, state_dict, path):
         if not self.background:
-            return self.after(torch.save, state_dict, path)
+            return self.after(write, state_dict, path)
         name = os.path.basename(path)
         if name in self.writes:
             self.writes[name].exception()  # done (its error, if any, is raised by wait())
-        self.after(torch.save, self.copies.take(state_dict, name), path)
+        self.after(write, self.copies.take(state_dict, name), path)
         self.writes[name] = self.queued[-1]
 
     def load(self, path, map_location=None):

@@ -22,15 +22,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
-from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from history import write_json_atomic
 from options import UsageError
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 CACHE_DIR_ENV = "TRAINER_CACHE_DIR"
 APP = "deepspeed-image-trainer"
 SHOWN = 5  # files named in a one-line warning
+# torchvision's ImageFolder suffixes (torchvision.datasets.folder.IMG_EXTENSIONS), written out so that the
+# launcher does not import torchvision (1-2 s before the first step).
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 EXIF_ORIENTATION = 0x0112
 SCAN_THREADS = min(16, os.cpu_count() or 1)  # PIL decodes with the GIL released
 
@@ -39,7 +41,7 @@ warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 
 def inspect_image(path):
-    """{"error", "mode", "width", "height", "orientation"} of one file, decoded in full.
+    """{"error", "format", "mode", "width", "height", "orientation"} of one file, decoded in full.
 
     A JPEG is decoded at 1/8 scale (`draft`): the DCT-scaled decode still reads every entropy-coded
     byte, so a truncated file fails here as it would in training, at a fraction of the cost.
@@ -48,8 +50,8 @@ def inspect_image(path):
         return {"error": "empty file"}
     try:
         with Image.open(path) as image:
-            record = {"error": None, "mode": image.mode, "width": image.width, "height": image.height,
-                      "orientation": image.getexif().get(EXIF_ORIENTATION, 1)}
+            record = {"error": None, "format": image.format, "mode": image.mode, "width": image.width,
+                      "height": image.height, "orientation": image.getexif().get(EXIF_ORIENTATION, 1)}
             if image.format == "JPEG":
                 image.draft(None, (max(1, image.width // 8), max(1, image.height // 8)))
             image.load()
@@ -158,6 +160,11 @@ class DataCheck:
     @property
     def scans(self):
         return [scan for scan in (self.train, self.val) if scan is not None]
+
+    @property
+    def records(self):
+        """path -> inspect_image record of every file checked."""
+        return {path: record for scan in self.scans for path, record in scan.records.items()}
 
     @property
     def decoded(self):

@@ -90,12 +90,19 @@ def jpeg_header(data):
         return image.mode, image.getexif().get(EXIF_ORIENTATION, 1)
 
 
-def decode_chunk(paths, device):
+def checked_header(record):
+    """jpeg_header's answer from the data check's record of the file."""
+    return (record["mode"], record["orientation"]) if record["format"] == "JPEG" else None
+
+
+def decode_chunk(paths, device, records=None):
     """Decode a list of files, upright, as uint8 (3, H, W) tensors on `device`: RGB and grey JPEGs with
     torchvision (one batched nvJPEG call on a GPU), the rest (CMYK JPEGs, other formats) with the
-    DataLoader path's PIL loader, so that both paths give the same pixels."""
+    DataLoader path's PIL loader, so that both paths give the same pixels. `records` (path -> the data
+    check's record) spares reading each header again."""
     data = [read_file(str(path)) for path in paths]
-    headers = [jpeg_header(d) for d in data]
+    headers = [checked_header(records[path]) if records and path in records else jpeg_header(d)
+               for path, d in zip(paths, data)]
     jpegs = [i for i, header in enumerate(headers) if header is not None and header[0] in ("RGB", "L")]
     decoded = {}
     if jpegs:
@@ -115,11 +122,11 @@ def resize_and_crop(image, resize, crop):
     return TF.center_crop(resized, crop).round_().clamp_(0, 255).to(torch.uint8)
 
 
-def decode_dataset(paths, resize, crop, device):
+def decode_dataset(paths, resize, crop, device, records=None):
     """All images as one uint8 (N, 3, crop, crop) tensor on `device`."""
     out = torch.empty((len(paths), 3, crop, crop), dtype=torch.uint8, device=device)
     for start in range(0, len(paths), DECODE_CHUNK):
-        for offset, image in enumerate(decode_chunk(paths[start:start + DECODE_CHUNK], device)):
+        for offset, image in enumerate(decode_chunk(paths[start:start + DECODE_CHUNK], device, records)):
             out[start + offset] = resize_and_crop(image, resize, crop)
     return out
 
@@ -253,15 +260,16 @@ class DeviceValLoader:
 
 
 def build_device_loaders(train_set, val_set, micro_batch_size, image_size, rank, world_size, seed, device, dtype,
-                         train_size=None):
+                         train_size=None, records=None):
     """Decode both ImageFolders onto `device` (training squares of `train_size` pixels, default the validation
-    resize); return (train_loader, val_loader, seconds spent decoding)."""
+    resize; `records`: the data check's, see decode_chunk); return (train_loader, val_loader, seconds spent
+    decoding)."""
     start = time.perf_counter()
     train_paths, train_labels = zip(*train_set.samples)
     val_paths, val_labels = zip(*val_set.samples)
     train_size = train_square_size(image_size, train_size)
-    train_images = decode_dataset(train_paths, train_size, train_size, device)
-    val_images = decode_dataset(val_paths, resize_size(image_size), image_size, device)
+    train_images = decode_dataset(train_paths, train_size, train_size, device, records)
+    val_images = decode_dataset(val_paths, resize_size(image_size), image_size, device, records)
     train_loader = DeviceTrainLoader(train_images, torch.tensor(train_labels, device=device), micro_batch_size,
                                      image_size, rank, world_size, seed, dtype)
     val_loader = DeviceValLoader(val_images, torch.tensor(val_labels, device=device), micro_batch_size, rank,

@@ -7,6 +7,8 @@ from pathlib import Path
 from options import UsageError
 
 AUTO = "auto"
+# torchvision's ResNet18 without its classifier; the classifier adds 512 weights and a bias per class.
+RESNET18_BACKBONE_PARAMETERS = 11_176_512
 
 DEFAULT_FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
                 "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
@@ -79,6 +81,12 @@ def _check_types(config):
     for where, value in numbers.items():
         if value != AUTO and (type(value) not in (int, float) or not value >= 0):
             fail(where, 'a non-negative number or "auto"', value)
+
+
+def num_parameters(num_classes):
+    """ResNet18Animals90's parameter count, which sizes DeepSpeed's buckets, without building the model:
+    the launcher then needs no torchvision."""
+    return RESNET18_BACKBONE_PARAMETERS + (512 + 1) * num_classes
 
 
 def steps_per_epoch(num_train_images, world_size, micro_batch_size, gradient_accumulation_steps):

@@ -98,9 +98,6 @@ class ResNet18Animals90(ResNet):
                              f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
 
 
-def num_parameters(num_classes):
-    """ResNet18Animals90's parameter count for this many classes (what sizes DeepSpeed's buckets)."""
-    return sum(p.numel() for p in ResNet18Animals90(num_classes=num_classes).parameters())
 
 
 def torchvision_weights_path():

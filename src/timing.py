@@ -55,6 +55,7 @@ class StartupClock:
         return time.time() - self.started
 
     def line(self):
+        summary = self.summary()  # the figures the history records, so the two never round apart
         phases = ", ".join(f"{name.removesuffix('_s').replace('_', ' ')} {seconds:.1f}"
-                           for name, seconds in self.phases.items())
-        return f"First optimizer step {self.last - self.started:.1f} s after the start ({phases})"
+                           for name, seconds in summary["phases"].items())
+        return f"First optimizer step {summary['startup_s']:.1f} s after the start ({phases})"

@@ -89,7 +89,7 @@ def main(argv=None):
     with ThreadPoolExecutor(1) as decoder:
         if on_device:  # decodes on the GPU while DeepSpeed sets up (one of them waits on the host most of the time)
             decoding = decoder.submit(build_device_loaders, train_set, val_set, micro_batch, args.image_size, rank,
-                                      world_size, args.seed, device, dtype, args.device_train_size)
+                                      world_size, args.seed, device, dtype, args.device_train_size, data_check.records)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
         if args.compile:
             engine.compile()

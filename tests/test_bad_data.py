@@ -143,15 +143,18 @@ def test_the_device_path_decodes_what_the_dataloader_path_does(bad_data, tmp_pat
     validation tensors (up to the resizes' rounding) from both data paths."""
     names = ["exif_rotated.jpg", "cmyk.jpg", "grey16.png", "palette.png", "palette_transparent.png"]
     paths = [str(bad_data / "val/badger" / name) for name in names]
-    for path, decoded in zip(paths, decode_chunk(paths, CPU)):
-        assert torch.equal(decoded, torch.from_numpy(np.array(load_rgb(path))).permute(2, 0, 1)), path
+    # Each file's header read again, or taken from the data check's records (as training does).
+    for records in (None, {path: data_check.inspect_image(path) for path in paths}):
+        for path, decoded in zip(paths, decode_chunk(paths, CPU, records)):
+            assert torch.equal(decoded, torch.from_numpy(np.array(load_rgb(path))).permute(2, 0, 1)), path
     for orientation in range(1, 9):  # every EXIF orientation, as PIL applies it
         exif = Image.Exif()
         exif[data_check.EXIF_ORIENTATION] = orientation
-        Image.fromarray(picture()).save(tmp_path / f"{orientation}.jpg", exif=exif, quality=95)
-        expected = np.array(ImageOps.exif_transpose(Image.open(tmp_path / f"{orientation}.jpg")))
-        assert torch.equal(decode_chunk([tmp_path / f"{orientation}.jpg"], CPU)[0],
-                           torch.from_numpy(expected).permute(2, 0, 1)), orientation
+        path = str(tmp_path / f"{orientation}.jpg")
+        Image.fromarray(picture()).save(path, exif=exif, quality=95)
+        expected = torch.from_numpy(np.array(ImageOps.exif_transpose(Image.open(path)))).permute(2, 0, 1)
+        for records in (None, {path: data_check.inspect_image(path)}):
+            assert torch.equal(decode_chunk([path], CPU, records)[0], expected), orientation
     device_images = Normalize(CPU, torch.float32)(decode_dataset(paths, resize_size(24), 24, CPU))
     reference = ImageFiles([(path, 0) for path in paths], ["badger"], build_transform(24, train=False))
     expected = torch.stack([reference[i][0] for i in range(len(paths))])
