@@ -21,13 +21,13 @@ from pathlib import Path  # noqa: E402
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from checkpoints import check_resumable, find_checkpoint  # noqa: E402
+from checkpoints import check_resumable, find_checkpoint, saved_stage  # noqa: E402
 from data_check import check_data  # noqa: E402
 from distributed import free_port  # noqa: E402
-from ds_config import build_ds_config, check_device_support, check_monitor_support, load_base_config  # noqa: E402
+from ds_config import (build_ds_config, check_device_support, check_monitor_support, load_base_config,  # noqa: E402
+                       num_parameters)
 from failures import check_writable, stop_on_write_error  # noqa: E402
 from history import write_json_atomic  # noqa: E402
-from model import num_parameters  # noqa: E402
 from options import UsageError, add_training_args, parse_args, run_cli  # noqa: E402
 from timing import LAUNCHED_AT_ENV, SPAWNED_AT_ENV  # noqa: E402
 
@@ -191,11 +191,12 @@ def main(argv=None):
     import torch
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
     config = build_ds_config(args, world_size, num_train_images, base=load_base_config(args.deepspeed_config),
-                             device_type=device_type, num_params=num_parameters(len(data_check.classes)))
+                             device_type=device_type, num_params=num_parameters(len(data_check.classes)),
+                             resumed_stage=saved_stage(resume_from))
     check_device_support(config, device_type)
     check_monitor_support(config)
-    resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
     if resume_from is not None:
         check_resumable(resume_from, world_size, config["zero_optimization"]["stage"])
     config_path = Path(args.log_dir) / "ds_config.json"

@@ -190,6 +190,11 @@ def find_checkpoint(resume, checkpoint_dir):
     raise UsageError(f"no checkpoint at {resume} (looked for {EXTRA_INFO} in {path} and {checkpoint_dir / resume})")
 
 
+def saved_stage(folder):
+    """The ZeRO stage a checkpoint was saved with (what --zero_stage auto resumes with), or None."""
+    return read_info(folder)["zero_stage"] if folder is not None else None
+
+
 def check_resumable(folder, world_size, zero_stage):
     """Stop with a message naming what differs when `folder` was saved by another world size or stage:
     DeepSpeed's ZeRO checkpoints hold one optimizer shard per rank, laid out for that stage."""

@@ -95,13 +95,15 @@ def steps_per_epoch(num_train_images, world_size, micro_batch_size, gradient_acc
     return micro_batches // gradient_accumulation_steps
 
 
-def build_ds_config(args, world_size, num_train_images, base=None, device_type="cpu", num_params=None):
+def build_ds_config(args, world_size, num_train_images, base=None, device_type="cpu", num_params=None,
+                    resumed_stage=None):
     """The DeepSpeed config for this run.
 
     `base` (the user's JSON) is the starting point; flags in `args.explicit` override it; flag values
     fill whatever it leaves out; every "auto" is resolved here, so DeepSpeed never sees one.
     `device_type` ("cuda" or "cpu") picks how --fp16/--bf16 run when --precision_mode is auto.
     `num_params`, the model's parameter count, caps the ZeRO buckets the config leaves unset.
+    `resumed_stage`, the ZeRO stage of the checkpoint a run resumes from, is what an "auto" stage becomes.
     """
     config = copy.deepcopy(base or {})
     _check_types(config)
@@ -123,7 +125,7 @@ def build_ds_config(args, world_size, num_train_images, base=None, device_type="
             f"micro-batch {micro} x {accumulation} accumulation step(s); lower --batch_size")
 
     _resolve_precision(config, args, device_type)
-    _resolve_zero(config, args, num_params)
+    _resolve_zero(config, args, num_params, world_size, resumed_stage)
     _resolve_optimizer(config, args)
     _resolve_scheduler(config, args, total_steps=args.epochs * steps,
                        warmup_steps=max(1, round(args.warmup_epochs * steps)))
@@ -206,9 +208,9 @@ BUCKET_CAP = 50_000_000
 BUCKET_ALIGNMENT = 2
 
 
-def _resolve_zero(config, args, num_params=None):
+def _resolve_zero(config, args, num_params=None, world_size=1, resumed_stage=None):
     zero = config.setdefault("zero_optimization", {})
-    zero["stage"] = stage = _pick(zero, "stage", args, "zero_stage")
+    stage = _pick(zero, "stage", args, "zero_stage")
     for key, flag in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
         if flag in args.explicit:
             if getattr(args, flag):
@@ -217,6 +219,9 @@ def _resolve_zero(config, args, num_params=None):
                 zero.pop(key, None)
         elif key not in zero and getattr(args, flag):
             zero[key] = dict(OFFLOAD_TO_CPU)
+    if stage == AUTO:
+        stage = resumed_stage if resumed_stage is not None else auto_stage(world_size, zero)
+    zero["stage"] = stage
     if num_params:
         for key in BUCKETS:
             if zero.get(key, AUTO) == AUTO:
@@ -238,6 +243,15 @@ def _resolve_zero(config, args, num_params=None):
         raise UsageError("offload_optimizer needs ZeRO stage 1, 2 or 3 (this run uses stage 0)")
     if "offload_param" in zero and stage != 3:
         zero.pop("offload_param")
+
+
+def auto_stage(world_size, zero):
+    """ZeRO-0 on one rank, where partitioning keeps everything and adds an fp32 copy of the weights and
+    the buckets (2 CPU cores: a ResNet18 epoch took 19-22 s at ZeRO-2 against 17 s at ZeRO-0 and 17 s for
+    plain PyTorch); ZeRO-2 on several ranks; the lowest stage that offloads what the config offloads."""
+    if _offloads(zero, "offload_param"):
+        return 3
+    return 2 if world_size > 1 or _offloads(zero, "offload_optimizer") else 0
 
 
 def _round_up(value, multiple):

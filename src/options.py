@@ -18,6 +18,14 @@ class UsageError(CliError):
     exit_status = 2
 
 
+def zero_stage(value):
+    if value == "auto":
+        return value
+    if value not in ("0", "1", "2", "3"):
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from auto, 0, 1, 2, 3)")
+    return int(value)
+
+
 def add_training_args(parser):
     data = parser.add_argument_group("Dataset")
     data.add_argument("--train_dir", default="data/train", help="ImageFolder root of the training set")
@@ -59,7 +67,10 @@ def add_training_args(parser):
                        help="local torchvision ResNet18 weights file (nothing is downloaded)")
 
     ds = parser.add_argument_group("DeepSpeed")
-    ds.add_argument("--zero_stage", type=int, choices=[0, 1, 2, 3], default=2)
+    ds.add_argument("--zero_stage", type=zero_stage, default="auto", metavar="{auto,0,1,2,3}",
+                    help="auto: 0 on one rank (nothing to partition: ZeRO-1/2 there only add an fp32 copy and "
+                         "buckets, and slow each step), 2 on several, 2 or 3 when offloading; or a resumed "
+                         "checkpoint's stage")
     ds.add_argument("--fp16", action=argparse.BooleanOptionalAction, default=False,
                     help="fp16 compute with dynamic loss scaling (GPU only)")
     ds.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False, help="bf16 compute")

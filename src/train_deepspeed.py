@@ -15,7 +15,7 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from checkpoints import CheckpointSaver, find_checkpoint, load  # noqa: E402
+from checkpoints import CheckpointSaver, find_checkpoint, load, saved_stage  # noqa: E402
 from data import build_loaders, load_datasets  # noqa: E402
 from device_data import build_device_loaders, choose_device_data, train_square_size  # noqa: E402
 from distributed import init_distributed, local_device, rank_zero_only  # noqa: E402
@@ -69,7 +69,7 @@ def main(argv=None):
     model = ResNet18Animals90(num_classes=len(train_set.classes), pretrained=args.pretrained or False)
     num_params = sum(p.numel() for p in model.parameters())
     ds_config = build_ds_config(args, world_size, len(train_set), base=base_config, device_type=device_type,
-                                num_params=num_params)
+                                num_params=num_params, resumed_stage=saved_stage(resume_from))
     check_device_support(ds_config, device_type)
     check_monitor_support(ds_config)
     if device_type == "cuda":

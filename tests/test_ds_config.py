@@ -20,7 +20,7 @@ def build(*argv, world_size=1, images=1000, base=None, device_type="cpu"):
 def test_explicit_flags_are_recorded():
     args = make_args("--batch_size", "8", "--bf16", "--no-offload_optimizer")
     assert args.explicit == {"batch_size", "bf16", "offload_optimizer"}
-    assert args.epochs == 50 and args.zero_stage == 2
+    assert args.epochs == 50 and args.zero_stage == "auto"
 
 
 def test_defaults():
@@ -28,7 +28,8 @@ def test_defaults():
     assert config["train_micro_batch_size_per_gpu"] == 16
     assert config["gradient_accumulation_steps"] == 1
     assert config["train_batch_size"] == 16
-    assert config["zero_optimization"] == {"stage": 2, "compute_grad_norm": False}  # nothing clips with it
+    assert config["zero_optimization"] == {"stage": 0}  # one rank: nothing to partition
+    assert build(world_size=2)["zero_optimization"] == {"stage": 2, "compute_grad_norm": False}  # nothing clips
     assert config["gradient_clipping"] == 0.0
     assert "fp16" not in config and "bf16" not in config
     assert config["optimizer"] == {"type": "AdamW", "params": {
@@ -248,8 +249,8 @@ def test_base_precision_form_is_kept_unless_a_flag_changes_it():
 
 
 def test_gradient_norm_is_computed_only_when_something_uses_it():
-    assert build("--bf16", device_type="cuda")["zero_optimization"]["compute_grad_norm"] is False
-    clipped = build("--bf16", "--clip_grad", "1", device_type="cuda")
+    assert build("--bf16", "--zero_stage", "2", device_type="cuda")["zero_optimization"]["compute_grad_norm"] is False
+    clipped = build("--bf16", "--zero_stage", "2", "--clip_grad", "1", device_type="cuda")
     assert clipped["gradient_clipping"] == 1.0 and "compute_grad_norm" not in clipped["zero_optimization"]
     for argv in (["--offload_optimizer"], ["--zero_stage", "3"], ["--zero_stage", "0"], ["--fp16", "--precision_mode",
                                                                                            "half_weights"]):
@@ -438,3 +439,20 @@ def test_image_suffixes_are_torchvisions():
     import data_check
 
     assert data_check.IMG_EXTENSIONS == IMG_EXTENSIONS
+
+
+@pytest.mark.parametrize("argv, world_size, resumed, stage", [
+    ([], 1, None, 0), ([], 4, None, 2), (["--offload_optimizer"], 1, None, 2),
+    (["--offload_optimizer", "--offload_param"], 1, None, 3), ([], 1, 2, 2),  # resuming an earlier ZeRO-2 run
+    (["--zero_stage", "1"], 1, 2, 1), (["--zero_stage", "auto"], 8, 0, 0)])
+def test_zero_stage_auto(argv, world_size, resumed, stage):
+    config = build_ds_config(make_args(*argv), world_size, 1000, resumed_stage=resumed)
+    assert config["zero_optimization"]["stage"] == stage
+    base = {"zero_optimization": {"stage": 3}}  # a JSON's stage wins over the flag's default
+    assert build_ds_config(make_args(), world_size, 1000, base=base)["zero_optimization"]["stage"] == 3
+
+
+def test_a_bad_zero_stage_is_refused_by_argparse(capsys):
+    with pytest.raises(SystemExit) as exited:
+        make_args("--zero_stage", "4")
+    assert exited.value.code == 2 and "invalid choice: '4' (choose from auto, 0, 1, 2, 3)" in capsys.readouterr().err

@@ -14,9 +14,10 @@ from conftest import ROOT, assert_usage_error, data_args, launch
 METRICS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
 
 
-def train_args(tiny_data, epochs=3):
+def train_args(tiny_data, epochs=3, stage=("--zero_stage", "2")):
+    """ZeRO-2, whose optimizer state is partitioned, unless `stage` is () (the default, auto: 0 on one rank)."""
     return data_args(tiny_data) + ["--epochs", str(epochs), "--batch_size", "4", "--image_size", "32",
-                                   "--num_workers", "1", "--save_every", "1", "--keep_last", "2"]
+                                   "--num_workers", "1", "--save_every", "1", "--keep_last", "2", *stage]
 
 
 def start(args, workdir, log):
@@ -109,9 +110,11 @@ def test_sigterm_finishes_the_step_saves_and_resumes(tiny_data, tmp_path):
     info = json.loads((tmp_path / "checkpoints_deepspeed/last/extra_info.json").read_text())
     assert info["epoch"] == 1 and info["interrupted_at"]["epoch"] == 2 and info["interrupted_at"]["step"] > 0
 
-    result = launch(train_args(tiny_data) + ["--resume", "auto"], tmp_path)
+    # Without --zero_stage (auto) the run resumes with the checkpoint's stage, 2, rather than refusing it.
+    result = launch(train_args(tiny_data, stage=()) + ["--resume", "auto"], tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"Resumed from checkpoints_deepspeed/last: epoch 2, step {info['interrupted_at']['step']}" in result.stdout
+    assert json.loads((tmp_path / "logs/training_history.json").read_text())["config"]["zero_stage"] == 2
     epochs = history(tmp_path)["epochs"]
     assert [e["epoch"] for e in epochs] == [1, 2, 3]
     assert all(0 <= e["train_acc"] <= 1 and e["train_loss"] > 0 for e in epochs)
