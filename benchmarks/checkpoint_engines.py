@@ -107,7 +107,7 @@ def measure(name, args):
     files = list((folder / f"r{args.repeats - 1}").glob("*.pt"))
     saved = torch.load(folder / f"r{args.repeats - 1}" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
     # the file holds the weights as they were at the call, not as the steps after it left them
-    matches = saved.keys() == expected.keys() and all(torch.equal(saved[k], expected[k]) for k in expected)
+    matches = saved.keys() == expected.keys() and all(torch.equal(saved[k].cpu(), expected[k]) for k in expected)
     cost = [c + a - w for c, a, w in zip(calls, after, without)]
     return {"save_call_s": statistics.median(calls), "cost_per_checkpoint_s": statistics.median(cost),
             "files_complete_after_s": statistics.median(complete),

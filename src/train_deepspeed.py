@@ -9,6 +9,7 @@ PROCESS_STARTED = time.time()  # before the imports below: the startup timing co
 
 import argparse  # noqa: E402
 import datetime  # noqa: E402
+import gc  # noqa: E402
 import sys  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -141,6 +142,10 @@ def main(argv=None):
     say(f"{MODEL_NAME}: {len(train_set)} train / {len(val_set)} val images, {len(train_set.classes)} classes; "
         f"{world_size} rank(s) on {device_type}, ZeRO-{zero_stage}, {run_config['precision']}, "
         f"global batch {ds_config['train_batch_size']}")
+
+    # What is built by now lives until the end: the cyclic garbage collector need not walk it again (a full
+    # collection over what torch, torchvision and DeepSpeed leave took 0.17 s on 2 CPU cores).
+    gc.freeze()
 
     def training_state(next_epoch, next_step=0, carried=None):
         return {"next_epoch": next_epoch, "next_step": next_step, "carried": carried,
