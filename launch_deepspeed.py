@@ -26,9 +26,9 @@ from data_check import check_data  # noqa: E402
 from distributed import free_port  # noqa: E402
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, load_base_config,  # noqa: E402
                        num_parameters)
-from failures import check_writable, stop_on_write_error  # noqa: E402
-from history import write_json_atomic  # noqa: E402
-from options import UsageError, add_training_args, parse_args, run_cli  # noqa: E402
+from failures import UsageError, check_writable, stop_on_write_error  # noqa: E402
+from files import write_json_atomic  # noqa: E402
+from options import add_training_args, parse_args, run_cli  # noqa: E402
 from timing import LAUNCHED_AT_ENV, SPAWNED_AT_ENV  # noqa: E402
 
 TRAIN_SCRIPT = ROOT / "src" / "train_deepspeed.py"

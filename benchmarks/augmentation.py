@@ -119,7 +119,7 @@ def pixel_difference(batches, loader, device):
     return (grey - expected).abs().mean().item()
 
 
-def main():
+def get_args_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch_size", type=int, default=256)
     parser.add_argument("--image_size", type=int, default=224)
@@ -129,7 +129,11 @@ def main():
     parser.add_argument("--batches", type=int, default=16, help="timed batches per epoch")
     parser.add_argument("--repeats", type=int, default=5, help="timed epochs; the median is reported")
     parser.add_argument("--output_dir", type=Path, default=ROOT / "benchmarks" / "results")
-    args = parser.parse_args()
+    return parser
+
+
+def main():
+    args = get_args_parser().parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":

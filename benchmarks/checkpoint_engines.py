@@ -116,7 +116,7 @@ def measure(name, args):
             "model_file_holds_the_state_at_the_call": matches}
 
 
-def main():
+def get_args_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engines", nargs="+", default=list(WRITERS), choices=list(WRITERS))
     parser.add_argument("--batch_size", type=int, default=256)
@@ -127,7 +127,11 @@ def main():
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--output_dir", type=Path, default=ROOT / "benchmarks" / "results")
-    args = parser.parse_args()
+    return parser
+
+
+def main():
+    args = get_args_parser().parse_args()
     if args.child:
         print("RESULT " + json.dumps(measure(args.child, args)), flush=True)
         return 0

@@ -68,3 +68,9 @@ def run_trainer(flags, keep_output=False):
         history = json.loads((tmp / "logs" / "training_history.json").read_text())
     return {"command": shown(command), "wall_s": wall_s, "history": history,
             **({"output": result.stdout + result.stderr} if keep_output else {})}
+
+
+def draw_sample_data(folder):
+    """The built-in sample dataset at `folder`, as `prepare_data.py sample` draws it (kept when already there)."""
+    subprocess.run([sys.executable, str(ROOT / "src" / "prepare_data.py"), "sample", "--output", str(folder)],
+                   check=True, stdout=subprocess.DEVNULL)

@@ -19,7 +19,6 @@ to benchmarks/results/data_path_accuracy_<machine>.json.
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,7 +32,7 @@ from torchvision.io import ImageReadMode, decode_image  # noqa: E402
 from torchvision.transforms import functional as TF  # noqa: E402
 
 from device_data import ResizedCrops, random_resized_crops, resize_and_crop, train_square_size  # noqa: E402
-from common import earlier_results, environment, run_trainer, shown  # noqa: E402
+from common import draw_sample_data, earlier_results, environment, run_trainer, shown  # noqa: E402
 from reproducibility import machine_slug  # noqa: E402
 
 REFERENCE = "DataLoader"
@@ -114,7 +113,7 @@ def paired_difference(values, reference):
     return {"mean": statistics.mean(differences), "ci95": half_width}
 
 
-def main():
+def get_args_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sample_data", type=Path, default=ROOT / "sample_data",
                         help="the built-in sample dataset; drawn there if missing")
@@ -129,10 +128,13 @@ def main():
                         help="add to the JSON's runs (same machine, versions and settings) instead of replacing them; "
                              "a variant and seed run again replaces its earlier run")
     parser.add_argument("--output_dir", type=Path, default=ROOT / "benchmarks" / "results")
-    args = parser.parse_args()
+    return parser
 
-    subprocess.run([sys.executable, str(ROOT / "src" / "prepare_data.py"), "sample", "--output", str(args.sample_data)],
-                   check=True, stdout=subprocess.DEVNULL)
+
+def main():
+    args = get_args_parser().parse_args()
+
+    draw_sample_data(args.sample_data)
     env = environment()
     args.output_dir.mkdir(parents=True, exist_ok=True)
     path = args.output_dir / f"data_path_accuracy_{machine_slug(env)}.json"

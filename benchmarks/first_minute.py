@@ -65,7 +65,7 @@ def steady(run):
     return medians
 
 
-def main():
+def get_args_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=ROOT / "bench_data",
                         help="image folder with train/ and val/; the sample dataset is drawn there if missing")
@@ -81,7 +81,11 @@ def main():
     parser.add_argument("--trainer_flags", nargs=argparse.REMAINDER, default=[],
                         help="more flags for launch_deepspeed.py (last on the command line)")
     parser.add_argument("--output_dir", type=Path, default=ROOT / "benchmarks" / "results")
-    args = parser.parse_args()
+    return parser
+
+
+def main():
+    args = get_args_parser().parse_args()
 
     val_per_class = max(1, args.images_per_class // 5)
     make_sample_dataset(args.data, args.num_classes, args.images_per_class - val_per_class, val_per_class,

@@ -37,7 +37,7 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def main():
+def get_args_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, required=True, help="folder holding train/ and val/")
     parser.add_argument("--epochs", type=int, default=3)
@@ -47,7 +47,11 @@ def main():
     parser.add_argument("--num_workers", type=int, default=2)
     parser.add_argument("--learning_rate", type=float, default=0.001)
     parser.add_argument("--seed", type=int, default=42)
-    args = parser.parse_args()
+    return parser
+
+
+def main():
+    args = get_args_parser().parse_args()
 
     torch.manual_seed(args.seed)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -30,9 +30,8 @@ import time
 from pathlib import Path
 
 from distributed import barrier, rank, rank_zero_only, world_size
-from failures import stop_on_write_error
-from history import write_json_atomic
-from options import UsageError
+from failures import UsageError, stop_on_write_error
+from files import write_json_atomic
 
 EXTRA_INFO = "extra_info.json"
 LAST, BEST = "last", "best_model"

@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from torchvision import transforms
 
 from data_check import check_data, labelled_samples, listed
-from options import UsageError
+from failures import UsageError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)

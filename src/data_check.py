@@ -23,8 +23,8 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-from history import write_json_atomic
-from options import UsageError
+from failures import UsageError
+from files import write_json_atomic
 
 CACHE_VERSION = 2
 CACHE_DIR_ENV = "TRAINER_CACHE_DIR"

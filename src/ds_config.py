@@ -4,7 +4,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from options import UsageError
+from failures import UsageError
 
 AUTO = "auto"
 # torchvision's ResNet18 without its classifier; the classifier adds 512 weights and a bias per class.

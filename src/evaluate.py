@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from data import image_folder
-from history import write_json_atomic
+from files import write_json_atomic
 from inference import default_device, eval_transform, load_model, predict_probabilities
 from options import run_cli
 
@@ -49,14 +49,18 @@ def plot_confusion(confusion, class_names, output):
     plt.close(fig)
 
 
-def main(argv=None):
+def get_args_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="exported .pt/.safetensors file or a checkpoint folder")
     parser.add_argument("--data_dir", default="data/val", help="image folder with the model's class folders")
     parser.add_argument("--output_dir", default="evaluation", help="where report.json and confusion_matrix.png go")
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--num_workers", type=int, default=2)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = get_args_parser().parse_args(argv)
 
     device = default_device()
     model, metadata = load_model(args.model, device)

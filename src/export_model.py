@@ -17,9 +17,10 @@ from pathlib import Path
 import torch
 
 from checkpoints import find_checkpoint, read_info
-from history import write_json_atomic
+from failures import UsageError
+from files import write_json_atomic
 from model import ResNet18Animals90
-from options import UsageError, run_cli
+from options import run_cli
 
 SUFFIXES = (".pt", ".pth", ".safetensors")
 
@@ -67,11 +68,15 @@ def export(checkpoint, output):
     return metadata
 
 
-def main(argv=None):
+def get_args_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="checkpoint folder (e.g. checkpoints_deepspeed/best_model) or its tag folder")
     parser.add_argument("--output", required=True, help="model.pt or model.safetensors")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = get_args_parser().parse_args(argv)
     metadata = export(args.checkpoint, args.output)
     print(f"wrote {args.output} ({len(metadata['class_names'])} classes, {metadata['image_size']} px) "
           f"and {sidecar_path(args.output)} from {metadata['source_checkpoint']}")

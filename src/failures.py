@@ -12,7 +12,17 @@ import os
 import re
 from pathlib import Path
 
-from options import CliError, UsageError
+
+class CliError(Exception):
+    """A reason to stop that the user can act on: one line on stderr, no traceback, exit status `exit_status`
+    (reported by options.run_cli)."""
+    exit_status = 1
+    every_rank = False  # True: every rank raises it at the same point, and rank 0 alone reports it
+
+
+class UsageError(CliError):
+    """Bad input from the user: reported as one line on stderr with exit status 2, no traceback."""
+    exit_status = 2
 
 
 class Diverged(CliError):

@@ -1,11 +1,10 @@
 """logs/training_history.json: the run's settings, one record per epoch and the best epoch."""
 import copy
-import json
-import os
 from pathlib import Path
 
 from distributed import rank_zero_only
 from failures import stop_on_write_error
+from files import write_json_atomic
 
 # epoch_time_s: the training loop; data_wait_s: the part of it spent waiting for batches; compute_s: the rest.
 # validation_s and checkpoint_s after the loop (checkpoint_s: the copy of the state to host memory, and any
@@ -15,22 +14,6 @@ from failures import stop_on_write_error
 EPOCH_KEYS = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "val_images", "lr", "epoch_time_s",
               "images_per_s", "data_wait_s", "compute_s", "validation_s", "checkpoint_s", "epoch_wall_s",
               "peak_gpu_memory_gib", "skipped_steps", "nonfinite_steps")
-
-
-def write_json_atomic(path, data):
-    """Write JSON so that readers see the old file or the new one, never a partial one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # several writers (nodes) never share one
-    try:
-        with open(tmp, "w") as f:
-            json.dump(data, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # a full disk leaves no half-written temporary file behind
-        raise
 
 
 def epoch_line(record, epochs, is_best):

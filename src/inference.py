@@ -7,8 +7,8 @@ from torch.utils.data import DataLoader
 
 from data import build_transform
 from export_model import consolidated_state_dict, sidecar_path
+from failures import UsageError
 from model import ResNet18Animals90
-from options import UsageError
 
 
 def load_model(path, device):

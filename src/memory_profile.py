@@ -40,8 +40,9 @@ import train_deepspeed
 from data import batch_memory_format
 from distributed import init_distributed, rank_zero_only, run_on_free_port, shut_down
 from ds_config import build_ds_config, precision
+from failures import UsageError
 from model import BatchNorm2dFP32, ResNet18Animals90
-from options import UsageError, parse_args, run_cli
+from options import parse_args, run_cli
 from reproducibility import environment, machine_slug
 from training import input_dtype
 

@@ -5,17 +5,7 @@ import math
 import os
 import sys
 
-
-class CliError(Exception):
-    """A reason to stop that the user can act on: one line on stderr, no traceback, exit status `exit_status`
-    (the causes and their statuses: src/failures.py)."""
-    exit_status = 1
-    every_rank = False  # True: every rank raises it at the same point, and rank 0 alone reports it
-
-
-class UsageError(CliError):
-    """Bad input from the user: reported as one line on stderr with exit status 2, no traceback."""
-    exit_status = 2
+from failures import CliError, UsageError
 
 
 def zero_stage(value):

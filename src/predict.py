@@ -11,8 +11,9 @@ from PIL import Image, UnidentifiedImageError
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from data import load_rgb
+from failures import UsageError
 from inference import default_device, eval_transform, load_model, predict_probabilities
-from options import UsageError, run_cli
+from options import run_cli
 
 
 def image_paths(inputs):
@@ -47,14 +48,18 @@ class Images:
             raise UsageError(f"{self.paths[index]}: not a readable image ({err})") from None
 
 
-def main(argv=None):
+def get_args_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="exported .pt/.safetensors file or a checkpoint folder")
     parser.add_argument("images", nargs="+", metavar="IMAGE_OR_DIR")
     parser.add_argument("--top_k", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--batch_size", type=int, default=64)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = get_args_parser().parse_args(argv)
 
     paths = image_paths(args.images)
     device = default_device()

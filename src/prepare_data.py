@@ -14,7 +14,8 @@ from PIL import Image, ImageDraw
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from data_check import check_folders
-from options import UsageError, run_cli
+from failures import UsageError
+from options import run_cli
 
 # The 90 class folders of the Animals-90 dataset; the sample dataset borrows them as class names.
 ANIMALS_90 = (

@@ -22,13 +22,13 @@ from device_data import build_device_loaders, choose_device_data, train_square_s
 from distributed import init_distributed, local_device, rank_zero_only  # noqa: E402
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, load_base_config,  # noqa: E402
                        lr_schedule, precision)
-from failures import advise_on_out_of_memory, check_writable  # noqa: E402
+from failures import UsageError, advise_on_out_of_memory, check_writable  # noqa: E402
 from history import TrainingHistory, epoch_line  # noqa: E402
 from interrupt import StopOnSignal  # noqa: E402
 from model import MODEL_NAME, ResNet18Animals90, synchronize_batch_norm  # noqa: E402
-from numerics import StepHealth  # noqa: E402
 from monitor import prepare_csv_files, write_epoch_events  # noqa: E402
-from options import UsageError, add_training_args, parse_args, run_cli  # noqa: E402
+from numerics import StepHealth  # noqa: E402
+from options import add_training_args, parse_args, run_cli  # noqa: E402
 from reproducibility import restore_rng_state, rng_state, seed_everything  # noqa: E402
 from timing import StartupClock  # noqa: E402
 from training import evaluate, input_dtype, peak_gpu_memory_gib, train_one_epoch  # noqa: E402

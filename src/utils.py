@@ -8,7 +8,8 @@ import json
 import math
 from pathlib import Path
 
-from options import UsageError, run_cli
+from failures import UsageError
+from options import run_cli
 
 
 def load_history(path):
@@ -131,7 +132,7 @@ def plot_history(histories, output, labels=None):
     return output
 
 
-def main(argv=None):
+def get_args_parser():
     parser = argparse.ArgumentParser(
         description="Plot loss, accuracy, learning rate, images/s and peak GPU memory per epoch, of one run "
                     "or of several on one figure.")
@@ -140,7 +141,11 @@ def main(argv=None):
     parser.add_argument("--labels", nargs="+", metavar="NAME",
                         help="a legend name per --history file (default: the parts of their paths that differ)")
     parser.add_argument("--output", default="training_curves.png")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = get_args_parser().parse_args(argv)
     if args.labels and len(args.labels) != len(args.history):
         raise UsageError(f"--labels gives {len(args.labels)} name(s) for {len(args.history)} --history file(s)")
     histories = [load_history(path) for path in args.history]

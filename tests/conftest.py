@@ -1,4 +1,6 @@
+import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -13,6 +15,10 @@ os.environ["TRAINER_CACHE_DIR"] = tempfile.mkdtemp(prefix="test-cache-")
 
 from prepare_data import make_sample_dataset  # noqa: E402
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts training or other processes; -m 'not slow' leaves these out")
+
+
 TINY_CLASSES = 3  # odd: ResNet18's parameter count is then odd too (a ZeRO-1/2 bucket alignment bug hid there)
 TINY_TRAIN_IMAGES = 48
 TINY_VAL_PER_CLASS = 5
@@ -26,6 +32,40 @@ def tiny_data(tmp_path_factory):
     make_sample_dataset(root, num_classes=TINY_CLASSES, train_per_class=TINY_TRAIN_IMAGES // TINY_CLASSES,
                         val_per_class=TINY_VAL_PER_CLASS, image_size=32, seed=0)
     return root
+
+
+# Training runs several tests read: trained once per session (`trained`), 2 epochs each.
+TRAINED_EPOCHS = 2
+TRAINED_RUNS = {
+    "zero0": ["--zero_stage", "0"],
+    "zero1-bf16-accumulation": ["--zero_stage", "1", "--bf16", "--gradient_accumulation_steps", "2"],
+    "zero2-2ranks": ["--zero_stage", "2", "--num_gpus", "2", "--sync_bn"],
+    "zero3": ["--zero_stage", "3"],
+}
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory, tiny_data):
+    """trained(name) -> (workdir, CompletedProcess) of the TRAINED_RUNS run `name`, run on first use."""
+    finished = {}
+
+    def get(name):
+        if name not in finished:
+            workdir = tmp_path_factory.mktemp(name)
+            args = data_args(tiny_data) + ["--epochs", str(TRAINED_EPOCHS), "--batch_size", "4", "--image_size", "32",
+                                           "--save_every", "1", "--num_workers", "1"] + TRAINED_RUNS[name]
+            result = launch(args, workdir)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+            finished[name] = (workdir, result)
+        return finished[name]
+
+    return get
+
+
+def split_dry_run(stdout):
+    """Dry-run output: the config as JSON, then the command on the last line."""
+    *config_lines, command = stdout.strip().splitlines()
+    return json.loads("\n".join(config_lines)), shlex.split(command)
 
 
 def run(command, cwd, timeout=600, **popen):

@@ -13,7 +13,7 @@ from conftest import ROOT, assert_usage_error_in_process, data_args, launch, run
 from data import ImageFiles, build_transform, load_datasets, load_rgb
 from data_check import cache_path, check_data, check_folders
 from device_data import Normalize, decode_chunk, decode_dataset, resize_size
-from options import UsageError
+from failures import UsageError
 from prepare_data import main as prepare_data_main
 from prepare_data import make_sample_dataset
 
@@ -207,6 +207,7 @@ def test_unusable_data_stops_the_launcher_and_the_check_with_status_2(tmp_path, 
         check_data(tmp_path / "data/train", tmp_path / "data/val")
 
 
+@pytest.mark.slow
 def test_check_command_prints_the_report(bad_data, tmp_path):
     result = run([sys.executable, str(ROOT / "src/prepare_data.py"), "--check", str(bad_data)], tmp_path)
     assert result.returncode == 0, result.stderr
@@ -221,6 +222,7 @@ def test_check_command_prints_the_report(bad_data, tmp_path):
     assert result.stderr == ""  # not even PIL's warning about the large image: the report names it
 
 
+@pytest.mark.slow
 def test_training_skips_the_bad_files_and_records_them(bad_data, tmp_path):
     result = launch(data_args(bad_data) + ["--epochs", "1", "--batch_size", "4", "--image_size", "32",
                                            "--zero_stage", "0", "--data_on_device", "off", "--num_workers", "0"],

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from checkpoints import EXTRA_INFO, _copy_as, _publish, check_resumable, find_checkpoint, readable
-from options import UsageError
+from failures import UsageError
 
 
 def fake_checkpoint(folder, epoch, tag, world_size=1, zero_stage=2, payload="weights"):

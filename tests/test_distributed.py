@@ -11,6 +11,8 @@ from distributed import average_buffers
 from distributed import free_port
 from model import BatchNorm2dFP32, synchronize_batch_norm
 
+pytestmark = pytest.mark.slow  # every test here starts processes (training runs, or ranks of a process group)
+
 WORLD_SIZE = 2
 
 

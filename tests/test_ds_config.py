@@ -6,7 +6,8 @@ import pytest
 from conftest import ROOT
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, load_base_config,
                        lr_schedule, num_parameters, precision, steps_per_epoch)
-from options import UsageError, add_training_args, parse_args
+from failures import UsageError
+from options import add_training_args, parse_args
 
 
 def make_args(*argv):
@@ -421,6 +422,7 @@ def test_an_odd_allgather_bucket_in_the_json_is_a_usage_error():
         build_ds_config(make_args(), 1, 1000, base=base, num_params=11_000_000)
 
 
+@pytest.mark.slow
 def test_the_launcher_imports_neither_torchvision_nor_deepspeed():
     """Each costs seconds before the first step (torchvision 1-2 s, DeepSpeed 2-3 s); the training processes
     import them anyway. Checked in a fresh interpreter."""

@@ -8,30 +8,12 @@ import pytest
 import torch
 from torchvision.datasets import ImageFolder
 
-from conftest import ROOT, TINY_CLASSES, TINY_VAL_IMAGES, TINY_VAL_PER_CLASS, assert_usage_error, data_args, launch, run
+from conftest import (ROOT, TINY_CLASSES, TINY_VAL_IMAGES, TINY_VAL_PER_CLASS, TRAINED_EPOCHS, TRAINED_RUNS,
+                      assert_usage_error, data_args, launch, run)
 from data import build_transform
 from model import ResNet18Animals90
 
-EPOCHS = 2
-RUNS = {
-    "zero0": ["--zero_stage", "0"],
-    "zero1-bf16-accumulation": ["--zero_stage", "1", "--bf16", "--gradient_accumulation_steps", "2"],
-    "zero2-2ranks": ["--zero_stage", "2", "--num_gpus", "2", "--sync_bn"],
-    "zero3": ["--zero_stage", "3"],
-}
-_finished = {}
-
-
-def run_training(name, tmp_path_factory, tiny_data):
-    """Train once per configuration and share the result between tests."""
-    if name not in _finished:
-        workdir = tmp_path_factory.mktemp(name)
-        args = data_args(tiny_data) + ["--epochs", str(EPOCHS), "--batch_size", "4", "--image_size", "32",
-                                       "--save_every", "1", "--num_workers", "1"] + RUNS[name]
-        result = launch(args, workdir)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        _finished[name] = (workdir, result)
-    return _finished[name]
+pytestmark = pytest.mark.slow  # every test here starts training processes
 
 
 def load_history(workdir):
@@ -48,21 +30,21 @@ def accuracy(model, val_dir):
     return correct / len(dataset)
 
 
-@pytest.mark.parametrize("name", list(RUNS))
-def test_training_run_writes_history_and_checkpoints(name, tmp_path_factory, tiny_data):
-    workdir, result = run_training(name, tmp_path_factory, tiny_data)
+@pytest.mark.parametrize("name", list(TRAINED_RUNS))
+def test_training_run_writes_history_and_checkpoints(name, trained, tiny_data):
+    workdir, result = trained(name)
     history = load_history(workdir)
     config = history["config"]
     assert config["model"] == "ResNet18Animals90" and config["num_classes"] == TINY_CLASSES
     assert config["world_size"] == (2 if "2ranks" in name else 1)
-    assert config["zero_stage"] == int(RUNS[name][1])
+    assert config["zero_stage"] == int(TRAINED_RUNS[name][1])
     assert config["precision"] == ("bf16" if "bf16" in name else "fp32")
-    assert config["sync_bn"] == ("--sync_bn" in RUNS[name])
+    assert config["sync_bn"] == ("--sync_bn" in TRAINED_RUNS[name])
     ds = config["deepspeed"]
     assert ds["train_batch_size"] == 4 * ds["gradient_accumulation_steps"] * config["world_size"]
 
     epochs = history["epochs"]
-    assert [e["epoch"] for e in epochs] == list(range(1, EPOCHS + 1))
+    assert [e["epoch"] for e in epochs] == list(range(1, TRAINED_EPOCHS + 1))
     for record in epochs:
         assert set(record) == {"epoch", "train_loss", "train_acc", "val_loss", "val_acc", "val_images", "lr",
                                "epoch_time_s", "images_per_s", "data_wait_s", "compute_s", "validation_s",
@@ -92,14 +74,14 @@ def test_training_run_writes_history_and_checkpoints(name, tmp_path_factory, tin
     ckpt = workdir / "checkpoints_deepspeed"
     assert (ckpt / "best_model/latest").read_text().strip() == "best"
     assert any((ckpt / "best_model/best").glob("*model_states.pt"))
-    for epoch in range(1, EPOCHS + 1):
+    for epoch in range(1, TRAINED_EPOCHS + 1):
         assert (ckpt / f"epoch_{epoch}/epoch_{epoch}").is_dir()
         info = json.loads((ckpt / f"epoch_{epoch}/extra_info.json").read_text())
         saved_after = ("checkpoint_s", "epoch_wall_s")  # measured once the checkpoint is written
         assert info["epoch"] == epoch and info["metrics"] == {k: v for k, v in epochs[epoch - 1].items()
                                                               if k not in saved_after}
     assert (ckpt / "last/latest").read_text().strip() == "last"
-    assert json.loads((ckpt / "last/extra_info.json").read_text())["epoch"] == EPOCHS
+    assert json.loads((ckpt / "last/extra_info.json").read_text())["epoch"] == TRAINED_EPOCHS
     info = json.loads((ckpt / "best_model/extra_info.json").read_text())
     assert info["epoch"] == history["best"]["epoch"]
     assert (info["world_size"], info["zero_stage"]) == (config["world_size"], config["zero_stage"])
@@ -109,8 +91,8 @@ def test_training_run_writes_history_and_checkpoints(name, tmp_path_factory, tin
 
 
 @pytest.mark.parametrize("name", ["zero0", "zero2-2ranks"])
-def test_best_checkpoint_reproduces_logged_val_acc(name, tmp_path_factory, tiny_data):
-    workdir, _ = run_training(name, tmp_path_factory, tiny_data)
+def test_best_checkpoint_reproduces_logged_val_acc(name, trained, tiny_data):
+    workdir, _ = trained(name)
     history = load_history(workdir)
     states = workdir / "checkpoints_deepspeed/best_model/best/mp_rank_00_model_states.pt"
     model = ResNet18Animals90(num_classes=TINY_CLASSES)
@@ -119,8 +101,8 @@ def test_best_checkpoint_reproduces_logged_val_acc(name, tmp_path_factory, tiny_
 
 
 @pytest.mark.parametrize("name, suffix", [("zero0", ".pt"), ("zero2-2ranks", ".safetensors"), ("zero3", ".pt")])
-def test_export_from_any_stage_reproduces_logged_val_acc(name, suffix, tmp_path_factory, tiny_data, tmp_path):
-    workdir, _ = run_training(name, tmp_path_factory, tiny_data)
+def test_export_from_any_stage_reproduces_logged_val_acc(name, suffix, trained, tiny_data, tmp_path):
+    workdir, _ = trained(name)
     history = load_history(workdir)
     output = tmp_path / f"model{suffix}"
     result = run([sys.executable, str(ROOT / "src/export_model.py"),
@@ -143,20 +125,20 @@ def test_export_from_any_stage_reproduces_logged_val_acc(name, suffix, tmp_path_
     assert accuracy(model, tiny_data / "val") == pytest.approx(history["best"]["val_acc"])
 
 
-def test_zero3_model_states_file_holds_no_weights(tmp_path_factory, tiny_data):
+def test_zero3_model_states_file_holds_no_weights(trained, tiny_data):
     """Why the README points ZeRO-3 users to export_model.py."""
-    workdir, _ = run_training("zero3", tmp_path_factory, tiny_data)
+    workdir, _ = trained("zero3")
     folder = workdir / "checkpoints_deepspeed/best_model/best"
     assert not (folder / "mp_rank_00_model_states.pt").exists()
     states = torch.load(folder / "zero_pp_rank_0_mp_rank_00_model_states.pt", map_location="cpu")["module"]
     assert states["conv1.weight"].numel() == 0
 
 
-def test_seeded_runs_repeat_and_deepspeed_cli_matches_launcher(tmp_path_factory, tiny_data, tmp_path):
+def test_seeded_runs_repeat_and_deepspeed_cli_matches_launcher(trained, tiny_data, tmp_path):
     """The users' direct command, `deepspeed ... src/train_deepspeed.py`, reproduces the launcher's run."""
-    launched, _ = run_training("zero0", tmp_path_factory, tiny_data)
+    launched, _ = trained("zero0")
     command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus=1", str(ROOT / "src/train_deepspeed.py"),
-               *data_args(tiny_data), "--epochs", str(EPOCHS), "--batch_size", "4", "--image_size", "32",
+               *data_args(tiny_data), "--epochs", str(TRAINED_EPOCHS), "--batch_size", "4", "--image_size", "32",
                "--save_every", "1", "--num_workers", "1", "--zero_stage", "0"]
     result = run(command, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -165,17 +147,18 @@ def test_seeded_runs_repeat_and_deepspeed_cli_matches_launcher(tmp_path_factory,
     assert direct == [{k: e[k] for k in metrics} for e in load_history(launched)["epochs"]]
 
 
-def test_curves_png(tmp_path_factory, tiny_data, tmp_path):
-    workdir, _ = run_training("zero0", tmp_path_factory, tiny_data)
-    output = tmp_path / "curves.png"
-    result = run([sys.executable, str(ROOT / "src/utils.py"), "--history", str(workdir / "logs/training_history.json"),
-                  "--output", str(output)], tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+def test_curves_of_a_real_history(trained, tmp_path, capsys):
+    """The figure's panels are unit-tested on synthetic histories (test_plots.py); this is a real run's."""
     import matplotlib.image
 
+    from utils import main as plot_curves
+
+    workdir, _ = trained("zero0")
+    output = tmp_path / "curves.png"
+    plot_curves(["--history", str(workdir / "logs/training_history.json"), "--output", str(output)])
+    assert f"curves written to {output}" in capsys.readouterr().out
     height, width, _ = matplotlib.image.imread(output).shape
-    assert width > 1000 and height > 400
+    assert width > 1000 and height > 800  # two rows of panels: the epoch times are recorded, so four panels or more
 
 
 def test_reference_zero2_config_fp16_is_refused_on_cpu_then_trains_in_bf16(tiny_data, tmp_path):
@@ -208,8 +191,8 @@ def test_reference_zero3_config_trains_in_bf16_with_param_and_optimizer_offload(
     assert state_dict["fc.weight"].shape == (TINY_CLASSES, 512) and state_dict["fc.weight"].dtype == torch.float32
 
 
-def test_a_failed_run_leaves_earlier_outputs_intact(tmp_path_factory, tiny_data, tmp_path):
-    workdir, _ = run_training("zero0", tmp_path_factory, tiny_data)
+def test_a_failed_run_leaves_earlier_outputs_intact(trained, tiny_data, tmp_path):
+    workdir, _ = trained("zero0")
     shutil.copytree(workdir / "logs", tmp_path / "logs")
     shutil.copytree(workdir / "checkpoints_deepspeed", tmp_path / "checkpoints_deepspeed")
     before = (tmp_path / "logs/training_history.json").read_bytes()
@@ -220,9 +203,9 @@ def test_a_failed_run_leaves_earlier_outputs_intact(tmp_path_factory, tiny_data,
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory, tiny_data):
+def exported(trained, tiny_data):
     """The zero0 run's best checkpoint, exported."""
-    workdir, _ = run_training("zero0", tmp_path_factory, tiny_data)
+    workdir, _ = trained("zero0")
     output = workdir / "model.pt"
     result = run([sys.executable, str(ROOT / "src/export_model.py"),
                   str(workdir / "checkpoints_deepspeed/best_model"), "--output", str(output)], workdir)
@@ -248,7 +231,7 @@ def test_evaluate_reports_the_logged_accuracy(source, exported, tiny_data, tmp_p
     assert f"top-1 {report['top1']:.4f}" in result.stdout
 
 
-def test_predict_agrees_with_evaluate(exported, tiny_data, tmp_path, tmp_path_factory):
+def test_predict_agrees_with_evaluate(exported, tiny_data, tmp_path, trained):
     workdir, model_file = exported
     result = run([sys.executable, str(ROOT / "src/predict.py"), "--model", str(model_file), "--top_k", "2",
                   "--json", str(tiny_data / "val")], tmp_path)
@@ -263,7 +246,7 @@ def test_predict_agrees_with_evaluate(exported, tiny_data, tmp_path, tmp_path_fa
     assert correct / TINY_VAL_IMAGES == pytest.approx(load_history(workdir)["best"]["val_acc"])
 
     # A ZeRO checkpoint folder works too, and DeepSpeed's consolidation notes stay off stdout.
-    zero2, _ = run_training("zero2-2ranks", tmp_path_factory, tiny_data)
+    zero2, _ = trained("zero2-2ranks")
     from_checkpoint = run([sys.executable, str(ROOT / "src/predict.py"), "--model",
                            str(zero2 / "checkpoints_deepspeed/last"), "--json", str(tiny_data / "val")], tmp_path)
     assert from_checkpoint.returncode == 0, from_checkpoint.stderr[-3000:]

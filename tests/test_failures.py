@@ -15,7 +15,6 @@ from conftest import assert_usage_error, data_args, launch
 from ds_config import build_ds_config
 from failures import out_of_memory_advice
 from options import add_training_args, parse_args
-from test_end_to_end import run_training
 
 TINY_RUN = ["--batch_size", "4", "--image_size", "32", "--num_workers", "0"]
 
@@ -27,9 +26,9 @@ def digests(folder):
 
 
 @pytest.fixture
-def earlier_run(tmp_path_factory, tiny_data, tmp_path):
+def earlier_run(trained, tmp_path):
     """tmp_path holding a finished two-epoch ZeRO-0 run's logs and checkpoints, and their digests."""
-    workdir, _ = run_training("zero0", tmp_path_factory, tiny_data)
+    workdir, _ = trained("zero0")
     for name in ("logs", "checkpoints_deepspeed"):
         shutil.copytree(workdir / name, tmp_path / name)
     return tmp_path, digests(tmp_path / "checkpoints_deepspeed"), (tmp_path / "logs/training_history.json").read_bytes()
@@ -39,6 +38,7 @@ def error_lines(result):
     return [line for line in result.stderr.splitlines() if line.startswith("error: ")]
 
 
+@pytest.mark.slow
 def test_a_loss_that_turns_nan_stops_the_run_and_keeps_the_earlier_outputs(earlier_run, tiny_data):
     # A learning rate of 1e30 makes the first AdamW step put weights near 1e30: the next forward pass
     # overflows, and every loss after it is NaN. Started fresh in the folder of an earlier run.
@@ -61,6 +61,7 @@ def limit_file_size():
     resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_keeps_the_earlier_ones(earlier_run, tiny_data):
     workdir, checkpoints, history = earlier_run
     result = launch(data_args(tiny_data) + TINY_RUN + ["--zero_stage", "0", "--epochs", "3", "--save_every", "1",
@@ -92,6 +93,7 @@ def without_permission_override():
 PR_CAPBSET_DROP = 24
 
 
+@pytest.mark.slow
 def test_a_read_only_checkpoint_dir_is_refused_before_training_and_left_as_it_was(earlier_run, tiny_data):
     workdir, checkpoints, history = earlier_run
     read_only = workdir / "checkpoints_deepspeed"

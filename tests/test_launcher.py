@@ -1,20 +1,14 @@
 import base64
-import json
-import shlex
 import sys
 
 import pytest
 
-from conftest import ROOT, TINY_CLASSES, assert_usage_error, assert_usage_error_in_process, data_args, launch, run
+from conftest import (ROOT, TINY_CLASSES, assert_usage_error, assert_usage_error_in_process, data_args, launch, run,
+                      split_dry_run)
 from model import ResNet18Animals90
 
 
-def split_dry_run(stdout):
-    """Dry-run output: the config as JSON, then the command on the last line."""
-    *config_lines, command = stdout.strip().splitlines()
-    return json.loads("\n".join(config_lines)), shlex.split(command)
-
-
+@pytest.mark.slow
 def test_dry_run_prints_config_and_command_and_spawns_nothing(tiny_data, tmp_path):
     result = launch(data_args(tiny_data) + ["--dry_run", "--num_gpus", "2", "--bf16", "--zero_stage", "3",
                                             "--batch_size", "2", "--epochs", "3", "--offload_param"], tmp_path)
@@ -56,6 +50,7 @@ def test_a_one_node_run_uses_the_gpus_cuda_visible_devices_names(monkeypatch):
     assert local_devices(2) == [0, 1]
 
 
+@pytest.mark.slow
 def test_wrapper_script_passes_arguments_through(tiny_data, tmp_path):
     result = run(["bash", str(ROOT / "train_deepspeed.sh"), *data_args(tiny_data), "--dry_run",
                   "--gradient_accumulation_steps", "3", "--batch_size", "2"], tmp_path)
@@ -108,6 +103,7 @@ def test_bad_input_is_one_line_and_exit_status_2(tiny_data, tmp_path, monkeypatc
     assert not (tmp_path / "logs").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, message", BAD_INPUT[:2])
 def test_bad_input_on_the_command_line_is_one_line_and_exit_status_2(tiny_data, tmp_path, extra, message):
     assert_usage_error(launch(bad_input_argv(tmp_path, tiny_data, extra), tmp_path), message)
@@ -127,6 +123,7 @@ def test_more_gpus_than_the_machine_has_are_refused(tiny_data, tmp_path, monkeyp
                    "(CUDA_VISIBLE_DEVICES decides which GPUs are visible)\n")
 
 
+@pytest.mark.slow
 def test_unknown_flag_is_rejected_by_argparse_with_status_2(tmp_path):
     result = launch(["--no_such_flag"], tmp_path)
     assert result.returncode == 2 and "unrecognized arguments: --no_such_flag" in result.stderr

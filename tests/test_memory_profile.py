@@ -41,6 +41,7 @@ def test_zero3_module_granularity_is_the_trainers_for_resnet18_only(model, thres
     assert config["zero_optimization"]["stage3_module_granularity_threshold"] == threshold
 
 
+@pytest.mark.slow
 def test_two_ranks_write_table_json_and_chart(tmp_path):
     command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
                str(ROOT / "src/memory_profile.py"), "--batch_size", "2", "--image_size", "32", "--steps", "1",
@@ -97,6 +98,7 @@ def test_a_configuration_out_of_memory_is_a_row_of_the_report(tmp_path, capsys):
     assert saved["results"][1] == oom and (tmp_path / "memory_resnet18_some_gpu_x1.png").is_file()
 
 
+@pytest.mark.slow
 def test_each_max_batch_try_runs_in_a_process_of_its_own():
     # the out-of-memory outcome needs a GPU; the child process, its exit status and a broken try do not
     args = memory_profile.get_args_parser().parse_args(["--image_size", "32", "--bf16"])

@@ -39,6 +39,7 @@ def stalled_run(tiny_data, tmp_path_factory):
     return workdir, result
 
 
+@pytest.mark.slow
 def test_early_stopping_ends_the_run_and_the_csv_monitor_holds_every_epoch(stalled_run):
     workdir, result = stalled_run
     history = json.loads((workdir / "logs/training_history.json").read_text())

@@ -7,10 +7,9 @@ import sys
 import pytest
 
 import launch_deepspeed
-from conftest import ROOT, TINY_VAL_IMAGES, data_args
+from conftest import ROOT, TINY_VAL_IMAGES, data_args, split_dry_run
 from distributed import free_port
 from options import run_cli
-from test_launcher import split_dry_run
 
 RUNNER = [sys.executable, "-m", "deepspeed.launcher.runner"]
 TRAIN_SCRIPT = str(ROOT / "src/train_deepspeed.py")
@@ -85,6 +84,7 @@ def test_bad_multi_node_flags(tiny_data, tmp_path, capsys, hostfile, extra, mess
     assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.slow
 def test_two_nodes_started_by_hand_train_as_one_run(tiny_data, tmp_path):
     """Both nodes write into one checkpoint and log folder, as on a shared filesystem."""
     (tmp_path / "hostfile").write_text("node-a slots=1\nnode-b slots=1\n")

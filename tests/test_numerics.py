@@ -57,6 +57,7 @@ def runs():
     return dict(results)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_every_skipped_step_halves_the_scale_and_is_counted_once(runs, name):
     run = runs[name]

@@ -4,7 +4,7 @@ import json
 import matplotlib.pyplot as plt
 import pytest
 
-from options import UsageError
+from failures import UsageError
 from utils import curves_figure, main, run_labels
 
 

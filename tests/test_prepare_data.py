@@ -4,8 +4,8 @@ import pytest
 from torchvision.datasets import ImageFolder
 
 from conftest import ROOT, assert_usage_error, run
+from failures import UsageError
 from prepare_data import ANIMALS_90, make_sample_dataset, split_dataset
-from options import UsageError
 
 
 def test_animals90_class_list():
@@ -81,5 +81,6 @@ def test_split_refuses_to_overwrite_existing_data(tmp_path):
     (["sample", "--num_classes", "500"], "--num_classes must be between 2 and 90"),
     (["split", ".", "--val_fraction", "1.5"], "--val_fraction must be between 0 and 1"),
 ])
+@pytest.mark.slow
 def test_cli_errors_are_one_line_with_status_2(tmp_path, argv, message):
     assert_usage_error(run([sys.executable, str(ROOT / "src/prepare_data.py"), *argv], tmp_path), message)
