@@ -21,7 +21,27 @@ def init_distributed():
     deepspeed.init_distributed(dist_backend="nccl" if use_nccl else "gloo", verbose=False)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    _remove_shared_memory_name()
     return dist.get_rank(), dist.get_world_size()
+
+
+# DeepSpeed's CPU all-reduce (its shm_comm op, used when every rank runs on this machine) creates one 64 MiB
+# shared-memory file per rank and never removes it: memory lost until reboot, every CPU run.
+SHM_BUFFER = "/dev/shm/deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
+
+
+def _remove_shared_memory_name():
+    """Remove this rank's name of DeepSpeed's all-reduce buffer. Once every rank is past init each has
+    mapped all the others' buffers, and a mapping outlives its name."""
+    dist.barrier()
+    if os.name != "posix":
+        return
+    path = SHM_BUFFER.format(uid=os.getuid(), addr=os.environ["MASTER_ADDR"], port=os.environ["MASTER_PORT"],
+                             rank=dist.get_rank())
+    try:
+        os.unlink(path)
+    except FileNotFoundError:  # GPU runs, several nodes, or not Linux: no such buffer
+        pass
 
 
 def local_device():

@@ -1,5 +1,6 @@
 """Real DeepSpeed runs (CPU accelerator, gloo) through the launcher, on a tiny generated dataset."""
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -88,6 +89,14 @@ def test_training_run_writes_history_and_checkpoints(name, trained, tiny_data):
     assert info["class_names"] == ImageFolder(tiny_data / "train").classes
     assert (info["model"], info["image_size"]) == ("ResNet18Animals90", 32)
     assert "Best val acc" in result.stdout
+
+
+@pytest.mark.parametrize("name", ["zero0", "zero2-2ranks"])
+def test_no_shared_memory_left_behind(name, trained):
+    """DeepSpeed's CPU all-reduce buffers (64 MiB of /dev/shm per rank) go with the run."""
+    _, result = trained(name)
+    port = re.search(r"--master_port=(\d+)", result.stdout)[1]
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
 
 
 @pytest.mark.parametrize("name", ["zero0", "zero2-2ranks"])
