@@ -21,20 +21,27 @@ from pathlib import Path  # noqa: E402
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from checkpoints import check_resumable, find_checkpoint, saved_stage  # noqa: E402
+from checkpoints import check_resumable, find_checkpoint, run_settings, saved_stage  # noqa: E402
 from data_check import check_data  # noqa: E402
 from distributed import free_port  # noqa: E402
-from ds_config import (build_ds_config, check_device_support, check_monitor_support, load_base_config,  # noqa: E402
-                       num_parameters)
+from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_with_deepspeed,  # noqa: E402
+                       load_base_config, num_parameters)
 from failures import UsageError, check_writable, stop_on_write_error  # noqa: E402
 from files import write_json_atomic  # noqa: E402
+import run_folders  # noqa: E402
+from interrupt import die_with_parent_call  # noqa: E402
 from options import add_training_args, parse_args, run_cli  # noqa: E402
 from timing import LAUNCHED_AT_ENV, SPAWNED_AT_ENV  # noqa: E402
 
 TRAIN_SCRIPT = ROOT / "src" / "train_deepspeed.py"
 LAUNCHER_FLAGS = {"num_gpus", "num_nodes", "hostfile", "master_addr", "master_port", "launcher", "node_rank",
                   "dry_run"}
+# What a --dry_run without the dataset assumes: Animals-90, the default job.
+ANIMALS90_CLASSES, ANIMALS90_TRAIN_IMAGES = 90, 5400
 # DeepSpeed's multi-node backends; "none": start this script on each node by hand with --node_rank.
+# After DeepSpeed's launcher exits, the time left to the training processes (saving at a stop) before SIGKILL:
+# DeepSpeed's launcher itself gives each rank 30 s after a SIGTERM.
+STOP_GRACE_S = 120
 LAUNCHERS = ("pdsh", "openmpi", "mvapich", "mpich", "impi", "slurm", "none")
 
 
@@ -186,19 +193,35 @@ def main(argv=None):
     check_writable(args.log_dir, "--log_dir")
     # Pre-flight: an unusable dataset stops here, before any process starts; the training script reads
     # the per-file results back from the cache instead of decoding every image again.
-    data_check = check_data(args.train_dir, args.val_dir)
-    num_train_images = data_check.train.num_images
+    if args.dry_run and not Path(args.train_dir).exists():
+        data_check = None
+        class_names = [f"class_{i}" for i in range(ANIMALS90_CLASSES)]
+        num_train_images = ANIMALS90_TRAIN_IMAGES
+        print(f"note: {args.train_dir} not found; the config below assumes Animals-90's {ANIMALS90_CLASSES} classes "
+              f"and {ANIMALS90_TRAIN_IMAGES} training images", file=sys.stderr)
+    else:
+        data_check = check_data(args.train_dir, args.val_dir)
+        class_names, num_train_images = data_check.classes, data_check.train.num_images
+    if args.pretrained:  # the same check as the training script's, before any process starts
+        from model import ResNet18Animals90
+
+        ResNet18Animals90(num_classes=len(class_names), pretrained=args.pretrained)
     import torch
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
     config = build_ds_config(args, world_size, num_train_images, base=load_base_config(args.deepspeed_config),
-                             device_type=device_type, num_params=num_parameters(len(data_check.classes)),
+                             device_type=device_type, num_params=num_parameters(len(class_names)),
                              resumed_stage=saved_stage(resume_from))
     check_device_support(config, device_type)
     check_monitor_support(config)
+    if args.deepspeed_config:
+        check_with_deepspeed(config, args.deepspeed_config)
     if resume_from is not None:
-        check_resumable(resume_from, world_size, config["zero_optimization"]["stage"])
+        check_resumable(resume_from, world_size, config["zero_optimization"]["stage"],
+                        run_settings(args, config, class_names))
+    if not args.dry_run and args.node_rank in (None, 0):  # later nodes start once the first one holds the lock
+        run_folders.check_launch(args, resume_from)
     config_path = Path(args.log_dir) / "ds_config.json"
     command = build_command(args, num_gpus, num_nodes, config_path)
     if args.dry_run:
@@ -213,33 +236,48 @@ def main(argv=None):
 
 
 def run_and_forward_signals(command):
-    """Run `command` in its own process group; SIGINT/SIGTERM reach every process of it as SIGTERM.
+    """Run `command` in its own process group and return its status, or 128 + the signal's number when
+    stopped by one (DeepSpeed's launcher itself exits 1 then).
 
-    The training ranks then finish their step, save a resumable checkpoint and exit; this waits for
-    all of them (DeepSpeed's launcher alone would exit first) and returns its status, or 128 + the
-    signal's number when stopped by one (DeepSpeed's launcher itself exits 1 then).
+    SIGINT/SIGTERM reach every process of the group as SIGTERM: the ranks finish their step, save a
+    resumable checkpoint and exit; a second one kills them. This waits for all of them (DeepSpeed's
+    launcher alone would exit first), at most STOP_GRACE_S after DeepSpeed's launcher has exited; and the
+    group goes with this process, however it dies.
     """
     env = {**os.environ, LAUNCHED_AT_ENV: repr(LAUNCHED_AT), SPAWNED_AT_ENV: repr(time.time())}
-    child = subprocess.Popen(command, start_new_session=True, env=env)
+    child = subprocess.Popen(command, start_new_session=True, env=env,
+                             preexec_fn=die_with_parent_call(os.getpid()))
     received = []
 
     def forward(signum, frame):
         received.append(signum)
-        try:
-            os.killpg(child.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        if len(received) == 1:
+            print("Stopping: the training saves a checkpoint at its current step (again to kill it now)",
+                  file=sys.stderr, flush=True)
+        signal_group(child.pid, signal.SIGTERM if len(received) == 1 else signal.SIGKILL)
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, forward)
     status = child.wait()
     status = 128 - status if status < 0 else status  # killed by a signal: the shell's convention
-    while True:  # the group outlives the launcher while ranks save
-        try:
-            os.killpg(child.pid, 0)
-        except (ProcessLookupError, PermissionError):
-            return 128 + received[0] if received else status
+    deadline = time.monotonic() + STOP_GRACE_S
+    while signal_group(child.pid, 0):  # the group outlives DeepSpeed's launcher while ranks save
+        if time.monotonic() > deadline:
+            signal_group(child.pid, signal.SIGKILL)
+            print(f"error: training processes still running {STOP_GRACE_S} s after DeepSpeed's launcher exited "
+                  "were killed", file=sys.stderr, flush=True)
+            return 128 + signal.SIGKILL
         time.sleep(0.2)
+    return 128 + received[0] if received else status
+
+
+def signal_group(pgid, signum):
+    """Send `signum` to a process group; False when no process of it is left."""
+    try:
+        os.killpg(pgid, signum)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import torch
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 from torch.utils.serialization import config as serialization_config
 
+from loading import load_checked
+
 
 class HostCopies:
     """Copies of a checkpoint file's state that the training cannot change: tensors in host memory, dicts
@@ -101,7 +103,7 @@ class BackgroundCheckpointEngine(CheckpointEngine):
         self.writes[name] = self.queued[-1]
 
     def load(self, path, map_location=None):
-        return torch.load(path, map_location=map_location, weights_only=False)
+        return load_checked(path, map_location)  # DeepSpeed's own engine unpickles anything
 
     def commit(self, info):
         return True

@@ -29,9 +29,11 @@ import shutil
 import time
 from pathlib import Path
 
+from data_check import listed
 from distributed import barrier, rank, rank_zero_only, world_size
 from failures import UsageError, stop_on_write_error
 from files import write_json_atomic
+from loading import check_checkpoint_files
 
 EXTRA_INFO = "extra_info.json"
 LAST, BEST = "last", "best_model"
@@ -74,17 +76,32 @@ def _publish(ready, final):
 
 
 def readable(folder):
-    """`folder`, or the copy a crash in the middle of a swap left behind, or None."""
+    """`folder`, or the copy a crash in the middle of a swap left behind, or None (also when its
+    extra_info.json is damaged)."""
     folder = Path(folder)
     candidates = [folder, folder.with_name(f".old-{folder.name}")] if folder.name else [folder]
     for candidate in candidates:
         if (candidate / EXTRA_INFO).is_file():
-            return candidate
+            try:
+                read_info(candidate)
+                return candidate
+            except UsageError:
+                continue
     return None
 
 
 def read_info(folder):
-    return json.loads((Path(folder) / EXTRA_INFO).read_text())
+    """A checkpoint's extra_info.json; UsageError when it is not what this trainer writes."""
+    path = Path(folder) / EXTRA_INFO
+    try:
+        info = json.loads(path.read_bytes())
+    except (OSError, ValueError) as err:
+        raise UsageError(f"{path} is unreadable ({str(err).splitlines()[0]}): use another checkpoint (last, "
+                         "best_model, epoch_N)") from None
+    if not isinstance(info, dict) or not isinstance(info.get("epoch"), int) or not isinstance(info.get("tag"), str):
+        raise UsageError(f"{path} is not a checkpoint description this trainer wrote (no epoch and tag): use "
+                         "another checkpoint (last, best_model, epoch_N)")
+    return info
 
 
 class CheckpointSaver:
@@ -186,6 +203,8 @@ def find_checkpoint(resume, checkpoint_dir):
         folder = readable(candidate)
         if folder is not None:
             return folder
+        if (Path(candidate) / EXTRA_INFO).is_file():
+            read_info(candidate)  # a damaged one: stop naming what is wrong with it
     raise UsageError(f"no checkpoint at {resume} (looked for {EXTRA_INFO} in {path} and {checkpoint_dir / resume})")
 
 
@@ -194,22 +213,60 @@ def saved_stage(folder):
     return read_info(folder)["zero_stage"] if folder is not None else None
 
 
-def check_resumable(folder, world_size, zero_stage):
-    """Stop with a message naming what differs when `folder` was saved by another world size or stage:
-    DeepSpeed's ZeRO checkpoints hold one optimizer shard per rank, laid out for that stage."""
+# What a resumed run must share with the run it continues (the data it learns, the model's input, and what
+# the saved optimizer and scheduler state were built for), with the flag that sets each. --epochs may change.
+SETTINGS_FLAGS = {"class_names": "the classes of --train_dir", "image_size": "--image_size",
+                  "train_batch_size": "the global batch (--batch_size x ranks x --gradient_accumulation_steps)",
+                  "learning_rate": "--learning_rate", "weight_decay": "--weight_decay", "lr_schedule": "--lr_schedule",
+                  "warmup_epochs": "--warmup_epochs", "label_smoothing": "--label_smoothing", "precision": "precision"}
+
+
+def run_settings(args, ds_config, class_names):
+    """The SETTINGS_FLAGS values of a run, saved with its checkpoints."""
+    from ds_config import lr_schedule, precision
+
+    optimizer = ds_config["optimizer"]["params"]
+    return {"class_names": list(class_names), "image_size": args.image_size,
+            "train_batch_size": ds_config["train_batch_size"], "learning_rate": optimizer["lr"],
+            "weight_decay": optimizer.get("weight_decay"), "lr_schedule": lr_schedule(ds_config),
+            "warmup_epochs": args.warmup_epochs, "label_smoothing": args.label_smoothing,
+            "precision": precision(ds_config)}
+
+
+def _shown(key, value):
+    if key == "class_names":
+        return f"{len(value)} classes ({listed(value, 4)})"
+    return str(value)
+
+
+def check_resumable(folder, world_size, zero_stage, settings):
+    """Stop with a message naming what differs when `folder` was saved by another world size or stage
+    (DeepSpeed's ZeRO checkpoints hold one optimizer shard per rank, laid out for that stage) or with other
+    settings (SETTINGS_FLAGS). Checkpoints from before settings were saved are compared on what they hold."""
     info = read_info(folder)
-    expected = {"world_size": world_size, "zero_stage": zero_stage}
-    differs = [f"{key} {info.get(key)} (this run: {value})" for key, value in expected.items()
-               if info.get(key) != value]
+    saved = {**{key: info[key] for key in ("class_names", "image_size", "precision") if key in info},
+             **info.get("settings", {})}
+    differs = [f"{key} {info.get(key)} (this run: {value})"
+               for key, value in {"world_size": world_size, "zero_stage": zero_stage}.items() if info.get(key) != value]
     if differs:
         raise UsageError(f"cannot resume from {folder}: it was saved with " + ", ".join(differs)
                          + "; resume with the same --num_gpus/--num_nodes and --zero_stage, or start a new run")
+    differs = [f"{SETTINGS_FLAGS[key]} {_shown(key, saved[key])} (this run: {_shown(key, value)})"
+               for key, value in settings.items() if key in saved and saved[key] != value]
+    if differs:
+        raise UsageError(f"cannot resume from {folder}: it was saved with " + "; ".join(differs)
+                         + ". Resume with the run's own flags, or start a new run (--overwrite, or other folders)")
     return info
 
 
-def load(engine, folder, world_size, zero_stage):
+def load(engine, folder, world_size, zero_stage, settings):
     """Load model, optimizer, loss scaler and LR scheduler from `folder`; return the saved training state."""
-    info = check_resumable(folder, world_size, zero_stage)
+    info = check_resumable(folder, world_size, zero_stage, settings)
+    try:
+        check_checkpoint_files(folder, info["tag"])
+    except UsageError as err:
+        raise UsageError(f"cannot resume from {folder}: {err}; resume from another checkpoint (--resume PATH: "
+                         "last, best, epoch_N) or start a new run") from None
     load_path, state = engine.load_checkpoint(str(folder), tag=info["tag"])
     if load_path is None or state is None:
         raise UsageError(f"cannot resume from {folder}: DeepSpeed found no checkpoint there")

@@ -1,5 +1,6 @@
 """Image-folder datasets, transforms and the per-rank data loaders."""
 import signal
+import sys
 
 import numpy as np
 import torch
@@ -51,9 +52,18 @@ class ImageFiles(Dataset):
         return len(self.samples)
 
     def __getitem__(self, index):
-        path, label = self.samples[index]
-        image = load_rgb(path)
-        return (self.transform(image) if self.transform else image), label
+        # A file checked before the run can change during it (rewritten, truncated, deleted): use the next
+        # readable sample in its place rather than lose the run, and say so.
+        for offset in range(len(self.samples)):
+            path, label = self.samples[(index + offset) % len(self.samples)]
+            try:
+                image = load_rgb(path)
+            except Exception as err:  # noqa: BLE001 - corrupt data raises OSError, SyntaxError, ValueError, ...
+                print(f"warning: {path} can no longer be read ({err}); the next image is used in its place",
+                      file=sys.stderr, flush=True)
+                continue
+            return (self.transform(image) if self.transform else image), label
+        raise OSError("none of the dataset's images can be read any more")
 
 
 def image_folder(root, transform=None, classes=None):

@@ -93,6 +93,7 @@ class FolderScan:
     unreadable: list = field(default_factory=list)  # (path, reason)
     other_files: list = field(default_factory=list)  # no image suffix
     hidden: list = field(default_factory=list)
+    linked_away: list = field(default_factory=list)  # (folder reached through a link, why it is not read)
     records: dict = field(default_factory=dict)  # path -> inspect_image record
     decoded: int = 0  # files decoded by this scan, not found in the cache
 
@@ -113,6 +114,7 @@ def scan_folder(root, cache=None):
     """Find and decode every file under root/<class>/ (recursively, as ImageFolder does)."""
     scan = FolderScan(Path(root))
     files = {}
+    root_real = os.path.realpath(root)
     for entry in sorted(os.scandir(root), key=lambda entry: entry.name):
         if entry.name.startswith("."):
             scan.hidden.append(entry.path)
@@ -121,7 +123,13 @@ def scan_folder(root, cache=None):
         else:
             scan.class_folders.append(entry.name)
             files[entry.name] = []
+            seen = set()
             for folder, subfolders, names in os.walk(entry.path, followlinks=True):
+                reason = _not_of_this_class(os.path.realpath(folder), os.path.realpath(entry.path), root_real, seen)
+                if reason:
+                    scan.linked_away.append((folder, reason))
+                    subfolders[:] = []
+                    continue
                 scan.hidden += [os.path.join(folder, name) for name in subfolders + names if name.startswith(".")]
                 subfolders[:] = sorted(name for name in subfolders if not name.startswith("."))
                 for name in sorted(n for n in names if not n.startswith(".")):
@@ -133,6 +141,21 @@ def scan_folder(root, cache=None):
         scan.unreadable += [(path, scan.records[path]["error"]) for path in paths
                             if scan.records[path]["error"] is not None]
     return scan
+
+
+def _not_of_this_class(real, class_real, root_real, seen):
+    """Why a folder reached through a link must not be read as part of its class folder (None when it may):
+    a link back to a folder already read (a loop) or up the tree, or into another class's folder, would
+    read images again or under another label."""
+    if real in seen:
+        return "already read: a link loop"
+    seen.add(real)
+    inside = lambda path, parent: path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)  # noqa: E731
+    if real != class_real and inside(class_real, real):
+        return "a link up to a folder that holds this class"
+    if inside(real, root_real) and not inside(real, class_real):
+        return "a link into another class's folder"
+    return None
 
 
 def labelled_samples(scan, classes):
@@ -191,6 +214,8 @@ class DataCheck:
             "classes_without_val_images": self.missing_in_val,
             "files_without_image_suffix": [path for scan in self.scans for path in scan.other_files],
             "hidden_ignored": sum(len(scan.hidden) for scan in self.scans),
+            "linked_folders_ignored": [{"path": path, "reason": reason} for scan in self.scans
+                                       for path, reason in scan.linked_away],
             "large_images": [path for path, record in readable.items()
                              if record["width"] * record["height"] > Image.MAX_IMAGE_PIXELS],
             "converted_to_rgb": dict(sorted(Counter(record["mode"] for record in readable.values()
@@ -204,7 +229,9 @@ class DataCheck:
         if self.skipped:
             lines.append(f"warning: skipping {len(self.skipped)} unreadable image(s): "
                          + listed(f"{path} ({reason})" for path, reason in self.skipped))
+        linked = [f"{item['path']} ({item['reason']})" for item in summary["linked_folders_ignored"]]
         for items, what in ((summary["empty_class_folders"], "ignoring {} class folder(s) without a readable image"),
+                            (linked, "ignoring {} folder(s) reached through links"),
                             (self.missing_in_val, "{} training class(es) have no validation images"),
                             (summary["files_without_image_suffix"], "ignoring {} file(s) without an image suffix"),
                             (summary["large_images"],
@@ -220,6 +247,8 @@ class DataCheck:
         sections = {"unreadable, skipped": [f"{s['path']}: {s['reason']}" for s in summary["skipped"]],
                     "class folders without a readable image, ignored": summary["empty_class_folders"],
                     "files without an image suffix, ignored": summary["files_without_image_suffix"],
+                    "folders reached through links, ignored": [f"{item['path']}: {item['reason']}"
+                                                               for item in summary["linked_folders_ignored"]],
                     f"images over {Image.MAX_IMAGE_PIXELS / 1e6:.0f} Mpx, decoded anyway": summary["large_images"]}
         if self.val is not None:
             sections["training classes without validation images"] = summary["classes_without_val_images"]

@@ -71,6 +71,12 @@ def _check_types(config):
                          ("zero_optimization", "offload_optimizer"), ("zero_optimization", "offload_param")):
         if not isinstance(config.get(section, {}).get(key, {}), dict):
             fail(f"{section}.{key}", "a JSON object", config[section][key])
+    for section in ("fp16", "bf16", "torch_autocast"):  # read here before DeepSpeed sees them
+        if config.get(section, {}).get("enabled", AUTO) not in (True, False, AUTO):
+            fail(f"{section}.enabled", 'true, false or "auto"', config[section]["enabled"])
+    for section in ("optimizer", "scheduler"):
+        if not isinstance(config.get(section, {}).get("type", ""), str):
+            fail(f"{section}.type", "a name", config[section]["type"])
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         value = config.get(key, AUTO)
         if value != AUTO and (type(value) is not int or value < 1):
@@ -366,3 +372,42 @@ def check_device_support(config, device_type):
     if device_type == "cpu" and precision(config) in ("fp16", "autocast-fp16"):
         raise UsageError("fp16 needs a GPU: DeepSpeed's CPU accelerator supports bf16 only "
                          "(pass --bf16, or --no-fp16 for fp32)")
+
+
+# DeepSpeed's config models, by the section of the JSON each reads.
+DEEPSPEED_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedFP16Config": "fp16",
+                      "DeepSpeedBF16Config": "bf16", "DeepSpeedTorchAutocastConfig": "torch_autocast",
+                      "DeepSpeedMonitorConfig": "monitor", "DeepSpeedActivationCheckpointingConfig":
+                      "activation_checkpointing", "DeepSpeedFlopsProfilerConfig": "flops_profiler",
+                      "CommsConfig": "comms_logger", "DeepSpeedCheckpointConfig": "checkpoint"}
+
+
+def check_with_deepspeed(config, path):
+    """DeepSpeed's own checks of a config built on a user's --deepspeed_config (its pydantic config models,
+    and the optimizer and scheduler names it accepts), so that a bad value stops before any rank starts."""
+    import torch
+    from deepspeed.runtime import lr_schedules
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig
+    from pydantic import ValidationError
+
+    where = f"--deepspeed_config {path}"
+    optimizer = config["optimizer"]["type"]
+    if optimizer.lower() not in DEEPSPEED_OPTIMIZERS and not hasattr(torch.optim, optimizer):
+        raise UsageError(f"{where}: optimizer.type {optimizer!r} is neither one of DeepSpeed's optimizers "
+                         f"({', '.join(DEEPSPEED_OPTIMIZERS)}) nor a torch.optim class")
+    scheduler = config["scheduler"]["type"]
+    if not hasattr(lr_schedules, scheduler) and not hasattr(torch.optim.lr_scheduler, scheduler):
+        raise UsageError(f"{where}: scheduler.type {scheduler!r} is neither one of DeepSpeed's schedulers "
+                         f"({', '.join(lr_schedules.VALID_LR_SCHEDULES)}) nor a torch.optim.lr_scheduler class")
+    # Checked here against one rank, DeepSpeed would refuse the global batch of several; it was checked above.
+    checked = {key: value for key, value in config.items() if key != "train_batch_size"}
+    try:
+        DeepSpeedConfig(checked)
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join([DEEPSPEED_SECTIONS.get(err.title, err.title), *map(str, first["loc"])])
+        raise UsageError(f"{where}: {key}: {first['msg']} (got {json.dumps(first.get('input'), default=str)})") \
+            from None
+    except Exception as err:  # noqa: BLE001 - DeepSpeed reports other config problems as assertions and plain errors
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UsageError(f"{where}: DeepSpeed rejects it ({detail})") from None

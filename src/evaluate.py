@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from data import image_folder
+from failures import check_counts, check_writable
 from files import write_json_atomic
 from inference import default_device, eval_transform, load_model, predict_probabilities
 from options import run_cli
@@ -61,6 +62,8 @@ def get_args_parser():
 
 def main(argv=None):
     args = get_args_parser().parse_args(argv)
+    check_counts(args, batch_size=1, num_workers=0)
+    check_writable(args.output_dir, "--output_dir")
 
     device = default_device()
     model, metadata = load_model(args.model, device)

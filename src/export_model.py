@@ -11,14 +11,17 @@ checkpoint go into `<output>.json` beside the file (and into the metadata of a .
 import argparse
 import contextlib
 import json
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
 from checkpoints import find_checkpoint, read_info
-from failures import UsageError
+from failures import UsageError, check_output_file, stop_on_write_error
 from files import write_json_atomic
+from loading import check_checkpoint_files, load_checked
 from model import ResNet18Animals90
 from options import run_cli
 
@@ -31,8 +34,12 @@ def consolidated_state_dict(checkpoint):
     folder = find_checkpoint(str(checkpoint), ".")
     info = {**read_info(folder), "folder": str(folder)}
     tag_dir = Path(folder) / info["tag"]
+    check_checkpoint_files(folder, info["tag"])  # before zero_to_fp32, which unpickles anything
     if info.get("zero_stage", 0) == 0:
-        module = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+        states = load_checked(tag_dir / "mp_rank_00_model_states.pt")
+        module = states.get("module") if isinstance(states, dict) else None
+        if not isinstance(module, dict):
+            raise UsageError(f"{tag_dir / 'mp_rank_00_model_states.pt'} holds no model (no 'module' state_dict)")
     else:
         # DeepSpeed logs and reports progress on stdout, which may carry JSON: send it all to stderr.
         # The import goes inside too, since DeepSpeed's logger binds the stream when it is created.
@@ -50,21 +57,28 @@ def sidecar_path(output):
 
 def export(checkpoint, output):
     output = Path(output)
-    if output.suffix not in SUFFIXES:
-        raise UsageError(f"--output {output}: use a .pt, .pth or .safetensors file name")
+    check_output_file(output, "--output", SUFFIXES)
     state_dict, info = consolidated_state_dict(checkpoint)
     model = ResNet18Animals90(num_classes=len(info["class_names"]))
     model.load_state_dict(state_dict)  # strict: the export must load as it is
     metadata = {"model": info["model"], "image_size": info["image_size"], "class_names": info["class_names"],
                 "source_checkpoint": info["folder"], "epoch": info["epoch"], "metrics": info.get("metrics")}
     output.parent.mkdir(parents=True, exist_ok=True)
-    if output.suffix == ".safetensors":
-        from safetensors.torch import save_file
+    # Written beside it and renamed over it: a failed write leaves an earlier export as it was.
+    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=output.suffix)
+    os.close(fd)
+    try:
+        with stop_on_write_error("export", "--output", retry="export again"):
+            if output.suffix == ".safetensors":
+                from safetensors.torch import save_file
 
-        save_file(state_dict, str(output), metadata={k: json.dumps(v) for k, v in metadata.items()})
-    else:
-        torch.save(state_dict, output)
-    write_json_atomic(sidecar_path(output), metadata)
+                save_file(state_dict, tmp, metadata={k: json.dumps(v) for k, v in metadata.items()})
+            else:
+                torch.save(state_dict, tmp)
+            write_json_atomic(sidecar_path(output), metadata)
+            os.replace(tmp, output)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
     return metadata
 
 

@@ -53,6 +53,23 @@ def check_writable(folder, flag):
         raise UsageError(f"{flag} {folder}: {existing} is not writable; fix its permissions or choose another {flag}")
 
 
+def check_counts(args, **minimums):
+    """Refuse a flag below its minimum (--batch_size 0, --num_workers -1) before any work."""
+    for name, minimum in minimums.items():
+        if getattr(args, name) < minimum:
+            raise UsageError(f"--{name} must be at least {minimum}, got {getattr(args, name)}")
+
+
+def check_output_file(path, flag, suffixes):
+    """Refuse an output file name that is a folder, has a suffix other than `suffixes`, or cannot be written."""
+    path = Path(path)
+    if path.suffix.lower() not in suffixes:
+        raise UsageError(f"{flag} {path}: use a file name ending in " + ", ".join(suffixes))
+    if path.is_dir():
+        raise UsageError(f"{flag} {path} is a folder: give a file name inside it")
+    check_writable(path.parent, flag)
+
+
 # torch.save reports a failed write from its C++ zip writer as a RuntimeError, not an OSError.
 TORCH_WRITE_ERRORS = ("PytorchStreamWriter", "iostream error", "unexpected pos", "file write failed")
 
@@ -71,7 +88,7 @@ def _write_error_detail(err):
 
 
 @contextlib.contextmanager
-def stop_on_write_error(what, folder_flag):
+def stop_on_write_error(what, folder_flag, retry="run again (--resume auto continues from the last checkpoint)"):
     """Turn a failed write (disk full, permissions) into WriteFailed naming the file and the OS error.
 
     Usable as a decorator. Checkpoints and the history are published with renames, so what an earlier
@@ -84,8 +101,7 @@ def stop_on_write_error(what, folder_flag):
         if detail is None:
             raise
         raise WriteFailed(f"cannot write the {what}: {detail}. The files written before are intact; free disk "
-                          f"space or fix the permissions (or choose another {folder_flag}) and run again "
-                          f"(--resume auto continues from the last checkpoint)") from None
+                          f"space or fix the permissions (or choose another {folder_flag}) and {retry}") from None
 
 
 def _smallest_factor(n):
@@ -133,4 +149,8 @@ def advise_on_out_of_memory(ds_config, data_on_device):
     try:
         yield
     except torch.OutOfMemoryError as err:
+        raise OutOfMemory(out_of_memory_advice(ds_config, data_on_device, str(err))) from None
+    except RuntimeError as err:  # DeepSpeed's own allocations and CUDA calls report it as a plain RuntimeError
+        if "out of memory" not in str(err).lower():
+            raise
         raise OutOfMemory(out_of_memory_advice(ds_config, data_on_device, str(err))) from None

@@ -1,10 +1,13 @@
 """logs/training_history.json: the run's settings, one record per epoch and the best epoch."""
 import copy
+import json
 from pathlib import Path
 
 from distributed import rank_zero_only
 from failures import stop_on_write_error
 from files import write_json_atomic
+
+HISTORY_FILE = "training_history.json"  # in --log_dir
 
 # epoch_time_s: the training loop; data_wait_s: the part of it spent waiting for batches; compute_s: the rest.
 # validation_s and checkpoint_s after the loop (checkpoint_s: the copy of the state to host memory, and any
@@ -55,6 +58,14 @@ class TrainingHistory:
         """Take the epochs and best of a resumed run's saved history; keep this run's config."""
         self.data["epochs"] = list(saved["epochs"])
         self.data["best"] = dict(saved["best"])
+
+    def file_is_behind(self):
+        """Whether the file holds fewer epochs than this history (a stop between a checkpoint's publication and
+        its history line), or cannot be read."""
+        try:
+            return len(json.loads(self.path.read_bytes())["epochs"]) < len(self.data["epochs"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return True
 
     def snapshot(self):
         """The history as it stands now, for a save that happens later (after a checkpoint's publication)."""

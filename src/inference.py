@@ -8,6 +8,7 @@ from torch.utils.data import DataLoader
 from data import build_transform
 from export_model import consolidated_state_dict, sidecar_path
 from failures import UsageError
+from loading import load_checked
 from model import ResNet18Animals90
 
 
@@ -19,35 +20,68 @@ def load_model(path, device):
         state_dict, metadata = consolidated_state_dict(path)
     elif path.is_file():
         metadata = _metadata(path)
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state_dict = load_file(str(path))
-        else:
-            state_dict = torch.load(path, map_location="cpu", weights_only=True)
+        state_dict = _weights(path)
     else:
         raise UsageError(f"--model {path}: no such file or checkpoint folder")
     model = ResNet18Animals90(num_classes=len(metadata["class_names"]))
     try:
         model.load_state_dict(state_dict)
     except RuntimeError as err:
+        fc = state_dict.get("fc.weight")
+        if fc is not None and fc.ndim == 2 and fc.shape[0] != len(metadata["class_names"]):
+            raise UsageError(f"--model {path} has {fc.shape[0]} outputs but its class names list "
+                             f"{len(metadata['class_names'])}: its .json sidecar belongs to another export") from None
         raise UsageError(f"--model {path}: not a {metadata.get('model', 'ResNet18Animals90')} state_dict "
                          f"({str(err).splitlines()[0]})") from None
     return model.to(device).eval(), metadata
 
 
-def _metadata(path):
-    sidecar = sidecar_path(path)
-    if sidecar.is_file():
-        return json.loads(sidecar.read_text())
+def _weights(path):
+    """The state_dict in an exported .pt/.pth/.safetensors file, checked to be tensors by name."""
     if path.suffix == ".safetensors":
-        from safetensors import safe_open
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
 
-        with safe_open(str(path), "pt") as f:
-            stored = f.metadata() or {}
-        if "class_names" in stored:
-            return {k: json.loads(v) for k, v in stored.items()}
-    raise UsageError(f"--model {path}: class names not found (expected {sidecar} from export_model.py)")
+        try:
+            state_dict = load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as err:
+            raise UsageError(f"--model {path} is damaged or not a safetensors file ({err})") from None
+    else:
+        state_dict = load_checked(path, deepspeed_classes=False)
+    if not isinstance(state_dict, dict) or not all(torch.is_tensor(v) for v in state_dict.values()):
+        raise UsageError(f"--model {path} is not a state_dict (tensors by name): export one with export_model.py")
+    return state_dict
+
+
+def _metadata(path):
+    """The sidecar's (or a .safetensors file's own) class names and image size, checked."""
+    sidecar = sidecar_path(path)
+    metadata, source = None, sidecar
+    if sidecar.is_file():
+        try:
+            metadata = json.loads(sidecar.read_bytes())
+        except (OSError, ValueError) as err:
+            raise UsageError(f"{sidecar} is unreadable ({str(err).splitlines()[0]}): export the model again") from None
+    elif path.suffix == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+
+        source = path
+        try:
+            with safe_open(str(path), "pt") as f:
+                stored = f.metadata() or {}
+            if "class_names" in stored:
+                metadata = {k: json.loads(v) for k, v in stored.items()}
+        except (SafetensorError, OSError, ValueError) as err:
+            raise UsageError(f"--model {path} is damaged or not a safetensors file ({err})") from None
+    if metadata is None:
+        raise UsageError(f"--model {path}: class names not found (expected {sidecar} from export_model.py)")
+    names = metadata.get("class_names") if isinstance(metadata, dict) else None
+    size = metadata.get("image_size") if isinstance(metadata, dict) else None
+    if (not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names)
+            or not isinstance(size, int) or isinstance(size, bool) or size < 1):
+        raise UsageError(f"{source}: expected class_names (a list of names) and image_size (pixels), as "
+                         "export_model.py writes them; export the model again")
+    return metadata
 
 
 def default_device():

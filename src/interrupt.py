@@ -1,5 +1,9 @@
-"""SIGINT/SIGTERM become a request to stop after the current step, agreed on by every rank."""
+"""SIGINT/SIGTERM become a request to stop after the current step, agreed on by every rank; and a process
+started by another stops when that one dies."""
+import ctypes
+import os
 import signal
+import sys
 
 import torch
 
@@ -43,3 +47,22 @@ class StopOnSignal:
         if votes["signal"] and self.signal is None:
             self.signal = int(votes["signal"])
         return bool(votes["signal"])
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent_call(parent_pid):
+    """A function for the child side of a fork (subprocess's preexec_fn): from then on the kernel sends the
+    child SIGTERM when `parent_pid` dies, even by SIGKILL (Linux; elsewhere it does nothing). libc is loaded
+    here, before the fork, where loading it cannot deadlock."""
+    if not sys.platform.startswith("linux"):
+        return lambda: None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def call():
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent_pid:  # it died before the prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return call

@@ -8,6 +8,9 @@ from torch import nn
 from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 from torchvision.models.resnet import BasicBlock, ResNet
 
+from failures import UsageError
+from loading import load_checked
+
 MODEL_NAME = "ResNet18Animals90"
 # torchvision's file name for the ImageNet ResNet18 weights (ResNet18_Weights.IMAGENET1K_V1).
 TORCHVISION_WEIGHTS_FILE = "resnet18-f37072fd.pth"
@@ -86,18 +89,24 @@ class ResNet18Animals90(ResNet):
             self.load_backbone(torchvision_weights_path() if pretrained is True else pretrained)
 
     def load_backbone(self, path):
+        """Take the weights of a torchvision ResNet18 state_dict file (its fc too when the class count matches)."""
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"pretrained weights file not found: {path}")
-        state = torch.load(path, map_location="cpu", weights_only=True)
+            raise UsageError(f"--pretrained {path}: file not found")
+        state = load_checked(path, deepspeed_classes=False)
+        if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+            raise UsageError(f"--pretrained {path} is not a state_dict (tensors by name)"
+                             + ("; for a checkpoint of this trainer, export it first with export_model.py"
+                                if isinstance(state, dict) and "module" in state else ""))
         if "fc.weight" in state and state["fc.weight"].shape != self.fc.weight.shape:
             state = {k: v for k, v in state.items() if not k.startswith("fc.")}
-        missing, unexpected = self.load_state_dict(state, strict=False)
+        try:
+            missing, unexpected = self.load_state_dict(state, strict=False)
+        except RuntimeError as err:  # a tensor of another shape
+            raise UsageError(f"--pretrained {path} is not a ResNet18 state_dict ({str(err).splitlines()[-1].strip()})") from None
         if unexpected or set(missing) - {"fc.weight", "fc.bias"}:
-            raise ValueError(f"{path} is not a ResNet18 state_dict "
+            raise UsageError(f"--pretrained {path} is not a ResNet18 state_dict "
                              f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
-
-
 
 
 def torchvision_weights_path():

@@ -98,6 +98,9 @@ def add_training_args(parser):
     out.add_argument("--resume", metavar="auto|PATH", default=None,
                      help="auto: continue from the newest checkpoint in --checkpoint_dir (or start fresh); "
                           "PATH: a checkpoint folder or a name in --checkpoint_dir (last, best, epoch_N)")
+    out.add_argument("--overwrite", action="store_true",
+                     help="start a new run over an earlier run's checkpoints and history in --checkpoint_dir and "
+                          "--log_dir, removing them (without it such a run stops: --resume auto continues it)")
     return parser
 
 
@@ -132,6 +135,18 @@ def check_values(args):
         raise UsageError(f"--device_train_size must be at least 1, got {args.device_train_size}")
     if not 0 <= args.label_smoothing < 1:
         raise UsageError(f"--label_smoothing must be in [0, 1), got {args.label_smoothing}")
+    if args.overwrite and args.resume:
+        raise UsageError("--overwrite starts a new run over the old one's results, --resume continues it: "
+                         "give one of them")
+    if not 0 <= args.seed < 2**32:  # numpy's and the samplers' seeds are unsigned 32-bit
+        raise UsageError(f"--seed must be in 0 .. {2**32 - 1}, got {args.seed}")
+    if args.warmup_epochs > args.epochs:
+        raise UsageError(f"--warmup_epochs {args.warmup_epochs:g} is longer than the run (--epochs {args.epochs})")
+    # Batch norm in training needs two values per channel; ResNet's last stage sees ceil(size / 32)² per image.
+    if args.batch_size == 1 and args.image_size <= 32:
+        raise UsageError(f"--batch_size 1 at --image_size {args.image_size}: ResNet18's last batch-norm layers then "
+                         "see one value per channel, which they cannot normalise; use --batch_size 2 or more, "
+                         "or --image_size 33 or more")
 
 
 def run_cli(main, argv=None):

@@ -7,11 +7,10 @@ import argparse
 import json
 from pathlib import Path
 
-from PIL import Image, UnidentifiedImageError
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from data import load_rgb
-from failures import UsageError
+from failures import UsageError, check_counts
 from inference import default_device, eval_transform, load_model, predict_probabilities
 from options import run_cli
 
@@ -44,7 +43,7 @@ class Images:
     def __getitem__(self, index):
         try:
             return self.transform(load_rgb(self.paths[index])), index
-        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as err:
+        except Exception as err:  # noqa: BLE001 - corrupt data raises OSError, SyntaxError, ValueError, ...
             raise UsageError(f"{self.paths[index]}: not a readable image ({err})") from None
 
 
@@ -60,6 +59,7 @@ def get_args_parser():
 
 def main(argv=None):
     args = get_args_parser().parse_args(argv)
+    check_counts(args, batch_size=1, top_k=1)
 
     paths = image_paths(args.images)
     device = default_device()

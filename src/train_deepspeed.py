@@ -10,30 +10,30 @@ PROCESS_STARTED = time.time()  # before the imports below: the startup timing co
 import argparse  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from checkpoints import CheckpointSaver, find_checkpoint, load, saved_stage  # noqa: E402
+from checkpoints import CheckpointSaver, check_resumable, find_checkpoint, load, run_settings, saved_stage  # noqa: E402
 from data import build_loaders, load_datasets  # noqa: E402
 from device_data import build_device_loaders, choose_device_data, train_square_size  # noqa: E402
 from distributed import init_distributed, local_device, rank_zero_only  # noqa: E402
-from ds_config import (build_ds_config, check_device_support, check_monitor_support, load_base_config,  # noqa: E402
-                       lr_schedule, precision)
+from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_with_deepspeed,  # noqa: E402
+                       load_base_config, lr_schedule, precision)
 from failures import UsageError, advise_on_out_of_memory, check_writable  # noqa: E402
-from history import TrainingHistory, epoch_line  # noqa: E402
-from interrupt import StopOnSignal  # noqa: E402
+from history import HISTORY_FILE, TrainingHistory, epoch_line  # noqa: E402
+from interrupt import StopOnSignal, die_with_parent_call  # noqa: E402
 from model import MODEL_NAME, ResNet18Animals90, synchronize_batch_norm  # noqa: E402
 from monitor import prepare_csv_files, write_epoch_events  # noqa: E402
 from numerics import StepHealth  # noqa: E402
 from options import add_training_args, parse_args, run_cli  # noqa: E402
+import run_folders  # noqa: E402
 from reproducibility import restore_rng_state, rng_state, seed_everything  # noqa: E402
 from timing import StartupClock  # noqa: E402
 from training import evaluate, input_dtype, peak_gpu_memory_gib, train_one_epoch  # noqa: E402
-
-HISTORY_FILE = "training_history.json"
 
 
 def get_args_parser():
@@ -51,6 +51,8 @@ def say(message):
 def main(argv=None):
     clock = StartupClock(PROCESS_STARTED)
     clock.lap("imports")
+    if "LOCAL_RANK" in os.environ:  # started by a launcher: stop (and save) when it dies
+        die_with_parent_call(os.getppid())()
     args = parse_args(get_args_parser, argv)
     if args.pretrained and not Path(args.pretrained).is_file():
         raise UsageError(f"--pretrained {args.pretrained}: file not found")
@@ -58,9 +60,12 @@ def main(argv=None):
     check_writable(args.log_dir, "--log_dir")
     base_config = load_base_config(args.deepspeed_config)
     train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size)
-    resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
+    if os.environ.get("RANK", "0") == "0":
+        run_folders.take(args)  # before any rank looks for a checkpoint: tidying may rename one
 
     rank, world_size = init_distributed()
+    resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
+    rank_zero_only(run_folders.start)(args, resume_from)
     if data_check.decoded:  # started without the launcher, which keeps the check's results
         rank_zero_only(data_check.save_cache)()
     for line in data_check.warnings():
@@ -73,6 +78,12 @@ def main(argv=None):
                                 num_params=num_params, resumed_stage=saved_stage(resume_from))
     check_device_support(ds_config, device_type)
     check_monitor_support(ds_config)
+    if args.deepspeed_config:
+        check_with_deepspeed(ds_config, args.deepspeed_config)
+    zero_stage = ds_config["zero_optimization"]["stage"]
+    settings = run_settings(args, ds_config, train_set.classes)
+    if resume_from is not None:
+        check_resumable(resume_from, world_size, zero_stage, settings)
     if device_type == "cuda":
         torch.backends.cudnn.benchmark = True
     micro_batch = ds_config["train_micro_batch_size_per_gpu"]
@@ -87,7 +98,8 @@ def main(argv=None):
 
     if args.sync_bn:
         synchronize_batch_norm(model)
-    with ThreadPoolExecutor(1) as decoder:
+    # Out of memory from here on (the engine's buffers, the dataset on the GPU) ends with the next flags to try.
+    with advise_on_out_of_memory(ds_config, on_device), ThreadPoolExecutor(1) as decoder:
         if on_device:  # decodes on the GPU while DeepSpeed sets up (one of them waits on the host most of the time)
             decoding = decoder.submit(build_device_loaders, train_set, val_set, micro_batch, args.image_size, rank,
                                       world_size, args.seed, device, dtype, args.device_train_size, data_check.records)
@@ -104,7 +116,6 @@ def main(argv=None):
             say(f"Data from {args.num_workers} DataLoader worker(s) per rank ({why})")
     clock.lap("data")
     micro_batches = train_loader.batches_per_epoch // accumulation * accumulation
-    zero_stage = ds_config["zero_optimization"]["stage"]
 
     run_config = {
         "model": MODEL_NAME, "num_classes": len(train_set.classes), "image_size": args.image_size,
@@ -128,12 +139,15 @@ def main(argv=None):
                             background=device_type == "cuda")
     health = StepHealth(engine, args.max_nonfinite_steps)
     extra_info = {"model": MODEL_NAME, "image_size": args.image_size, "class_names": train_set.classes,
-                  "world_size": world_size, "zero_stage": zero_stage, "precision": precision(ds_config)}
+                  "world_size": world_size, "zero_stage": zero_stage, "precision": precision(ds_config),
+                  "settings": settings}
 
     start_epoch, start_step, carried = 1, 0, None
     if resume_from is not None:
-        state = load(engine, resume_from, world_size, zero_stage)
+        state = load(engine, resume_from, world_size, zero_stage, settings)
         history.restore(state["history"])
+        if history.file_is_behind():  # stopped between the checkpoint and its history line
+            history.save()
         restore_rng_state(state["rng"])
         start_epoch, start_step, carried = state["next_epoch"], state["next_step"], state["carried"]
         say(f"Resumed from {resume_from}: epoch {start_epoch}"

@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from failures import UsageError
+from failures import UsageError, check_output_file
 from options import run_cli
 
 
@@ -28,6 +28,7 @@ def load_history(path):
 
 # (history key, title, y-axis label); the last three only when a history records them (skipped steps:
 # when there were any).
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")  # matplotlib writes each without extras
 PANELS = (("loss", "Loss", "cross-entropy"), ("acc", "Top-1 accuracy", "accuracy"),
           ("lr", "Learning rate (last step of the epoch)", "learning rate"),
           ("images_per_s", "Training throughput", "images / s"),
@@ -146,6 +147,7 @@ def get_args_parser():
 
 def main(argv=None):
     args = get_args_parser().parse_args(argv)
+    check_output_file(args.output, "--output", PLOT_SUFFIXES)
     if args.labels and len(args.labels) != len(args.history):
         raise UsageError(f"--labels gives {len(args.labels)} name(s) for {len(args.history)} --history file(s)")
     histories = [load_history(path) for path in args.history]

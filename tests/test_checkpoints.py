@@ -1,9 +1,11 @@
 """Checkpoint publishing and lookup, on folders laid out as DeepSpeed writes them (no engine needed)."""
+import argparse
 import json
 
 import pytest
 
-from checkpoints import EXTRA_INFO, _copy_as, _publish, check_resumable, find_checkpoint, readable
+from checkpoints import (EXTRA_INFO, _copy_as, _publish, check_resumable, find_checkpoint, readable,
+                         run_settings)
 from failures import UsageError
 
 
@@ -64,11 +66,52 @@ def test_resume_path_forms(tmp_path):
 
 def test_resuming_with_another_world_size_or_stage_is_refused(tmp_path):
     folder = fake_checkpoint(tmp_path / "last", 2, "last", world_size=2, zero_stage=3)
-    assert check_resumable(folder, 2, 3)["epoch"] == 2
+    assert check_resumable(folder, 2, 3, {})["epoch"] == 2
     with pytest.raises(UsageError, match=r"world_size 2 \(this run: 1\)"):
-        check_resumable(folder, 1, 3)
+        check_resumable(folder, 1, 3, {})
     with pytest.raises(UsageError, match=r"zero_stage 3 \(this run: 2\)"):
-        check_resumable(folder, 2, 2)
+        check_resumable(folder, 2, 2, {})
+
+
+def settings_of(*argv, classes=("ant", "bee", "cat"), world_size=1):
+    from ds_config import build_ds_config
+    from options import add_training_args, parse_args
+
+    args = parse_args(lambda: add_training_args(argparse.ArgumentParser()), list(argv))
+    return run_settings(args, build_ds_config(args, world_size, 1000, num_params=11_000_000), classes)
+
+
+@pytest.mark.parametrize("argv, kwargs, message", [
+    (["--batch_size", "32"], {}, r"the global batch \(.*\) 16 \(this run: 32\)"),
+    (["--batch_size", "8", "--gradient_accumulation_steps", "2"], {}, None),  # the same global batch
+    (["--image_size", "160"], {}, r"--image_size 224 \(this run: 160\)"),
+    (["--learning_rate", "0.01"], {}, r"--learning_rate 0.001 \(this run: 0.01\)"),
+    (["--lr_schedule", "linear", "--warmup_epochs", "0"], {}, r"--lr_schedule cosine \(this run: linear\); "
+                                                             r"--warmup_epochs 1.0 \(this run: 0.0\)"),
+    (["--epochs", "90"], {}, None),  # a run may be extended
+    ([], {"classes": ("ant", "bee", "dog")}, r"the classes of --train_dir 3 classes \(ant, bee, cat\) "
+                                            r"\(this run: 3 classes \(ant, bee, dog\)\)"),
+])
+def test_resuming_with_other_settings_is_refused_naming_each(tmp_path, argv, kwargs, message):
+    folder = fake_checkpoint(tmp_path / "last", 2, "last", world_size=1, zero_stage=2)
+    info = json.loads((folder / EXTRA_INFO).read_text())
+    (folder / EXTRA_INFO).write_text(json.dumps({**info, "settings": settings_of()}))
+    if message is None:
+        check_resumable(folder, 1, 2, settings_of(*argv, **kwargs))
+    else:
+        with pytest.raises(UsageError, match=message + r".*Resume with the run's own flags"):
+            check_resumable(folder, 1, 2, settings_of(*argv, **kwargs))
+
+
+def test_a_damaged_extra_info_is_not_a_checkpoint(tmp_path):
+    folder = fake_checkpoint(tmp_path / "last", 2, "last")
+    fake_checkpoint(tmp_path / "epoch_1", 1, "epoch_1")
+    for garbage in (b"\x00\xff\xfe", b"[1, 2]", b'{"epoch": "2"}'):
+        (folder / EXTRA_INFO).write_bytes(garbage)
+        assert readable(folder) is None
+        assert find_checkpoint("auto", tmp_path) == tmp_path / "epoch_1"
+        with pytest.raises(UsageError, match="last/extra_info.json is (unreadable|not a checkpoint description)"):
+            find_checkpoint("last", tmp_path)
 
 
 @pytest.mark.parametrize("background", [True, False])

@@ -10,19 +10,21 @@ import signal
 import subprocess
 
 import pytest
+import torch
 
 from conftest import assert_usage_error, data_args, launch
 from ds_config import build_ds_config
 from failures import out_of_memory_advice
 from options import add_training_args, parse_args
+from run_folders import LOCK_FILE
 
 TINY_RUN = ["--batch_size", "4", "--image_size", "32", "--num_workers", "0"]
 
 
 def digests(folder):
-    """{relative path: sha256} of every file under `folder`."""
+    """{relative path: sha256} of every file under `folder` but the lock file (each run writes its PID there)."""
     return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
-            for path in sorted(folder.rglob("*")) if path.is_file()}
+            for path in sorted(folder.rglob("*")) if path.is_file() and path.name != LOCK_FILE}
 
 
 @pytest.fixture
@@ -40,15 +42,19 @@ def error_lines(result):
 
 @pytest.mark.slow
 def test_a_loss_that_turns_nan_stops_the_run_and_keeps_the_earlier_outputs(earlier_run, tiny_data):
-    # A learning rate of 1e30 makes the first AdamW step put weights near 1e30: the next forward pass
-    # overflows, and every loss after it is NaN. Started fresh in the folder of an earlier run.
-    workdir, checkpoints, history = earlier_run
-    result = launch(data_args(tiny_data) + TINY_RUN + ["--epochs", "1", "--learning_rate", "1e30",
-                                                       "--warmup_epochs", "0", "--max_nonfinite_steps", "3"], workdir)
+    # A NaN weight in the checkpoint resumed from makes every loss of the third epoch NaN.
+    workdir, _, history = earlier_run
+    states = workdir / "checkpoints_deepspeed/last/last/mp_rank_00_model_states.pt"
+    saved = torch.load(states, weights_only=False)
+    saved["module"]["fc.weight"][0, 0] = float("nan")
+    torch.save(saved, states)
+    checkpoints = digests(workdir / "checkpoints_deepspeed")
+    result = launch(data_args(tiny_data) + TINY_RUN + ["--zero_stage", "0", "--epochs", "3", "--resume", "auto",
+                                                       "--max_nonfinite_steps", "3"], workdir)
     assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     [line] = error_lines(result)  # reported once, by rank 0
-    assert "the training loss was NaN or inf for" in line and "(by epoch 1, step" in line
+    assert "the training loss was NaN or inf for" in line and "(by epoch 3, step" in line
     assert "--max_nonfinite_steps 3" in line and "checkpoints and history of earlier epochs are intact" in line
     assert digests(workdir / "checkpoints_deepspeed") == checkpoints
     assert (workdir / "logs/training_history.json").read_bytes() == history
@@ -138,3 +144,16 @@ def test_out_of_memory_advice_names_the_next_flags(argv, advice):
 def test_out_of_memory_with_nothing_left_to_try():
     config = config_of("--batch_size", "1", "--bf16", "--zero_stage", "3", "--offload_optimizer", "--offload_param")
     assert out_of_memory_advice(config).startswith("out of GPU memory at micro-batch 1 with every offload on")
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                                   RuntimeError("CUDA error: out of memory")])
+def test_out_of_memory_in_any_form_becomes_the_advice(error):
+    from failures import OutOfMemory, advise_on_out_of_memory
+
+    with pytest.raises(OutOfMemory, match=r"out of GPU memory.* at micro-batch 64 per GPU; try, in this order"):
+        with advise_on_out_of_memory(config_of("--batch_size", "64", "--bf16"), data_on_device=False):
+            raise error
+    with pytest.raises(RuntimeError, match="something else"):  # other errors keep their traceback
+        with advise_on_out_of_memory(config_of("--batch_size", "64", "--bf16"), data_on_device=False):
+            raise RuntimeError("something else")

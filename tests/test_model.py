@@ -1,7 +1,10 @@
+import os
+
 import pytest
 import torch
 import torchvision
 
+from failures import UsageError
 from model import BatchNorm2dFP32, ResNet18Animals90
 
 
@@ -25,11 +28,20 @@ def test_pretrained_loads_a_local_torchvision_file_and_reinitialises_the_head(tm
 
 
 def test_pretrained_errors_are_clear(tmp_path):
-    with pytest.raises(FileNotFoundError, match="not found"):
+    with pytest.raises(UsageError, match="not found"):
         ResNet18Animals90(pretrained=tmp_path / "missing.pth")
     path = tmp_path / "other.pth"
     torch.save({"weight": torch.zeros(3)}, path)
-    with pytest.raises(ValueError, match="not a ResNet18 state_dict"):
+    with pytest.raises(UsageError, match="not a ResNet18 state_dict"):
+        ResNet18Animals90(pretrained=path)
+    torch.save({"conv1.weight": torch.zeros(3)}, path)
+    with pytest.raises(UsageError, match=r"not a ResNet18 state_dict \(size mismatch for conv1.weight"):
+        ResNet18Animals90(pretrained=path)
+    torch.save({"module": ResNet18Animals90(num_classes=3).state_dict(), "ds_version": "0.19"}, path)
+    with pytest.raises(UsageError, match="not a state_dict .*export it first with export_model.py"):
+        ResNet18Animals90(pretrained=path)
+    path.write_bytes(os.urandom(4096))
+    with pytest.raises(UsageError, match="is damaged or not a torch file"):
         ResNet18Animals90(pretrained=path)
 
 

@@ -83,7 +83,8 @@ def uninterrupted(tiny_data, tmp_path_factory):
 
 
 def test_keep_last_prunes_old_epoch_checkpoints(uninterrupted):
-    names = sorted(p.name for p in (uninterrupted / "checkpoints_deepspeed").iterdir())
+    names = sorted(p.name for p in (uninterrupted / "checkpoints_deepspeed").iterdir()
+                   if not p.name.startswith("."))
     assert names == ["best_model", "epoch_2", "epoch_3", "last"]
 
 

@@ -1,0 +1,297 @@
+"""Hostile and unlucky input: every case runs, or stops before anything starts with one `error:` line and
+exit status 2, and nothing already written changes. Mostly in process; the runs they read are the
+session's trained ones."""
+import hashlib
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY_CLASSES, assert_usage_error_in_process, data_args, launch
+
+sys.path.insert(0, str(ROOT))
+import evaluate  # noqa: E402
+import export_model  # noqa: E402
+import launch_deepspeed  # noqa: E402
+import predict  # noqa: E402
+import utils  # noqa: E402
+from data import ImageFiles  # noqa: E402
+from data_check import check_folders  # noqa: E402
+from options import run_cli  # noqa: E402
+from prepare_data import make_sample_dataset  # noqa: E402
+
+
+class Payload:
+    """Unpickling this runs code: it creates the file named `marker`."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def digests(folder):
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+# --- flags and DeepSpeed JSON, refused by the launcher before anything starts -------------------------------
+
+JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
+        "BUCKET_WORDS": {"zero_optimization": {"stage": 2, "reduce_bucket_size": "lots"}},
+        "UNKNOWN_ZERO_KEY": {"zero_optimization": {"stage": 2, "reduce_bucket_sise": 5}},
+        "NO_SUCH_SCHEDULER": {"scheduler": {"type": "NoSuchLR"}},
+        "NO_SUCH_OPTIMIZER": {"optimizer": {"type": "NoSuchOpt"}},
+        "BF16_MAYBE": {"bf16": {"enabled": "maybe"}}}
+
+FLAGS = [
+    (["--seed", "-1"], "--seed must be in 0 .. 4294967295, got -1"),
+    (["--seed", "4294967296"], "--seed must be in 0 .. 4294967295"),
+    (["--warmup_epochs", "1e308"], "--warmup_epochs 1e+308 is longer than the run (--epochs 50)"),
+    (["--batch_size", "1", "--image_size", "32"], "--batch_size 1 at --image_size 32"),
+    (["--overwrite", "--resume", "auto"], "give one of them"),
+    (["--deepspeed_config", "OPTIMIZER_TYPE"], "optimizer.type in the DeepSpeed config must be a name, got 5"),
+    (["--deepspeed_config", "BUCKET_WORDS"], 'zero_optimization.reduce_bucket_size: Input should be a valid integer'),
+    (["--deepspeed_config", "UNKNOWN_ZERO_KEY"], "zero_optimization.reduce_bucket_sise: Extra inputs are not permitted"),
+    (["--deepspeed_config", "NO_SUCH_SCHEDULER"], "scheduler.type 'NoSuchLR' is neither one of DeepSpeed's"),
+    (["--deepspeed_config", "NO_SUCH_OPTIMIZER"], "optimizer.type 'NoSuchOpt' is neither one of DeepSpeed's"),
+    (["--deepspeed_config", "BF16_MAYBE"], 'bf16.enabled in the DeepSpeed config must be true, false or "auto"'),
+    (["--pretrained", "RANDOM_BYTES"], "is damaged or not a torch file"),
+    (["--pretrained", "MODEL_STATES"], "export it first with export_model.py"),
+    (["--pretrained", "PAYLOAD"], "holds Python objects other than tensors"),
+]
+
+
+@pytest.mark.parametrize("extra, message", FLAGS, ids=[" ".join(extra) for extra, _ in FLAGS])
+def test_the_launcher_refuses_what_no_run_can_use(tiny_data, tmp_path, monkeypatch, capsys, extra, message):
+    for name, config in JSON.items():
+        (tmp_path / name).write_text(json.dumps(config))
+    (tmp_path / "RANDOM_BYTES").write_bytes(os.urandom(5000))
+    torch.save({"module": {"fc.weight": torch.zeros(3, 512)}, "ds_version": "0.19"}, tmp_path / "MODEL_STATES")
+    torch.save({"fc.weight": Payload(tmp_path / "ran")}, tmp_path / "PAYLOAD")
+    argv = data_args(tiny_data) + [str(tmp_path / arg) if (tmp_path / arg).is_file() else arg for arg in extra]
+    monkeypatch.chdir(tmp_path)
+    assert_usage_error_in_process(launch_deepspeed.main, argv + ["--dry_run"], capsys, message)
+    assert not (tmp_path / "ran").exists() and not (tmp_path / "logs").exists()
+
+
+def test_the_readme_dry_run_works_without_a_dataset(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    launch_deepspeed.main(["--zero_stage", "3", "--offload_param", "--offload_optimizer", "--bf16", "--dry_run"])
+    out, err = capsys.readouterr()
+    assert "data/train not found; the config below assumes Animals-90's 90 classes" in err
+    config = json.loads(out[:out.rindex("}") + 1])
+    assert config["zero_optimization"]["stage"] == 3
+    assert not (tmp_path / "logs").exists()
+
+
+# --- resuming with what the checkpoint was not made with ----------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra, message", [
+    (["--batch_size", "8"], r"the global batch (--batch_size x ranks x --gradient_accumulation_steps) 4 (this run: 8)"),
+    (["--learning_rate", "0.01"], "--learning_rate 0.001 (this run: 0.01)"),
+    (["--image_size", "48"], "--image_size 32 (this run: 48)"),
+    (["--train_dir", "OTHER_CLASSES"], "the classes of --train_dir 3 classes (antelope, badger, bat) (this run: "
+                                       "4 classes"),
+])
+def test_resuming_with_other_settings_stops_before_anything_starts(trained, tiny_data, tmp_path, monkeypatch, capsys,
+                                                                   extra, message):
+    workdir, first = trained("zero0")
+    for name in ("logs", "checkpoints_deepspeed"):
+        shutil.copytree(workdir / name, tmp_path / name)
+    make_sample_dataset(tmp_path / "other", num_classes=4, train_per_class=4, val_per_class=1, image_size=32, seed=0)
+    extra = [str(tmp_path / "other/train") if arg == "OTHER_CLASSES" else arg for arg in extra]
+    before = digests(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert_usage_error_in_process(launch_deepspeed.main, first.args[2:] + ["--epochs", "3", "--resume", "auto",
+                                                                           *extra], capsys, message)
+    assert digests(tmp_path) == before
+
+
+# --- damaged and hostile checkpoints, exports and sidecars --------------------------------------------------
+
+def damage(path, how, marker):
+    if how == "random bytes":
+        path.write_bytes(os.urandom(4096))
+    elif how == "truncated":
+        path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    elif how == "payload":
+        torch.save({"module": Payload(marker)}, path)
+
+
+CHECKPOINT_DAMAGE = [("extra_info.json", "random bytes", "unreadable"),
+                     ("last/mp_rank_00_model_states.pt", "truncated", "is damaged or not a torch file"),
+                     ("last/mp_rank_00_model_states.pt", "random bytes", "is damaged or not a torch file"),
+                     ("last/mp_rank_00_model_states.pt", "payload", "holds Python objects other than tensors")]
+
+
+@pytest.fixture
+def export_of_a_run(trained, tmp_path):
+    """tmp_path/last: a copy of the trained ZeRO-0 run's `last` checkpoint; tmp_path/model.pt: its export."""
+    workdir, _ = trained("zero0")
+    shutil.copytree(workdir / "checkpoints_deepspeed/last", tmp_path / "last")
+    export_model.main([str(tmp_path / "last"), "--output", str(tmp_path / "model.pt")])
+    return tmp_path
+
+
+def users_of_a_model(model, tiny_data, tmp_path):
+    return [(export_model.main, [model, "--output", str(tmp_path / "out.pt")]),
+            (evaluate.main, ["--model", model, "--data_dir", str(tiny_data / "val"),
+                             "--output_dir", str(tmp_path / "eval"), "--num_workers", "0"]),
+            (predict.main, ["--model", model, str(tiny_data / "val")])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("file, how, message", CHECKPOINT_DAMAGE)
+def test_a_damaged_or_hostile_checkpoint_folder_is_refused(export_of_a_run, tiny_data, capsys, file, how, message):
+    folder = export_of_a_run / "last"
+    damage(folder / file, how, export_of_a_run / "ran")
+    before = digests(folder)
+    for main, argv in users_of_a_model(str(folder), tiny_data, export_of_a_run):
+        assert_usage_error_in_process(main, argv, capsys, message)
+    assert not (export_of_a_run / "ran").exists() and digests(folder) == before
+
+
+EXPORT_DAMAGE = [("model.pt", "random bytes", "is damaged or not a torch file"),
+                 ("model.pt", "truncated", "is damaged or not a torch file"),
+                 ("model.pt", "payload", "holds Python objects other than tensors"),
+                 ("model.pt.json", "not json", "model.pt.json is unreadable"),
+                 ("model.pt.json", "no classes", "expected class_names (a list of names) and image_size"),
+                 ("model.pt.json", "two classes", f"has {TINY_CLASSES} outputs but its class names list 2"),
+                 ("model.safetensors", "random bytes", "is damaged or not a safetensors file")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("file, how, message", EXPORT_DAMAGE)
+def test_a_damaged_export_or_sidecar_is_refused(export_of_a_run, tiny_data, capsys, file, how, message):
+    path = export_of_a_run / file
+    if file == "model.safetensors":
+        shutil.copy(export_of_a_run / "model.pt.json", export_of_a_run / "model.safetensors.json")
+    sidecar = json.loads((export_of_a_run / "model.pt.json").read_text())
+    if how == "not json":
+        path.write_text("{'class_names': ")
+    elif how == "no classes":
+        path.write_text(json.dumps({**sidecar, "class_names": None}))
+    elif how == "two classes":
+        path.write_text(json.dumps({**sidecar, "class_names": sidecar["class_names"][:2]}))
+    else:
+        damage(path, how, export_of_a_run / "ran")
+    model = str(export_of_a_run / ("model.safetensors" if file == "model.safetensors" else "model.pt"))
+    for main, argv in users_of_a_model(model, tiny_data, export_of_a_run)[1:]:
+        assert_usage_error_in_process(main, argv, capsys, message)
+    assert not (export_of_a_run / "ran").exists()
+
+
+@pytest.mark.slow
+def test_a_failed_export_leaves_the_earlier_one_as_it_was(export_of_a_run, monkeypatch, capsys):
+    before = digests(export_of_a_run)
+
+    def disk_full(obj, path, *args, **kwargs):
+        with open(path, "wb") as f:
+            f.write(b"half a file")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(export_model.torch, "save", disk_full)
+    with pytest.raises(SystemExit) as exited:
+        run_cli(export_model.main, [str(export_of_a_run / "last"), "--output", str(export_of_a_run / "model.pt")])
+    err = capsys.readouterr().err
+    assert exited.value.code == 4 and err.count("\n") == 1, err  # a failed write: exit status 4
+    assert err.startswith("error: cannot write the export: [Errno 28] No space left") and "export again" in err
+    assert digests(export_of_a_run) == before  # no temporary file left either
+
+
+@pytest.mark.slow
+def test_resuming_from_a_truncated_checkpoint_stops_with_a_hint(trained, tiny_data, tmp_path):
+    workdir, first = trained("zero0")
+    for name in ("logs", "checkpoints_deepspeed"):
+        shutil.copytree(workdir / name, tmp_path / name)
+    damage(tmp_path / "checkpoints_deepspeed/last/last/mp_rank_00_model_states.pt", "truncated", None)
+    before = digests(tmp_path / "checkpoints_deepspeed"), (tmp_path / "logs/training_history.json").read_bytes()
+    result = launch(first.args[2:] + ["--epochs", "3", "--resume", "last"], tmp_path)
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert "cannot resume from" in lines[0] and "resume from another checkpoint" in lines[0]
+    assert "Traceback" not in result.stderr
+    assert (digests(tmp_path / "checkpoints_deepspeed"), (tmp_path / "logs/training_history.json").read_bytes()) == before
+
+
+# --- the command-line tools' own flags ---------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_the_tools_refuse_values_no_run_can_use(export_of_a_run, tiny_data, capsys):
+    model = str(export_of_a_run / "model.pt")
+    (export_of_a_run / "a_file").write_text("")
+    cases = [(evaluate.main, ["--model", model, "--batch_size", "0"], "--batch_size must be at least 1, got 0"),
+             (evaluate.main, ["--model", model, "--num_workers", "-1"], "--num_workers must be at least 0, got -1"),
+             (evaluate.main, ["--model", model, "--output_dir", str(export_of_a_run / "a_file/eval")], "is not a folder"),
+             (predict.main, ["--model", model, "--batch_size", "0", str(tiny_data)], "--batch_size must be at least 1"),
+             (export_model.main, [str(export_of_a_run / "last"), "--output", str(export_of_a_run)],
+              "use a file name ending in .pt"),
+             (export_model.main, [str(export_of_a_run / "last"), "--output", str(export_of_a_run / "dir.pt")],
+              "is a folder"),
+             (utils.main, ["--output", str(export_of_a_run / "curves.xyz")], "use a file name ending in .png"),
+             (utils.main, ["--output", str(export_of_a_run / "a_file/curves.png")], "is not a folder")]
+    (export_of_a_run / "dir.pt").mkdir()
+    for main, argv, message in cases:
+        assert_usage_error_in_process(main, argv, capsys, message)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("content", [b"\x89PNG\r\n\x1a\n" + b"\x00" * 40, b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + b"\xff" * 30])
+def test_predict_names_an_image_pil_cannot_parse(export_of_a_run, tmp_path, capsys, content):
+    (tmp_path / "broken.png").write_bytes(content)
+    assert_usage_error_in_process(predict.main, ["--model", str(export_of_a_run / "model.pt"),
+                                                 str(tmp_path / "broken.png")], capsys, "broken.png: not a readable image")
+
+
+# --- data that changes or loops ----------------------------------------------------------------------------
+
+def test_links_that_loop_or_reach_another_class_are_not_read(tmp_path):
+    make_sample_dataset(tmp_path, num_classes=3, train_per_class=8, val_per_class=2, image_size=32, seed=0)
+    train = tmp_path / "train"
+    first, second, third = sorted(p.name for p in train.iterdir())
+    (train / first / "loop").symlink_to("..")
+    (train / first / "self").symlink_to(".")
+    (train / first / "other").symlink_to(f"../{second}")
+    shutil.copytree(train / third, tmp_path / "elsewhere")
+    (train / third / "more").symlink_to(tmp_path / "elsewhere")  # a link to images outside the dataset: read
+    check = check_folders(train, None)
+    assert {name: len(paths) for name, paths in check.train.images.items()} == {first: 8, second: 8, third: 16}
+    reasons = {os.path.basename(item["path"]): item["reason"] for item in check.summary()["linked_folders_ignored"]}
+    assert reasons == {"loop": "a link up to a folder that holds this class", "self": "already read: a link loop",
+                       "other": "a link into another class's folder"}
+    assert any("ignoring 3 folder(s) reached through links" in line for line in check.warnings())
+
+
+def test_an_image_rewritten_during_the_run_is_replaced_by_the_next(tmp_path, capsys):
+    make_sample_dataset(tmp_path, num_classes=2, train_per_class=3, val_per_class=1, image_size=32, seed=0)
+    check = check_folders(tmp_path / "train", None)
+    samples = [(path, label) for label, name in enumerate(check.classes) for path in check.train.images[name]]
+    dataset = ImageFiles(samples, check.classes)
+    with open(samples[0][0], "w") as f:
+        f.write("no longer an image")
+    image, label = dataset[0]
+    assert image.size == (32, 32) and label == samples[1][1]
+    assert "can no longer be read" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_history_one_epoch_short_is_completed_by_the_next_resume(trained, tmp_path):
+    # A stop after the last checkpoint was published and before its history line was written.
+    workdir, first = trained("zero0")
+    for name in ("logs", "checkpoints_deepspeed"):
+        shutil.copytree(workdir / name, tmp_path / name)
+    history = json.loads((tmp_path / "logs/training_history.json").read_text())
+    complete = history["epochs"]
+    (tmp_path / "logs/training_history.json").write_text(json.dumps({**history, "epochs": complete[:-1]}))
+    result = launch(first.args[2:] + ["--resume", "auto"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    restored = json.loads((tmp_path / "logs/training_history.json").read_text())["epochs"]
+    measured_after_the_checkpoint = ("checkpoint_s", "epoch_wall_s")  # not in the checkpoint's copy
+    assert [{k: v for k, v in e.items() if k not in measured_after_the_checkpoint} for e in restored] == \
+        [{k: v for k, v in e.items() if k not in measured_after_the_checkpoint} for e in complete]

@@ -1,0 +1,141 @@
+"""One run at a time in --checkpoint_dir and --log_dir, and never over another run's results unasked."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import run_folders
+from conftest import ROOT, assert_usage_error, data_args, launch, run
+from failures import UsageError
+from run_folders import LOCK_FILE, check_new_run, check_unlocked, earlier_results, lock, tidy
+
+# A process that holds a folder's lock (as a training run's rank 0 does) until killed.
+HOLD_LOCK = ("import sys, time; sys.path.insert(0, sys.argv[1]); from run_folders import lock; "
+             "lock(sys.argv[2], '--checkpoint_dir'); print('held', flush=True); time.sleep(600)")
+
+
+def args_for(tmp_path, resume=None, overwrite=False):
+    from argparse import Namespace
+
+    return Namespace(checkpoint_dir=tmp_path / "ckpt", log_dir=tmp_path / "logs", resume=resume, overwrite=overwrite)
+
+
+def publish(checkpoint_dir, name, epoch):
+    folder = checkpoint_dir / name
+    (folder / name).mkdir(parents=True)
+    (folder / "latest").write_text(name)
+    (folder / "extra_info.json").write_text(json.dumps({"epoch": epoch, "tag": name}))
+    return folder
+
+
+def test_a_new_run_over_an_earlier_one_stops_unless_told(tmp_path):
+    args = args_for(tmp_path)
+    check_new_run(args, None)  # empty folders: nothing to protect
+    publish(args.checkpoint_dir, "last", 2)
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs/training_history.json").write_text("{}")
+    with pytest.raises(UsageError, match=r"an earlier run's results are here: .*last \(epoch 2\); .*"
+                                         r"training_history.json; continue it with --resume auto, replace it "
+                                         r"with --overwrite"):
+        check_new_run(args, None)
+    check_new_run(args_for(tmp_path, resume="auto"), args.checkpoint_dir / "last")  # continuing it is fine
+    overwrite = args_for(tmp_path, overwrite=True)
+    check_new_run(overwrite, None)
+    run_folders.start(overwrite, None)
+    assert earlier_results(args.checkpoint_dir, args.log_dir) == []
+
+
+def test_resume_auto_does_not_start_over_a_damaged_checkpoint(tmp_path):
+    args = args_for(tmp_path, resume="auto")
+    folder = publish(args.checkpoint_dir, "last", 3)
+    (folder / "extra_info.json").unlink()
+    with pytest.raises(UsageError, match=r"--resume auto found no checkpoint to continue from, but .*last "
+                                         r"\(no extra_info.json: damaged\).*--overwrite replaces them"):
+        check_new_run(args, None)
+    (folder / "extra_info.json").write_bytes(b"\x00\xff garbage")
+    with pytest.raises(UsageError, match=r"last \(unreadable extra_info.json\)"):
+        check_new_run(args, None)
+
+
+def test_a_second_run_waits_for_no_lock_the_dead_one_held(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(ROOT / "src"), str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(UsageError, match=rf"--checkpoint_dir {tmp_path} is in use by pid {holder.pid} on "):
+            check_unlocked(tmp_path, "--checkpoint_dir")
+        with pytest.raises(UsageError, match=f"in use by pid {holder.pid}"):
+            lock(tmp_path, "--checkpoint_dir")
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    check_unlocked(tmp_path, "--checkpoint_dir")  # the OS released it with the process
+    lock(tmp_path, "--checkpoint_dir")
+    try:
+        assert (tmp_path / LOCK_FILE).read_text().startswith(f"pid {run_folders.os.getpid()} on ")
+    finally:
+        run_folders._held.pop().close()
+
+
+def test_tidy_completes_or_undoes_a_cut_swap_and_removes_staging(tmp_path):
+    publish(tmp_path, "best_model", 1)
+    publish(tmp_path, ".old-best_model", 1)  # cut after the second rename: the new one is published
+    publish(tmp_path, ".old-last", 2)  # cut between the renames: only the old one is left
+    publish(tmp_path, ".ready-epoch_3", 3)
+    (tmp_path / ".staging/staged").mkdir(parents=True)
+    tidy(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best_model", "last"]
+    assert json.loads((tmp_path / "last/extra_info.json").read_text())["epoch"] == 2
+
+
+@pytest.mark.slow
+def test_the_same_command_twice_keeps_the_first_runs_results(trained, tiny_data, tmp_path):
+    import shutil
+
+    workdir, first = trained("zero0")
+    for name in ("logs", "checkpoints_deepspeed"):
+        shutil.copytree(workdir / name, tmp_path / name)
+    before = (tmp_path / "logs/training_history.json").read_bytes()
+    args = first.args[2:]  # the same flags as the first run
+    assert_usage_error(launch(args, tmp_path), "an earlier run's results are here")
+    assert (tmp_path / "logs/training_history.json").read_bytes() == before
+    # Started without the launcher, the training script stops the same way.
+    result = run([sys.executable, str(ROOT / "src/train_deepspeed.py"), *args], tmp_path)
+    assert result.returncode == 2 and "an earlier run's results are here" in result.stderr, result.stderr[-2000:]
+    assert (tmp_path / "logs/training_history.json").read_bytes() == before
+    result = launch(args + ["--overwrite", "--epochs", "1", "--save_every", "0"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    history = json.loads((tmp_path / "logs/training_history.json").read_text())
+    assert len(history["epochs"]) == 1
+    assert sorted(p.name for p in (tmp_path / "checkpoints_deepspeed").iterdir()) == [LOCK_FILE, "best_model", "last"]
+
+
+@pytest.mark.slow
+def test_two_runs_at_once_and_a_killed_launcher(tiny_data, tmp_path):
+    args = data_args(tiny_data) + ["--batch_size", "4", "--image_size", "32", "--num_workers", "0"]
+    first = subprocess.Popen([sys.executable, str(ROOT / "launch_deepspeed.py"), *args, "--epochs", "50"], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in first.stdout:  # the first epoch is over: its rank 0 holds the lock
+            if line.startswith("Epoch 1/"):
+                break
+        second = launch(args + ["--resume", "auto"], tmp_path)
+        assert_usage_error(second, "--checkpoint_dir checkpoints_deepspeed is in use by pid ")
+        first.send_signal(signal.SIGKILL)  # the launcher alone: its training processes must not outlive it
+        first.wait()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                check_unlocked(tmp_path / "checkpoints_deepspeed", "--checkpoint_dir")
+                break
+            except UsageError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("the training outlived its launcher by a minute")
+    finally:
+        first.kill()
+    result = launch(args + ["--epochs", "2", "--resume", "auto"], tmp_path)
+    assert result.returncode == 0 and "Resumed from" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
