@@ -132,7 +132,7 @@ def build_ds_config(args, world_size, num_train_images, base=None, device_type="
 
     _resolve_precision(config, args, device_type)
     _resolve_zero(config, args, num_params, world_size, resumed_stage)
-    _resolve_optimizer(config, args)
+    _resolve_optimizer(config, args, device_type)
     _resolve_scheduler(config, args, total_steps=args.epochs * steps,
                        warmup_steps=max(1, round(args.warmup_epochs * steps)))
     _resolve_monitors(config, args)
@@ -274,7 +274,7 @@ def _skip_unused_grad_norm(config):
         zero.setdefault("compute_grad_norm", False)
 
 
-def _resolve_optimizer(config, args):
+def _resolve_optimizer(config, args, device_type):
     optimizer = config.setdefault("optimizer", {"type": "AdamW", "params": {}})
     params = optimizer.setdefault("params", {})
     auto_values = {"lr": args.learning_rate, "betas": [0.9, 0.999], "eps": 1e-8,
@@ -284,8 +284,10 @@ def _resolve_optimizer(config, args):
         if params.get(key, AUTO) == AUTO or (flag and flag in args.explicit):
             params[key] = value
     offloaded = _offloads(config["zero_optimization"], "offload_optimizer")
-    if optimizer.get("type", "").lower() in ("adam", "adamw") and "torch_adam" not in params and not offloaded:
-        # torch's AdamW needs no compiled extension; with offload DeepSpeed's CPUAdam is the fast path.
+    if (optimizer.get("type", "").lower() in ("adam", "adamw") and "torch_adam" not in params
+            and (not offloaded or device_type == "cpu")):
+        # torch's AdamW needs no compiled extension; DeepSpeed's CPUAdam, the fast path for a GPU's optimizer
+        # offloaded to the CPU, costs a CPU-only machine a one-minute compile on first use for nothing.
         params["torch_adam"] = True
 
 

@@ -83,8 +83,10 @@ def test_every_flag_combination(stage, precision_flag, offload_optimizer, offloa
     assert precision(config) == (precision_flag or "--fp32")[2:]
     if precision_flag == "--fp16":
         assert config["fp16"]["loss_scale"] == 0  # dynamic loss scaling
-    # DeepSpeed's CPUAdam is the optimizer for offload; torch's AdamW otherwise (no compiled op).
-    assert config["optimizer"]["params"].get("torch_adam", False) == (not offload_optimizer)
+    # torch's AdamW (no compiled op), but for a GPU's optimizer offloaded to the CPU: DeepSpeed's CPUAdam.
+    assert config["optimizer"]["params"]["torch_adam"] is True
+    on_gpu = build(*argv, device_type="cuda")
+    assert on_gpu["optimizer"]["params"].get("torch_adam", False) == (not offload_optimizer)
 
 
 def test_fp16_and_bf16_together_is_a_usage_error():

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from distributed import free_port
+from distributed import free_port, init_distributed
 from numerics import StepHealth, back_off
 
 OVERFLOWING_STEPS = 3
@@ -25,9 +25,9 @@ def train_steps(zero, clipping):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    # torch's AdamW where the optimizer stays on the device (as the trainer's configs have it): DeepSpeed's
-    # FusedAdam would be compiled first, a minute on a fresh machine.
-    params = {"lr": 1e-3, **({} if "offload_optimizer" in zero else {"torch_adam": True})}
+    # torch's AdamW, as the trainer's configs have it on a CPU: DeepSpeed's FusedAdam or CPUAdam would be
+    # compiled first, a minute each on a fresh machine.
+    params = {"lr": 1e-3, "torch_adam": True}
     config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": params},
               "zero_optimization": zero, "torch_autocast": {"enabled": True, "dtype": "float16"},
               "gradient_clipping": clipping}
@@ -48,6 +48,7 @@ def train_steps(zero, clipping):
 
 def on_rank(rank, port, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    init_distributed()  # as the trainer joins its process group
     for name, zero in CONFIGS.items():
         results[name] = train_steps(zero, clipping=1.0 if "clipping" in name else 0.0)
     dist.destroy_process_group()
