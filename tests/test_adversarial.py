@@ -279,19 +279,3 @@ def test_an_image_rewritten_during_the_run_is_replaced_by_the_next(tmp_path, cap
     assert image.size == (32, 32) and label == samples[1][1]
     assert "can no longer be read" in capsys.readouterr().err
 
-
-@pytest.mark.slow
-def test_a_history_one_epoch_short_is_completed_by_the_next_resume(trained, tmp_path):
-    # A stop after the last checkpoint was published and before its history line was written.
-    workdir, first = trained("zero0")
-    for name in ("logs", "checkpoints_deepspeed"):
-        shutil.copytree(workdir / name, tmp_path / name)
-    history = json.loads((tmp_path / "logs/training_history.json").read_text())
-    complete = history["epochs"]
-    (tmp_path / "logs/training_history.json").write_text(json.dumps({**history, "epochs": complete[:-1]}))
-    result = launch(first.args[2:] + ["--resume", "auto"], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    restored = json.loads((tmp_path / "logs/training_history.json").read_text())["epochs"]
-    measured_after_the_checkpoint = ("checkpoint_s", "epoch_wall_s")  # not in the checkpoint's copy
-    assert [{k: v for k, v in e.items() if k not in measured_after_the_checkpoint} for e in restored] == \
-        [{k: v for k, v in e.items() if k not in measured_after_the_checkpoint} for e in complete]

@@ -10,9 +10,12 @@ import torch
 from torchvision.datasets import ImageFolder
 
 from conftest import (ROOT, TINY_CLASSES, TINY_VAL_IMAGES, TINY_VAL_PER_CLASS, TRAINED_EPOCHS, TRAINED_RUNS,
-                      assert_usage_error, data_args, launch, run)
+                      assert_usage_error, assert_usage_error_in_process, data_args, launch, run)
 from data import build_transform
 from model import ResNet18Animals90
+
+sys.path.insert(0, str(ROOT))
+import launch_deepspeed  # noqa: E402
 
 pytestmark = pytest.mark.slow  # every test here starts training processes
 
@@ -170,10 +173,11 @@ def test_curves_of_a_real_history(trained, tmp_path, capsys):
     assert width > 1000 and height > 800  # two rows of panels: the epoch times are recorded, so four panels or more
 
 
-def test_reference_zero2_config_fp16_is_refused_on_cpu_then_trains_in_bf16(tiny_data, tmp_path):
+def test_reference_zero2_config_fp16_is_refused_on_cpu_then_trains_in_bf16(tiny_data, tmp_path, monkeypatch, capsys):
     args = data_args(tiny_data) + ["--deepspeed_config", str(ROOT / "ds_config_zero2.json"), "--epochs", "1",
                                    "--batch_size", "4", "--image_size", "32", "--num_workers", "0"]
-    assert_usage_error(launch(args, tmp_path), "fp16 needs a GPU")
+    monkeypatch.chdir(tmp_path)
+    assert_usage_error_in_process(launch_deepspeed.main, args, capsys, "fp16 needs a GPU")
     assert not (tmp_path / "logs").exists()
     result = launch(args + ["--bf16"], tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -267,11 +271,16 @@ def test_predict_agrees_with_evaluate(exported, tiny_data, tmp_path, trained):
     assert text.stdout.startswith(f"{one_image}: {predictions[0]['predictions'][0]['class']} ")
 
 
-def test_predict_and_evaluate_bad_input(exported, tmp_path):
+def test_predict_and_evaluate_bad_input(exported, tmp_path, monkeypatch, capsys):
+    import evaluate
+    import predict
+
     _, model_file = exported
     (tmp_path / "broken.jpg").write_bytes(b"not a jpeg")
-    predict = [sys.executable, str(ROOT / "src/predict.py"), "--model", str(model_file)]
-    assert_usage_error(run(predict + [str(tmp_path / "broken.jpg")], tmp_path), "not a readable image")
-    assert_usage_error(run(predict + ["missing.jpg"], tmp_path), "missing.jpg: no such image or folder")
-    evaluate = [sys.executable, str(ROOT / "src/evaluate.py"), "--data_dir", str(tmp_path)]
-    assert_usage_error(run(evaluate + ["--model", "missing.pt"], tmp_path), "no such file or checkpoint folder")
+    command = [sys.executable, str(ROOT / "src/predict.py"), "--model", str(model_file)]
+    assert_usage_error(run(command + [str(tmp_path / "broken.jpg")], tmp_path), "not a readable image")
+    monkeypatch.chdir(tmp_path)  # the rest in process
+    assert_usage_error_in_process(predict.main, ["--model", str(model_file), "missing.jpg"], capsys,
+                                  "missing.jpg: no such image or folder")
+    assert_usage_error_in_process(evaluate.main, ["--data_dir", str(tmp_path), "--model", "missing.pt"], capsys,
+                                  "no such file or checkpoint folder")

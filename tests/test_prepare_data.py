@@ -3,7 +3,7 @@ import sys
 import pytest
 from torchvision.datasets import ImageFolder
 
-from conftest import ROOT, assert_usage_error, run
+from conftest import ROOT, assert_usage_error, assert_usage_error_in_process, run
 from failures import UsageError
 from prepare_data import ANIMALS_90, make_sample_dataset, split_dataset
 
@@ -77,10 +77,17 @@ def test_split_refuses_to_overwrite_existing_data(tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["split", "does-not-exist"], "expected one folder per class"),
     (["sample", "--num_classes", "500"], "--num_classes must be between 2 and 90"),
     (["split", ".", "--val_fraction", "1.5"], "--val_fraction must be between 0 and 1"),
 ])
+def test_cli_errors_are_one_line_with_status_2(tmp_path, monkeypatch, capsys, argv, message):
+    from prepare_data import main
+
+    monkeypatch.chdir(tmp_path)
+    assert_usage_error_in_process(main, argv, capsys, message)
+
+
 @pytest.mark.slow
-def test_cli_errors_are_one_line_with_status_2(tmp_path, argv, message):
-    assert_usage_error(run([sys.executable, str(ROOT / "src/prepare_data.py"), *argv], tmp_path), message)
+def test_cli_errors_on_the_command_line(tmp_path):
+    assert_usage_error(run([sys.executable, str(ROOT / "src/prepare_data.py"), "split", "does-not-exist"], tmp_path),
+                       "expected one folder per class")

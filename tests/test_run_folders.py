@@ -8,7 +8,7 @@ import time
 import pytest
 
 import run_folders
-from conftest import ROOT, assert_usage_error, data_args, launch, run
+from conftest import ROOT, assert_usage_error, assert_usage_error_in_process, data_args, launch, run
 from failures import UsageError
 from run_folders import LOCK_FILE, check_new_run, check_unlocked, earlier_results, lock, tidy
 
@@ -92,15 +92,19 @@ def test_tidy_completes_or_undoes_a_cut_swap_and_removes_staging(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_same_command_twice_keeps_the_first_runs_results(trained, tiny_data, tmp_path):
+def test_the_same_command_twice_keeps_the_first_runs_results(trained, tiny_data, tmp_path, monkeypatch, capsys):
     import shutil
+
+    sys.path.insert(0, str(ROOT))
+    import launch_deepspeed
 
     workdir, first = trained("zero0")
     for name in ("logs", "checkpoints_deepspeed"):
         shutil.copytree(workdir / name, tmp_path / name)
     before = (tmp_path / "logs/training_history.json").read_bytes()
     args = first.args[2:]  # the same flags as the first run
-    assert_usage_error(launch(args, tmp_path), "an earlier run's results are here")
+    monkeypatch.chdir(tmp_path)
+    assert_usage_error_in_process(launch_deepspeed.main, args, capsys, "an earlier run's results are here")
     assert (tmp_path / "logs/training_history.json").read_bytes() == before
     # Started without the launcher, the training script stops the same way.
     result = run([sys.executable, str(ROOT / "src/train_deepspeed.py"), *args], tmp_path)
