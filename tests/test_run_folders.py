@@ -124,7 +124,7 @@ def test_two_runs_at_once_and_a_killed_launcher(tiny_data, tmp_path):
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in first.stdout:  # the first epoch is over: its rank 0 holds the lock
-            if line.startswith("Epoch 1/"):
+            if "Epoch 1/" in line and "train loss" in line:
                 break
         second = launch(args + ["--resume", "auto"], tmp_path)
         assert_usage_error(second, "--checkpoint_dir checkpoints_deepspeed is in use by pid ")
