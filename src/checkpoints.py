@@ -240,17 +240,25 @@ def _shown(key, value):
 
 
 def check_resumable(folder, world_size, zero_stage, settings):
-    """Stop with a message naming what differs when `folder` was saved by another world size or stage
-    (DeepSpeed's ZeRO checkpoints hold one optimizer shard per rank, laid out for that stage) or with other
+    """Stop with a message naming what differs when `folder` cannot be resumed by this run: another ZeRO
+    stage; another world size, unless both run ZeRO-0 (the whole optimizer state is in the one model-states
+    file) and the checkpoint ends an epoch (a mid-epoch position holds for its own shards only); other
     settings (SETTINGS_FLAGS). Checkpoints from before settings were saved are compared on what they hold."""
     info = read_info(folder)
     saved = {**{key: info[key] for key in ("class_names", "image_size", "precision") if key in info},
              **info.get("settings", {})}
-    differs = [f"{key} {info.get(key)} (this run: {value})"
-               for key, value in {"world_size": world_size, "zero_stage": zero_stage}.items() if info.get(key) != value]
-    if differs:
-        raise UsageError(f"cannot resume from {folder}: it was saved with " + ", ".join(differs)
-                         + "; resume with the same --num_gpus/--num_nodes and --zero_stage, or start a new run")
+    if info.get("zero_stage") != zero_stage:
+        raise UsageError(f"cannot resume from {folder}: it was saved with ZeRO stage {info.get('zero_stage')} (this "
+                         f"run: {zero_stage}); resume with its --zero_stage (auto takes it), or start a new run")
+    if info.get("world_size") != world_size:
+        why = ("ZeRO-1/2/3 checkpoints hold one optimizer shard per rank" if zero_stage
+               else "it was saved in the middle of an epoch, whose data position holds for its own ranks only: "
+                    "resume from the end of an epoch (--resume epoch_N or best)" if "interrupted_at" in info
+               else None)
+        if why:
+            raise UsageError(f"cannot resume from {folder}: it was saved by {info.get('world_size')} rank(s) (this "
+                             f"run: {world_size}) and {why}; resume with the same --num_gpus/--num_nodes, or start "
+                             "a new run")
     differs = [f"{SETTINGS_FLAGS[key]} {_shown(key, saved[key])} (this run: {_shown(key, value)})"
                for key, value in settings.items() if key in saved and saved[key] != value]
     if differs:

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from conftest import ROOT, assert_usage_error, data_args, launch
+from conftest import ROOT, TINY_VAL_IMAGES, assert_usage_error, data_args, launch
 
 pytestmark = pytest.mark.slow  # every test here starts training processes
 
@@ -139,10 +139,29 @@ def test_sigterm_mid_epoch_saves_and_resumes_exactly_with_the_data_on_the_device
 def test_resume_with_another_world_size_is_refused_before_anything_starts(tiny_data, uninterrupted):
     before = (uninterrupted / "logs/training_history.json").read_bytes()
     result = launch(train_args(tiny_data, epochs=4) + ["--resume", "auto", "--num_gpus", "2"], uninterrupted)
-    assert_usage_error(result, "world_size 1 (this run: 2)")
+    assert_usage_error(result, "saved by 1 rank(s) (this run: 2) and ZeRO-1/2/3 checkpoints hold one optimizer shard")
     assert (uninterrupted / "logs/training_history.json").read_bytes() == before
 
 
 def test_resume_from_a_missing_path_is_a_usage_error(tiny_data, tmp_path):
     assert_usage_error(launch(train_args(tiny_data) + ["--resume", "nowhere"], tmp_path),
                        "no checkpoint at nowhere")
+
+
+
+def test_zero0_resumes_on_another_number_of_ranks(tiny_data, tmp_path):
+    """1 rank -> 2 -> 1 at ZeRO-0, the global batch kept (micro-batch x ranks): the whole optimizer state is
+    in the one model-states file, and the learning rate of every epoch is the uninterrupted run's."""
+    args = train_args(tiny_data, epochs=4, stage=("--zero_stage", "0")) + ["--keep_last", "0"]
+    run = tmp_path
+    whole = launch(args, run)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    uninterrupted = json.loads((run / "logs/training_history.json").read_text())["epochs"]
+    on_two = launch(args + ["--num_gpus", "2", "--batch_size", "2", "--resume", "epoch_2"], run)
+    assert on_two.returncode == 0 and "Resumed from" in on_two.stdout, on_two.stderr[-3000:]
+    assert json.loads((run / "checkpoints_deepspeed/epoch_3/extra_info.json").read_text())["world_size"] == 2
+    on_one = launch(args + ["--resume", "epoch_3"], run)
+    assert on_one.returncode == 0 and "Resumed from" in on_one.stdout, on_one.stderr[-3000:]
+    epochs = json.loads((run / "logs/training_history.json").read_text())["epochs"]
+    assert [e["epoch"] for e in epochs] == [1, 2, 3, 4] and all(e["val_images"] == TINY_VAL_IMAGES for e in epochs)
+    assert [e["lr"] for e in epochs] == pytest.approx([e["lr"] for e in uninterrupted], rel=1e-9)
