@@ -53,6 +53,7 @@ def measure(name, args):
 
     sys.path.insert(0, str(ROOT / "src"))
     from distributed import init_distributed
+    from loading import load_checked
     from ds_config import build_ds_config
     from model import ResNet18Animals90
     from options import add_training_args, parse_args
@@ -105,7 +106,7 @@ def measure(name, args):
             engine.checkpoint_engine.wait()
         complete.append(time.perf_counter() - started)
     files = list((folder / f"r{args.repeats - 1}").glob("*.pt"))
-    saved = torch.load(folder / f"r{args.repeats - 1}" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    saved = load_checked(folder / f"r{args.repeats - 1}" / "mp_rank_00_model_states.pt")["module"]
     # the file holds the weights as they were at the call, not as the steps after it left them
     matches = saved.keys() == expected.keys() and all(torch.equal(saved[k].cpu(), expected[k]) for k in expected)
     cost = [c + a - w for c, a, w in zip(calls, after, without)]
