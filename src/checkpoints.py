@@ -33,7 +33,6 @@ from data_check import listed
 from distributed import barrier, rank, rank_zero_only, world_size
 from failures import UsageError, stop_on_write_error
 from files import write_json_atomic
-from loading import check_checkpoint_files
 
 EXTRA_INFO = "extra_info.json"
 LAST, BEST = "last", "best_model"
@@ -267,15 +266,15 @@ def check_resumable(folder, world_size, zero_stage, settings):
     return info
 
 
-def load(engine, folder, world_size, zero_stage, settings):
-    """Load model, optimizer, loss scaler and LR scheduler from `folder`; return the saved training state."""
-    info = check_resumable(folder, world_size, zero_stage, settings)
+def load(engine, folder, info):
+    """Load model, optimizer, loss scaler and LR scheduler from `folder`, whose check_resumable gave `info`;
+    return the saved training state. Every file goes through the trainer's checkpoint engine, so through
+    loading.load_checked: a damaged or foreign one stops here naming it."""
     try:
-        check_checkpoint_files(folder, info["tag"])
+        load_path, state = engine.load_checkpoint(str(folder), tag=info["tag"])
     except UsageError as err:
         raise UsageError(f"cannot resume from {folder}: {err}; resume from another checkpoint (--resume PATH: "
                          "last, best, epoch_N) or start a new run") from None
-    load_path, state = engine.load_checkpoint(str(folder), tag=info["tag"])
     if load_path is None or state is None:
         raise UsageError(f"cannot resume from {folder}: DeepSpeed found no checkpoint there")
     return state

@@ -82,8 +82,7 @@ def main(argv=None):
         check_with_deepspeed(ds_config, args.deepspeed_config)
     zero_stage = ds_config["zero_optimization"]["stage"]
     settings = run_settings(args, ds_config, train_set.classes)
-    if resume_from is not None:
-        check_resumable(resume_from, world_size, zero_stage, settings)
+    resumed_info = check_resumable(resume_from, world_size, zero_stage, settings) if resume_from else None
     if device_type == "cuda":
         torch.backends.cudnn.benchmark = True
     micro_batch = ds_config["train_micro_batch_size_per_gpu"]
@@ -144,7 +143,7 @@ def main(argv=None):
 
     start_epoch, start_step, carried = 1, 0, None
     if resume_from is not None:
-        state = load(engine, resume_from, world_size, zero_stage, settings)
+        state = load(engine, resume_from, resumed_info)
         history.restore(state["history"])
         if history.file_is_behind():  # stopped between the checkpoint and its history line
             history.save()
