@@ -21,6 +21,18 @@ LOCK_FILE = ".lock"
 _held = []  # open lock files: closing one releases its lock
 
 
+def _not_in_children():
+    """A forked child (a loader worker) closes its copies: a flock lives while any copy is open, so a worker
+    outliving a killed rank 0 by the seconds it takes to notice would keep the next run out."""
+    for f in _held:
+        os.close(f.fileno())
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_not_in_children)
+
+
 def _checkpoint_names(checkpoint_dir):
     """Published checkpoint folders under checkpoint_dir (with or without their extra_info.json)."""
     if not checkpoint_dir.is_dir():

@@ -1,5 +1,6 @@
 """One run at a time in --checkpoint_dir and --log_dir, and never over another run's results unasked."""
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -13,8 +14,10 @@ from failures import UsageError
 from run_folders import LOCK_FILE, check_new_run, check_unlocked, earlier_results, lock, tidy
 
 # A process that holds a folder's lock (as a training run's rank 0 does) until killed.
-HOLD_LOCK = ("import sys, time; sys.path.insert(0, sys.argv[1]); from run_folders import lock; "
-             "lock(sys.argv[2], '--checkpoint_dir'); print('held', flush=True); time.sleep(600)")
+# It forks a child that outlives it, as a loader worker outlives a rank killed with SIGKILL for a few seconds.
+HOLD_LOCK = ("import os, sys, time; sys.path.insert(0, sys.argv[1]); from run_folders import lock; "
+             "lock(sys.argv[2], '--checkpoint_dir'); child = os.fork(); child or time.sleep(600); "
+             "print('held', child, flush=True); time.sleep(600)")
 
 
 def args_for(tmp_path, resume=None, overwrite=False):
@@ -64,7 +67,7 @@ def test_a_second_run_waits_for_no_lock_the_dead_one_held(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(ROOT / "src"), str(tmp_path)],
                               stdout=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout.readline() == "held\n"
+        child = int(holder.stdout.readline().removeprefix("held "))
         with pytest.raises(UsageError, match=rf"--checkpoint_dir {tmp_path} is in use by pid {holder.pid} on "):
             check_unlocked(tmp_path, "--checkpoint_dir")
         with pytest.raises(UsageError, match=f"in use by pid {holder.pid}"):
@@ -72,10 +75,13 @@ def test_a_second_run_waits_for_no_lock_the_dead_one_held(tmp_path):
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
-    check_unlocked(tmp_path, "--checkpoint_dir")  # the OS released it with the process
-    lock(tmp_path, "--checkpoint_dir")
     try:
-        assert (tmp_path / LOCK_FILE).read_text().startswith(f"pid {run_folders.os.getpid()} on ")
+        check_unlocked(tmp_path, "--checkpoint_dir")  # the OS released it with the process, not its child's
+        lock(tmp_path, "--checkpoint_dir")
+    finally:
+        os.kill(child, signal.SIGKILL)
+    try:
+        assert (tmp_path / LOCK_FILE).read_text().startswith(f"pid {os.getpid()} on ")
     finally:
         run_folders._held.pop().close()
 
