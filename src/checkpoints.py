@@ -37,6 +37,7 @@ from files import write_json_atomic
 EXTRA_INFO = "extra_info.json"
 LAST, BEST = "last", "best_model"
 STAGING = ".staging"
+UNIVERSAL = ".universal"  # a resume on another number of ranks converts the checkpoint here (universal.py)
 # In the staging folder: that rank's files of the checkpoint are complete, or could not be written.
 WRITTEN, FAILED = ".written-rank{}", ".failed-rank{}"
 MARK_POLL_S = 0.01
@@ -240,24 +241,20 @@ def _shown(key, value):
 
 def check_resumable(folder, world_size, zero_stage, settings):
     """Stop with a message naming what differs when `folder` cannot be resumed by this run: another ZeRO
-    stage; another world size, unless both run ZeRO-0 (the whole optimizer state is in the one model-states
-    file) and the checkpoint ends an epoch (a mid-epoch position holds for its own shards only); other
-    settings (SETTINGS_FLAGS). Checkpoints from before settings were saved are compared on what they hold."""
+    stage; other settings (SETTINGS_FLAGS; checkpoints from before settings were saved are compared on what
+    they hold). Another world size is fine (see `load`) but for a mid-epoch checkpoint from before positions
+    were saved in samples."""
     info = read_info(folder)
     saved = {**{key: info[key] for key in ("class_names", "image_size", "precision") if key in info},
              **info.get("settings", {})}
     if info.get("zero_stage") != zero_stage:
         raise UsageError(f"cannot resume from {folder}: it was saved with ZeRO stage {info.get('zero_stage')} (this "
                          f"run: {zero_stage}); resume with its --zero_stage (auto takes it), or start a new run")
-    if info.get("world_size") != world_size:
-        why = ("ZeRO-1/2/3 checkpoints hold one optimizer shard per rank" if zero_stage
-               else "it was saved in the middle of an epoch, whose data position holds for its own ranks only: "
-                    "resume from the end of an epoch (--resume epoch_N or best)" if "interrupted_at" in info
-               else None)
-        if why:
-            raise UsageError(f"cannot resume from {folder}: it was saved by {info.get('world_size')} rank(s) (this "
-                             f"run: {world_size}) and {why}; resume with the same --num_gpus/--num_nodes, or start "
-                             "a new run")
+    if info.get("world_size") != world_size and "interrupted_at" in info and "samples" not in info["interrupted_at"]:
+        raise UsageError(f"cannot resume from {folder}: it was saved by {info.get('world_size')} rank(s) (this run: "
+                         f"{world_size}) in the middle of an epoch, by a version of the trainer that did not record "
+                         "the position in samples; resume from the end of an epoch (--resume epoch_N or best), "
+                         "resume with the same --num_gpus/--num_nodes, or start a new run")
     differs = [f"{SETTINGS_FLAGS[key]} {_shown(key, saved[key])} (this run: {_shown(key, value)})"
                for key, value in settings.items() if key in saved and saved[key] != value]
     if differs:
@@ -266,15 +263,24 @@ def check_resumable(folder, world_size, zero_stage, settings):
     return info
 
 
-def load(engine, folder, info):
+def load(engine, folder, info, checkpoint_dir):
     """Load model, optimizer, loss scaler and LR scheduler from `folder`, whose check_resumable gave `info`;
     return the saved training state. Every file goes through the trainer's checkpoint engine, so through
-    loading.load_checked: a damaged or foreign one stops here naming it."""
+    loading.load_checked: a damaged or foreign one stops here naming it. A ZeRO-0 checkpoint holds the whole
+    optimizer state in one file, which DeepSpeed loads on any number of ranks; a ZeRO-1/2/3 one saved by
+    another number of ranks goes through a universal checkpoint (universal.py)."""
+    import universal
+
     try:
-        load_path, state = engine.load_checkpoint(str(folder), tag=info["tag"])
+        if universal.needed(info, world_size()):
+            load_path, state = universal.load(engine, folder, info, checkpoint_dir)
+        else:
+            load_path, state = engine.load_checkpoint(str(folder), tag=info["tag"])
     except UsageError as err:
-        raise UsageError(f"cannot resume from {folder}: {err}; resume from another checkpoint (--resume PATH: "
-                         "last, best, epoch_N) or start a new run") from None
+        advice = UsageError(f"cannot resume from {folder}: {err}; resume from another checkpoint (--resume PATH: "
+                            "last, best, epoch_N) or start a new run")
+        advice.every_rank = err.every_rank
+        raise advice from None
     if load_path is None or state is None:
         raise UsageError(f"cannot resume from {folder}: DeepSpeed found no checkpoint there")
     return state

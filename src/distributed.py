@@ -113,6 +113,15 @@ def barrier():
         dist.barrier()
 
 
+def from_rank_zero(value):
+    """Rank 0's `value` (pickled: this process's own objects only) on every rank; every rank calls this."""
+    if not _initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def shut_down():
     """Leave the process group together: a rank that exits while another still works (rank 0 writing a
     report) can abort in the communication backend's teardown ("terminate called without an active

@@ -13,7 +13,7 @@ import shutil
 import socket
 from pathlib import Path
 
-from checkpoints import BEST, EXTRA_INFO, LAST, STAGING, read_info, readable
+from checkpoints import BEST, EXTRA_INFO, LAST, STAGING, UNIVERSAL, read_info, readable
 from failures import UsageError
 from history import HISTORY_FILE
 
@@ -119,12 +119,12 @@ def check_unlocked(folder, flag):
 
 
 def tidy(checkpoint_dir):
-    """Remove what an interrupted save left; finish or undo a swap cut between its renames."""
+    """Remove what an interrupted save or conversion left; finish or undo a swap cut between its renames."""
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         return
     for leftover in checkpoint_dir.iterdir():
-        if leftover.name == STAGING or leftover.name.startswith(".ready-"):
+        if leftover.name in (STAGING, UNIVERSAL) or leftover.name.startswith(".ready-"):
             shutil.rmtree(leftover, ignore_errors=True)
         elif leftover.name.startswith(".old-"):
             published = checkpoint_dir / leftover.name.removeprefix(".old-")

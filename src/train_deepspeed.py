@@ -31,6 +31,7 @@ from monitor import prepare_csv_files, write_epoch_events  # noqa: E402
 from numerics import StepHealth  # noqa: E402
 from options import add_training_args, parse_args, run_cli  # noqa: E402
 import run_folders  # noqa: E402
+import universal  # noqa: E402
 from reproducibility import restore_rng_state, rng_state, seed_everything  # noqa: E402
 from timing import StartupClock  # noqa: E402
 from training import evaluate, input_dtype, peak_gpu_memory_gib, train_one_epoch  # noqa: E402
@@ -83,6 +84,8 @@ def main(argv=None):
     zero_stage = ds_config["zero_optimization"]["stage"]
     settings = run_settings(args, ds_config, train_set.classes)
     resumed_info = check_resumable(resume_from, world_size, zero_stage, settings) if resume_from else None
+    if resumed_info and universal.needed(resumed_info, world_size):
+        universal.enable(ds_config)
     if device_type == "cuda":
         torch.backends.cudnn.benchmark = True
     micro_batch = ds_config["train_micro_batch_size_per_gpu"]
@@ -115,6 +118,7 @@ def main(argv=None):
             say(f"Data from {args.num_workers} DataLoader worker(s) per rank ({why})")
     clock.lap("data")
     micro_batches = train_loader.batches_per_epoch // accumulation * accumulation
+    samples_per_micro_batch = micro_batch * world_size  # over all ranks: a position any world size can take up
 
     run_config = {
         "model": MODEL_NAME, "num_classes": len(train_set.classes), "image_size": args.image_size,
@@ -143,12 +147,14 @@ def main(argv=None):
 
     start_epoch, start_step, carried = 1, 0, None
     if resume_from is not None:
-        state = load(engine, resume_from, resumed_info)
+        state = load(engine, resume_from, resumed_info, args.checkpoint_dir)
         history.restore(state["history"])
         if history.file_is_behind():  # stopped between the checkpoint and its history line
             history.save()
         restore_rng_state(state["rng"])
         start_epoch, start_step, carried = state["next_epoch"], state["next_step"], state["carried"]
+        if "next_sample" in state:  # the same samples on any number of ranks (the global batch is the same)
+            start_step = state["next_sample"] // samples_per_micro_batch
         say(f"Resumed from {resume_from}: epoch {start_epoch}"
             + (f", step {start_step} of {micro_batches}" if start_step else ""))
     prepare_csv_files(engine, start_epoch if resume_from is not None else None)
@@ -161,8 +167,8 @@ def main(argv=None):
     gc.freeze()
 
     def training_state(next_epoch, next_step=0, carried=None):
-        return {"next_epoch": next_epoch, "next_step": next_step, "carried": carried,
-                "history": history.data, "rng": rng_state()}
+        return {"next_epoch": next_epoch, "next_step": next_step, "next_sample": next_step * samples_per_micro_batch,
+                "carried": carried, "history": history.data, "rng": rng_state()}
 
     with StopOnSignal(engine.device, world_size) as stop, advise_on_out_of_memory(ds_config, on_device):
         for epoch in range(start_epoch, args.epochs + 1):
@@ -171,7 +177,8 @@ def main(argv=None):
             train = train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step, carried, stop,
                                     args.label_smoothing, health, on_first_step=clock.first_step)
             if train.get("interrupted"):
-                saver.save(epoch - 1, {**extra_info, "interrupted_at": {"epoch": epoch, "step": train["step"]}},
+                at = {"epoch": epoch, "step": train["step"], "samples": train["step"] * samples_per_micro_batch}
+                saver.save(epoch - 1, {**extra_info, "interrupted_at": at},
                            training_state(epoch, train["step"], train["carried"]), interrupted=True)
                 saver.wait()
                 say(f"Stopped by {stop.name} at epoch {epoch}, step {train['step']} of {micro_batches}: saved "

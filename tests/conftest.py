@@ -62,6 +62,16 @@ def trained(tmp_path_factory, tiny_data):
     return get
 
 
+class Payload:
+    """Unpickling this runs code: it creates the file named `marker`."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
 def split_dry_run(stdout):
     """Dry-run output: the config as JSON, then the command on the last line."""
     *config_lines, command = stdout.strip().splitlines()

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, TINY_CLASSES, assert_usage_error_in_process, data_args, launch
+from conftest import ROOT, TINY_CLASSES, Payload, assert_usage_error_in_process, data_args, launch
 
 sys.path.insert(0, str(ROOT))
 import evaluate  # noqa: E402
@@ -22,16 +22,6 @@ from data import ImageFiles  # noqa: E402
 from data_check import check_folders  # noqa: E402
 from options import run_cli  # noqa: E402
 from prepare_data import make_sample_dataset  # noqa: E402
-
-
-class Payload:
-    """Unpickling this runs code: it creates the file named `marker`."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
 
 
 def digests(folder):

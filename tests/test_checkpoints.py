@@ -64,19 +64,18 @@ def test_resume_path_forms(tmp_path):
         find_checkpoint("epoch_9", tmp_path)
 
 
-def test_another_world_size_resumes_at_zero0_from_the_end_of_an_epoch_only(tmp_path):
+def test_another_world_size_resumes_but_not_an_old_mid_epoch_position(tmp_path):
     folder = fake_checkpoint(tmp_path / "last", 2, "last", world_size=2, zero_stage=3)
-    assert check_resumable(folder, 2, 3, {})["epoch"] == 2
-    with pytest.raises(UsageError, match=r"saved by 2 rank\(s\) \(this run: 1\) and ZeRO-1/2/3 checkpoints hold one"):
-        check_resumable(folder, 1, 3, {})
+    assert check_resumable(folder, 2, 3, {})["epoch"] == 2 and check_resumable(folder, 1, 3, {})["epoch"] == 2
     with pytest.raises(UsageError, match=r"saved with ZeRO stage 3 \(this run: 2\)"):
         check_resumable(folder, 2, 2, {})
-    zero0 = fake_checkpoint(tmp_path / "epoch_2", 2, "epoch_2", world_size=2, zero_stage=0)
-    assert check_resumable(zero0, 1, 0, {})["epoch"] == 2 and check_resumable(zero0, 4, 0, {})["epoch"] == 2
-    info = json.loads((zero0 / EXTRA_INFO).read_text())
-    (zero0 / EXTRA_INFO).write_text(json.dumps({**info, "interrupted_at": {"epoch": 3, "step": 5}}))
-    with pytest.raises(UsageError, match=r"in the middle of an epoch.*--resume epoch_N or best"):
-        check_resumable(zero0, 1, 0, {})
+    info = json.loads((folder / EXTRA_INFO).read_text())
+    (folder / EXTRA_INFO).write_text(json.dumps({**info, "interrupted_at": {"epoch": 3, "step": 5, "samples": 40}}))
+    assert check_resumable(folder, 4, 3, {})["epoch"] == 2
+    (folder / EXTRA_INFO).write_text(json.dumps({**info, "interrupted_at": {"epoch": 3, "step": 5}}))
+    assert check_resumable(folder, 2, 3, {})["epoch"] == 2
+    with pytest.raises(UsageError, match=r"in the middle of an epoch.*did not record the position in samples"):
+        check_resumable(folder, 1, 3, {})
 
 
 def settings_of(*argv, classes=("ant", "bee", "cat"), world_size=1):
