@@ -22,7 +22,7 @@ from checkpoints import find_checkpoint, read_info
 from failures import UsageError, check_output_file, stop_on_write_error
 from files import write_json_atomic
 from loading import check_checkpoint_files, load_checked
-from model import ResNet18Animals90
+from model import ResNet18Animals90, load_weights
 from options import run_cli
 
 SUFFIXES = (".pt", ".pth", ".safetensors")
@@ -47,6 +47,8 @@ def consolidated_state_dict(checkpoint):
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
             module = get_fp32_state_dict_from_zero_checkpoint(str(folder), tag=info["tag"])
+    if not all(isinstance(k, str) and torch.is_tensor(v) for k, v in module.items()):
+        raise UsageError(f"{tag_dir} holds a model state that is not tensors by name: use another checkpoint")
     # Floating tensors become fp32; integer buffers (num_batches_tracked) keep their type.
     return {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in module.items()}, info
 
@@ -59,8 +61,8 @@ def export(checkpoint, output):
     output = Path(output)
     check_output_file(output, "--output", SUFFIXES)
     state_dict, info = consolidated_state_dict(checkpoint)
-    model = ResNet18Animals90(num_classes=len(info["class_names"]))
-    model.load_state_dict(state_dict)  # strict: the export must load as it is
+    # strict: the export must load as it is
+    load_weights(ResNet18Animals90(num_classes=len(info["class_names"])), state_dict, info["folder"])
     metadata = {"model": info["model"], "image_size": info["image_size"], "class_names": info["class_names"],
                 "source_checkpoint": info["folder"], "epoch": info["epoch"], "metrics": info.get("metrics")}
     output.parent.mkdir(parents=True, exist_ok=True)

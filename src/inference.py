@@ -9,7 +9,7 @@ from data import build_transform
 from export_model import consolidated_state_dict, sidecar_path
 from failures import UsageError
 from loading import load_checked
-from model import ResNet18Animals90
+from model import ResNet18Animals90, load_weights
 
 
 def load_model(path, device):
@@ -24,15 +24,11 @@ def load_model(path, device):
     else:
         raise UsageError(f"--model {path}: no such file or checkpoint folder")
     model = ResNet18Animals90(num_classes=len(metadata["class_names"]))
-    try:
-        model.load_state_dict(state_dict)
-    except RuntimeError as err:
-        fc = state_dict.get("fc.weight")
-        if fc is not None and fc.ndim == 2 and fc.shape[0] != len(metadata["class_names"]):
-            raise UsageError(f"--model {path} has {fc.shape[0]} outputs but its class names list "
-                             f"{len(metadata['class_names'])}: its .json sidecar belongs to another export") from None
-        raise UsageError(f"--model {path}: not a {metadata.get('model', 'ResNet18Animals90')} state_dict "
-                         f"({str(err).splitlines()[0]})") from None
+    fc = state_dict.get("fc.weight")
+    if torch.is_tensor(fc) and fc.ndim == 2 and fc.shape[0] != len(metadata["class_names"]):
+        raise UsageError(f"--model {path} has {fc.shape[0]} outputs but its class names list "
+                         f"{len(metadata['class_names'])}: its .json sidecar belongs to another export")
+    load_weights(model, state_dict, f"--model {path}")
     return model.to(device).eval(), metadata
 
 

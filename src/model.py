@@ -109,5 +109,14 @@ class ResNet18Animals90(ResNet):
                              f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
 
 
+def load_weights(model, state_dict, source):
+    """model.load_state_dict(state_dict), strict; keys or shapes that do not fit are a UsageError naming `source`."""
+    try:
+        model.load_state_dict(state_dict)
+    except RuntimeError as err:  # torch's first line only names the model; the next says what did not fit
+        detail = next((line.strip() for line in str(err).splitlines()[1:] if line.strip()), str(err).strip())
+        raise UsageError(f"{source}: not a {MODEL_NAME} state_dict ({detail[:300]})") from None
+
+
 def torchvision_weights_path():
     return Path(torch.hub.get_dir()) / "checkpoints" / TORCHVISION_WEIGHTS_FILE

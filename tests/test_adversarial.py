@@ -4,8 +4,10 @@ session's trained ones."""
 import hashlib
 import json
 import os
+import random
 import shutil
 import sys
+import zipfile
 
 import pytest
 import torch
@@ -237,6 +239,68 @@ def test_predict_names_an_image_pil_cannot_parse(export_of_a_run, tmp_path, caps
     (tmp_path / "broken.png").write_bytes(content)
     assert_usage_error_in_process(predict.main, ["--model", str(export_of_a_run / "model.pt"),
                                                  str(tmp_path / "broken.png")], capsys, "broken.png: not a readable image")
+
+
+# --- a seeded fuzz: bytes changed at random in what the tools read --------------------------------------------
+
+FUZZ_SEEDS = range(int(os.environ.get("FUZZ_SEEDS", 4)))
+
+
+def pickle_bytes(path):
+    """(start, end) of the pickle inside a torch zip file: structure rather than tensor values (which carry
+    no checksum: a changed weight is a valid file)."""
+    with zipfile.ZipFile(path) as archive:
+        entry = next(e for e in archive.infolist() if e.filename.endswith("data.pkl"))
+    header = path.read_bytes()[entry.header_offset:entry.header_offset + 30]
+    start = entry.header_offset + 30 + int.from_bytes(header[26:28], "little") + int.from_bytes(header[28:30], "little")
+    return start, start + entry.compress_size
+
+
+def change_bytes(path, seed, span=None):
+    data = bytearray(path.read_bytes())
+    rng = random.Random(seed)
+    start, end = span or (0, len(data))
+    for _ in range(rng.randint(1, 4)):
+        data[rng.randrange(start, end)] = rng.randrange(256)
+    path.write_bytes(bytes(data))
+
+
+def assert_works_or_refuses(main, argv, capsys):
+    """Success, or one error line with exit status 2: never a traceback."""
+    with pytest.raises(SystemExit) as exited:
+        sys.exit(run_cli(main, argv))
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
+    assert exited.value.code in (0, None) or (exited.value.code == 2 and err.startswith("error: ")
+                                               and err.count("\n") == 1), (exited.value.code, err[-3000:])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", FUZZ_SEEDS)
+def test_fuzzed_checkpoints_exports_sidecars_and_images(export_of_a_run, tiny_data, tmp_path_factory, capsys,
+                                                        monkeypatch, seed):
+    """Each seed changes a few bytes of the checkpoint's description, its model-states pickle, the export's
+    pickle, its sidecar and an image; resume (the launcher's checks), export, evaluate and predict each work
+    or refuse in one line, and leave what they read as it was."""
+    folder, model, image = export_of_a_run / "last", export_of_a_run / "model.pt", export_of_a_run / "image.jpg"
+    states = folder / "last/mp_rank_00_model_states.pt"
+    shutil.copy(next((tiny_data / "val").rglob("*.jpg")), image)
+    change_bytes(folder / "extra_info.json", seed)
+    change_bytes(states, seed, pickle_bytes(states))
+    change_bytes(model, seed, pickle_bytes(model))
+    change_bytes(export_of_a_run / "model.pt.json", seed)
+    change_bytes(image, seed, (0, 200))  # the headers
+    before = digests(export_of_a_run)
+
+    outputs = tmp_path_factory.mktemp("outputs")
+    monkeypatch.chdir(outputs)
+    assert_works_or_refuses(launch_deepspeed.main, data_args(tiny_data) + [
+        "--resume", str(folder), "--dry_run", "--batch_size", "4", "--image_size", "32"], capsys)
+    assert_works_or_refuses(export_model.main, [str(folder), "--output", str(outputs / "out.pt")], capsys)
+    for main, argv in users_of_a_model(str(model), tiny_data, outputs)[1:]:
+        assert_works_or_refuses(main, argv, capsys)
+    assert_works_or_refuses(predict.main, ["--model", str(model), str(image)], capsys)
+    assert digests(export_of_a_run) == before
 
 
 # --- data that changes or loops ----------------------------------------------------------------------------
