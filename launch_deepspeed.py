@@ -30,7 +30,7 @@ from failures import UsageError, check_writable, stop_on_write_error  # noqa: E4
 from files import write_json_atomic  # noqa: E402
 import run_folders  # noqa: E402
 from interrupt import die_with_parent_call  # noqa: E402
-from options import add_training_args, parse_args, run_cli  # noqa: E402
+from options import DEFAULT_MODEL, add_training_args, parse_args, run_cli  # noqa: E402
 from timing import LAUNCHED_AT_ENV, SPAWNED_AT_ENV  # noqa: E402
 
 TRAIN_SCRIPT = ROOT / "src" / "train_deepspeed.py"
@@ -65,6 +65,8 @@ def get_args_parser():
                         help="this node's index in the hostfile (0 .. nodes-1), with --launcher none")
     launch.add_argument("--dry_run", action="store_true",
                         help="print the resolved DeepSpeed config and the command, then exit")
+    launch.add_argument("--list_models", action="store_true",
+                        help="list the models --model takes (parameters, input size, weights), then exit")
     return add_training_args(parser)
 
 
@@ -181,11 +183,14 @@ def build_command(args, num_gpus, num_nodes, config_path):
 
 def main(argv=None):
     args = parse_args(get_args_parser, argv)
+    if args.list_models:
+        from model import list_models
+
+        print(list_models())
+        return 0
     num_gpus, num_nodes, world_size = resolve_topology(args)
     if os.name == "nt" and world_size > 1:
         raise UsageError("on Windows DeepSpeed runs on a single GPU only (no NCCL): use --num_gpus 1")
-    if args.pretrained and not Path(args.pretrained).is_file():
-        raise UsageError(f"--pretrained {args.pretrained}: file not found")
     if args.master_port is not None and not 0 < args.master_port < 65536:
         raise UsageError(f"--master_port {args.master_port} is not a port number: use 1024-65535")
     check_visible_gpus(num_gpus, multi_node=bool(args.hostfile))
@@ -202,16 +207,21 @@ def main(argv=None):
     else:
         data_check = check_data(args.train_dir, args.val_dir)
         class_names, num_train_images = data_check.classes, data_check.train.num_images
-    if args.pretrained:  # the same check as the training script's, before any process starts
-        from model import ResNet18Animals90
+    num_params = num_parameters(len(class_names))
+    if args.model != DEFAULT_MODEL or args.pretrained:  # the training script's checks, before any process starts
+        from model import check_image_size, pretrained_state, shape_model
 
-        ResNet18Animals90(num_classes=len(class_names), pretrained=args.pretrained)
+        check_image_size(args.model, len(class_names), args.image_size)
+        shapes = shape_model(args.model, len(class_names), args.image_size)
+        num_params = sum(p.numel() for p in shapes.parameters())
+        if args.pretrained:  # downloads torchvision's weights once, here, rather than in every rank
+            pretrained_state(shapes, args.model, args.pretrained, len(class_names), mmap=True)
     import torch
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
     config = build_ds_config(args, world_size, num_train_images, base=load_base_config(args.deepspeed_config),
-                             device_type=device_type, num_params=num_parameters(len(class_names)),
+                             device_type=device_type, num_params=num_params,
                              resumed_stage=saved_stage(resume_from))
     check_device_support(config, device_type)
     check_monitor_support(config)

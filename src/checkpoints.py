@@ -215,7 +215,7 @@ def saved_stage(folder):
 
 # What a resumed run must share with the run it continues (the data it learns, the model's input, and what
 # the saved optimizer and scheduler state were built for), with the flag that sets each. --epochs may change.
-SETTINGS_FLAGS = {"class_names": "the classes of --train_dir", "image_size": "--image_size",
+SETTINGS_FLAGS = {"model": "--model", "class_names": "the classes of --train_dir", "image_size": "--image_size",
                   "train_batch_size": "the global batch (--batch_size x ranks x --gradient_accumulation_steps)",
                   "learning_rate": "--learning_rate", "weight_decay": "--weight_decay", "lr_schedule": "--lr_schedule",
                   "warmup_epochs": "--warmup_epochs", "label_smoothing": "--label_smoothing", "precision": "precision"}
@@ -224,9 +224,10 @@ SETTINGS_FLAGS = {"class_names": "the classes of --train_dir", "image_size": "--
 def run_settings(args, ds_config, class_names):
     """The SETTINGS_FLAGS values of a run, saved with its checkpoints."""
     from ds_config import lr_schedule, precision
+    from options import saved_name
 
     optimizer = ds_config["optimizer"]["params"]
-    return {"class_names": list(class_names), "image_size": args.image_size,
+    return {"model": saved_name(args.model), "class_names": list(class_names), "image_size": args.image_size,
             "train_batch_size": ds_config["train_batch_size"], "learning_rate": optimizer["lr"],
             "weight_decay": optimizer.get("weight_decay"), "lr_schedule": lr_schedule(ds_config),
             "warmup_epochs": args.warmup_epochs, "label_smoothing": args.label_smoothing,
@@ -245,7 +246,7 @@ def check_resumable(folder, world_size, zero_stage, settings):
     they hold). Another world size is fine (see `load`) but for a mid-epoch checkpoint from before positions
     were saved in samples."""
     info = read_info(folder)
-    saved = {**{key: info[key] for key in ("class_names", "image_size", "precision") if key in info},
+    saved = {**{key: info[key] for key in ("model", "class_names", "image_size", "precision") if key in info},
              **info.get("settings", {})}
     if info.get("zero_stage") != zero_stage:
         raise UsageError(f"cannot resume from {folder}: it was saved with ZeRO stage {info.get('zero_stage')} (this "

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 from failures import UsageError
+from options import DEFAULT_MODEL
 
 AUTO = "auto"
 # torchvision's ResNet18 without its classifier; the classifier adds 512 weights and a bias per class.
@@ -236,7 +237,8 @@ def _resolve_zero(config, args, num_params=None, world_size=1, resumed_stage=Non
         if zero.get(key) == AUTO:
             zero[key] = value
     if stage == 3 and zero.get("stage3_module_granularity_threshold", AUTO) == AUTO:
-        zero["stage3_module_granularity_threshold"] = ZERO3_MODULE_GRANULARITY
+        resnet18 = getattr(args, "model", DEFAULT_MODEL) == DEFAULT_MODEL  # measured on it alone; DeepSpeed's 0
+        zero["stage3_module_granularity_threshold"] = ZERO3_MODULE_GRANULARITY if resnet18 else 0
     if stage not in (0, 1, 2, 3):
         raise UsageError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
     allgather = zero.get("allgather_bucket_size")

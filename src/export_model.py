@@ -22,8 +22,8 @@ from checkpoints import find_checkpoint, read_info
 from failures import UsageError, check_output_file, stop_on_write_error
 from files import write_json_atomic
 from loading import check_checkpoint_files, load_checked
-from model import ResNet18Animals90, load_weights
-from options import run_cli
+from model import build_model, check_saved_model, load_weights
+from options import MODEL_NAME, run_cli
 
 SUFFIXES = (".pt", ".pth", ".safetensors")
 
@@ -33,6 +33,7 @@ def consolidated_state_dict(checkpoint):
     folder, or a name like checkpoints_deepspeed/best_model."""
     folder = find_checkpoint(str(checkpoint), ".")
     info = {**read_info(folder), "folder": str(folder)}
+    info["model"] = check_saved_model(info.get("model", MODEL_NAME), Path(folder) / "extra_info.json")
     tag_dir = Path(folder) / info["tag"]
     check_checkpoint_files(folder, info["tag"])  # before zero_to_fp32, which unpickles anything
     if info.get("zero_stage", 0) == 0:
@@ -62,8 +63,10 @@ def export(checkpoint, output):
     check_output_file(output, "--output", SUFFIXES)
     state_dict, info = consolidated_state_dict(checkpoint)
     # strict: the export must load as it is
-    load_weights(ResNet18Animals90(num_classes=len(info["class_names"])), state_dict, info["folder"])
-    metadata = {"model": info["model"], "image_size": info["image_size"], "class_names": info["class_names"],
+    load_weights(build_model(info["model"], len(info["class_names"]), info["image_size"]), state_dict,
+                 info["folder"])
+    metadata = {"model": info["model"], "pretrained": info.get("pretrained"), "image_size": info["image_size"],
+                "class_names": info["class_names"],
                 "source_checkpoint": info["folder"], "epoch": info["epoch"], "metrics": info.get("metrics")}
     output.parent.mkdir(parents=True, exist_ok=True)
     # Written beside it and renamed over it: a failed write leaves an earlier export as it was.

@@ -9,7 +9,8 @@ from data import build_transform
 from export_model import consolidated_state_dict, sidecar_path
 from failures import UsageError
 from loading import load_checked
-from model import ResNet18Animals90, load_weights
+from model import build_model, check_saved_model, load_weights
+from options import MODEL_NAME
 
 
 def load_model(path, device):
@@ -23,7 +24,7 @@ def load_model(path, device):
         state_dict = _weights(path)
     else:
         raise UsageError(f"--model {path}: no such file or checkpoint folder")
-    model = ResNet18Animals90(num_classes=len(metadata["class_names"]))
+    model = build_model(metadata.get("model", MODEL_NAME), len(metadata["class_names"]), metadata["image_size"])
     fc = state_dict.get("fc.weight")
     if torch.is_tensor(fc) and fc.ndim == 2 and fc.shape[0] != len(metadata["class_names"]):
         raise UsageError(f"--model {path} has {fc.shape[0]} outputs but its class names list "
@@ -77,6 +78,7 @@ def _metadata(path):
             or not isinstance(size, int) or isinstance(size, bool) or size < 1):
         raise UsageError(f"{source}: expected class_names (a list of names) and image_size (pixels), as "
                          "export_model.py writes them; export the model again")
+    check_saved_model(metadata.get("model", MODEL_NAME), source)
     return metadata
 
 

@@ -7,6 +7,19 @@ import sys
 
 from failures import CliError, UsageError
 
+DEFAULT_MODEL = "resnet18"
+MODEL_NAME = "ResNet18Animals90"  # what --model resnet18 builds (model.py), and its name in checkpoints and exports
+
+
+def architecture(name):
+    """The torchvision name of a model named in a checkpoint or export (old ones say ResNet18Animals90)."""
+    return DEFAULT_MODEL if name == MODEL_NAME else name
+
+
+def saved_name(name):
+    """The model's name in histories, checkpoints and exports: ResNet18Animals90 for resnet18."""
+    return MODEL_NAME if architecture(name) == DEFAULT_MODEL else name
+
 
 def zero_stage(value):
     if value == "auto":
@@ -32,6 +45,9 @@ def add_training_args(parser):
                            "that small crops enlarge, at the square of the memory")
 
     train = parser.add_argument_group("Training")
+    train.add_argument("--model", default=DEFAULT_MODEL,
+                       help="any torchvision classifier by name (resnet50, efficientnet_b0, convnext_tiny, vit_b_16, "
+                            "...; python launch_deepspeed.py --list_models lists them); resnet18 is ResNet18Animals90")
     train.add_argument("--epochs", type=int, default=50)
     train.add_argument("--batch_size", type=int, default=16, help="micro-batch per GPU (per rank)")
     train.add_argument("--learning_rate", type=float, default=0.001, help="peak AdamW learning rate")
@@ -53,8 +69,10 @@ def add_training_args(parser):
                        help="stop (exit status 3, nothing saved) when the loss is NaN/inf for N steps in a row "
                             "or the validation loss is (0: never stop)")
     train.add_argument("--seed", type=int, default=42)
-    train.add_argument("--pretrained", metavar="PATH", default=None,
-                       help="local torchvision ResNet18 weights file (nothing is downloaded)")
+    train.add_argument("--pretrained", metavar="WEIGHTS|PATH", default=None,
+                       help="start from torchvision's weights of --model: DEFAULT or a name such as IMAGENET1K_V1 "
+                            "(read from the torch hub cache, TORCH_HOME, downloaded there when missing), or a "
+                            "state_dict file; the classifier head is new when the class count differs")
 
     ds = parser.add_argument_group("DeepSpeed")
     ds.add_argument("--zero_stage", type=zero_stage, default="auto", metavar="{auto,0,1,2,3}",

@@ -1,4 +1,4 @@
-"""Train ResNet18Animals90 with DeepSpeed.
+"""Train a torchvision classifier (ResNet18Animals90 by default) with DeepSpeed.
 
     deepspeed --num_gpus=1 src/train_deepspeed.py --train_dir data/train --val_dir data/val
     python launch_deepspeed.py --num_gpus 2 --bf16          # builds the config and runs the line above
@@ -23,13 +23,13 @@ from device_data import build_device_loaders, choose_device_data, train_square_s
 from distributed import init_distributed, local_device, rank_zero_only  # noqa: E402
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_with_deepspeed,  # noqa: E402
                        load_base_config, lr_schedule, precision)
-from failures import UsageError, advise_on_out_of_memory, check_writable  # noqa: E402
+from failures import advise_on_out_of_memory, check_writable  # noqa: E402
 from history import HISTORY_FILE, TrainingHistory, epoch_line  # noqa: E402
 from interrupt import StopOnSignal, die_with_parent_call  # noqa: E402
-from model import MODEL_NAME, ResNet18Animals90, synchronize_batch_norm  # noqa: E402
+from model import build_model, synchronize_batch_norm  # noqa: E402
 from monitor import prepare_csv_files, write_epoch_events  # noqa: E402
 from numerics import StepHealth  # noqa: E402
-from options import add_training_args, parse_args, run_cli  # noqa: E402
+from options import add_training_args, parse_args, run_cli, saved_name  # noqa: E402
 import run_folders  # noqa: E402
 import universal  # noqa: E402
 from reproducibility import restore_rng_state, rng_state, seed_everything  # noqa: E402
@@ -55,8 +55,6 @@ def main(argv=None):
     if "LOCAL_RANK" in os.environ:  # started by a launcher: stop (and save) when it dies
         die_with_parent_call(os.getppid())()
     args = parse_args(get_args_parser, argv)
-    if args.pretrained and not Path(args.pretrained).is_file():
-        raise UsageError(f"--pretrained {args.pretrained}: file not found")
     check_writable(args.checkpoint_dir, "--checkpoint_dir")
     check_writable(args.log_dir, "--log_dir")
     base_config = load_base_config(args.deepspeed_config)
@@ -73,7 +71,8 @@ def main(argv=None):
         say(line)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     seed_everything(args.seed)
-    model = ResNet18Animals90(num_classes=len(train_set.classes), pretrained=args.pretrained or False)
+    model = build_model(args.model, len(train_set.classes), args.image_size, args.pretrained)
+    model_name = saved_name(args.model)
     num_params = sum(p.numel() for p in model.parameters())
     ds_config = build_ds_config(args, world_size, len(train_set), base=base_config, device_type=device_type,
                                 num_params=num_params, resumed_stage=saved_stage(resume_from))
@@ -121,7 +120,7 @@ def main(argv=None):
     samples_per_micro_batch = micro_batch * world_size  # over all ranks: a position any world size can take up
 
     run_config = {
-        "model": MODEL_NAME, "num_classes": len(train_set.classes), "image_size": args.image_size,
+        "model": model_name, "pretrained": args.pretrained, "num_classes": len(train_set.classes), "image_size": args.image_size,
         "train_dir": str(args.train_dir), "val_dir": str(args.val_dir),
         "train_images": len(train_set), "val_images": len(val_set),
         "epochs": args.epochs, "world_size": world_size, "device": device_type,
@@ -141,7 +140,7 @@ def main(argv=None):
     saver = CheckpointSaver(engine, args.checkpoint_dir, args.save_every, args.keep_last, args.save_last_every,
                             background=device_type == "cuda")
     health = StepHealth(engine, args.max_nonfinite_steps)
-    extra_info = {"model": MODEL_NAME, "image_size": args.image_size, "class_names": train_set.classes,
+    extra_info = {"model": model_name, "pretrained": args.pretrained, "image_size": args.image_size, "class_names": train_set.classes,
                   "world_size": world_size, "zero_stage": zero_stage, "precision": precision(ds_config),
                   "settings": settings}
 
@@ -158,7 +157,7 @@ def main(argv=None):
         say(f"Resumed from {resume_from}: epoch {start_epoch}"
             + (f", step {start_step} of {micro_batches}" if start_step else ""))
     prepare_csv_files(engine, start_epoch if resume_from is not None else None)
-    say(f"{MODEL_NAME}: {len(train_set)} train / {len(val_set)} val images, {len(train_set.classes)} classes; "
+    say(f"{model_name}: {len(train_set)} train / {len(val_set)} val images, {len(train_set.classes)} classes; "
         f"{world_size} rank(s) on {device_type}, ZeRO-{zero_stage}, {run_config['precision']}, "
         f"global batch {ds_config['train_batch_size']}")
 

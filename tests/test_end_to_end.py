@@ -210,7 +210,7 @@ def test_a_failed_run_leaves_earlier_outputs_intact(trained, tiny_data, tmp_path
     shutil.copytree(workdir / "checkpoints_deepspeed", tmp_path / "checkpoints_deepspeed")
     before = (tmp_path / "logs/training_history.json").read_bytes()
     result = launch(data_args(tiny_data) + ["--pretrained", "missing.pth"], tmp_path)
-    assert_usage_error(result, "--pretrained missing.pth: file not found")
+    assert_usage_error(result, "--pretrained missing.pth: no such file, and not a weights name of resnet18")
     assert (tmp_path / "logs/training_history.json").read_bytes() == before
     assert (tmp_path / "checkpoints_deepspeed/best_model/extra_info.json").is_file()
 

@@ -67,7 +67,7 @@ BAD_INPUT = [
     (["--zero_stage", "0", "--offload_optimizer"], "offload_optimizer needs ZeRO stage 1, 2 or 3"),
     (["--deepspeed_config", "missing.json"], "--deepspeed_config missing.json: file not found"),
     (["--batch_size", "100"], "too few"),
-    (["--pretrained", "missing.pth"], "file not found"),
+    (["--pretrained", "missing.pth"], "--pretrained missing.pth: no such file, and not a weights name of resnet18"),
     (["--num_gpus", "0"], "--num_gpus and --num_nodes must be at least 1"),
     (["--batch_size", "0"], "--batch_size must be at least 1"),
     (["--learning_rate", "-0.1"], "--learning_rate must be positive"),
