@@ -14,8 +14,9 @@ HISTORY_FILE = "training_history.json"  # in --log_dir
 # wait for the previous checkpoint's files; they are written while the next epoch trains); epoch_wall_s: all.
 # skipped_steps: optimizer steps the fp16 loss scaler skipped (overflow); nonfinite_steps: micro-batches
 # whose training loss was NaN/inf (the most on any rank).
-EPOCH_KEYS = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "val_images", "lr", "epoch_time_s",
-              "images_per_s", "data_wait_s", "compute_s", "validation_s", "checkpoint_s", "epoch_wall_s",
+# backbone_lr: the learning rate of all but the classifier head (lr x --backbone_lr_scale, 0 while frozen).
+EPOCH_KEYS = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "val_images", "lr", "backbone_lr",
+              "epoch_time_s", "images_per_s", "data_wait_s", "compute_s", "validation_s", "checkpoint_s", "epoch_wall_s",
               "peak_gpu_memory_gib", "skipped_steps", "nonfinite_steps")
 
 

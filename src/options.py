@@ -60,6 +60,11 @@ def add_training_args(parser):
     train.add_argument("--lr_schedule", choices=["cosine", "linear", "constant"], default="cosine",
                        help="after warmup: cosine decay to 1%% (WarmupCosineLR), linear decay to 0 (WarmupDecayLR) "
                             "or constant (WarmupLR)")
+    train.add_argument("--backbone_lr_scale", type=float, default=1.0, metavar="S",
+                       help="the learning rate of everything but the classifier head, as a fraction of "
+                            "--learning_rate (fine-tuning pretrained weights: 0.1, say)")
+    train.add_argument("--freeze_backbone_epochs", type=int, default=0, metavar="N",
+                       help="train the classifier head alone for the first N epochs (the body's learning rate is 0)")
     train.add_argument("--label_smoothing", type=float, default=0.0,
                        help="label smoothing of the training loss, in [0, 1); validation loss stays plain "
                             "cross-entropy")
@@ -140,11 +145,12 @@ def check_values(args):
     for name in ("epochs", "batch_size", "image_size", "gradient_accumulation_steps"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name} must be at least 1")
-    for name in ("learning_rate", "weight_decay", "warmup_epochs", "clip_grad"):
+    for name in ("learning_rate", "weight_decay", "warmup_epochs", "clip_grad", "backbone_lr_scale"):
         if not math.isfinite(getattr(args, name)):
             raise UsageError(f"--{name} must be a finite number, got {getattr(args, name)}")
     for name in ("num_workers", "save_every", "save_last_every", "keep_last", "clip_grad",
-                 "early_stopping_patience", "max_nonfinite_steps", "weight_decay", "warmup_epochs"):
+                 "early_stopping_patience", "max_nonfinite_steps", "weight_decay", "warmup_epochs",
+                 "backbone_lr_scale", "freeze_backbone_epochs"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name} must not be negative, got {getattr(args, name)}")
     if args.learning_rate <= 0:

@@ -24,6 +24,7 @@ from distributed import init_distributed, local_device, rank_zero_only  # noqa: 
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_with_deepspeed,  # noqa: E402
                        load_base_config, lr_schedule, precision)
 from failures import advise_on_out_of_memory, check_writable  # noqa: E402
+from finetune import BodyLearningRate, parameter_groups  # noqa: E402
 from history import HISTORY_FILE, TrainingHistory, epoch_line  # noqa: E402
 from interrupt import StopOnSignal, die_with_parent_call  # noqa: E402
 from model import build_model, synchronize_batch_norm  # noqa: E402
@@ -104,7 +105,12 @@ def main(argv=None):
         if on_device:  # decodes on the GPU while DeepSpeed sets up (one of them waits on the host most of the time)
             decoding = decoder.submit(build_device_loaders, train_set, val_set, micro_batch, args.image_size, rank,
                                       world_size, args.seed, device, dtype, args.device_train_size, data_check.records)
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+        # Head and body in parameter groups of their own only when fine-tuning controls ask for them.
+        fine_tuning = args.backbone_lr_scale != 1 or args.freeze_backbone_epochs > 0
+        parameters = parameter_groups(model, len(train_set.classes)) if fine_tuning else model.parameters()
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameters, config=ds_config)
+        body_lr = (BodyLearningRate(engine.lr_scheduler, engine.optimizer, args.backbone_lr_scale,
+                                    args.freeze_backbone_epochs) if fine_tuning else None)
         if args.compile:
             engine.compile()
         clock.lap("engine")
@@ -132,7 +138,9 @@ def main(argv=None):
         "training": {"lr_schedule": lr_schedule(ds_config), "learning_rate": ds_config["optimizer"]["params"]["lr"],
                      "weight_decay": ds_config["optimizer"]["params"].get("weight_decay"),
                      "warmup_epochs": args.warmup_epochs, "label_smoothing": args.label_smoothing,
-                     "early_stopping_patience": args.early_stopping_patience},
+                     "early_stopping_patience": args.early_stopping_patience,
+                     "backbone_lr_scale": args.backbone_lr_scale,
+                     "freeze_backbone_epochs": args.freeze_backbone_epochs},
         "deepspeed": ds_config,
     }
     history = TrainingHistory(Path(args.log_dir) / HISTORY_FILE, run_config)
@@ -172,6 +180,8 @@ def main(argv=None):
     with StopOnSignal(engine.device, world_size) as stop, advise_on_out_of_memory(ds_config, on_device):
         for epoch in range(start_epoch, args.epochs + 1):
             epoch_started = time.perf_counter()
+            if body_lr is not None:
+                body_lr.set_epoch(epoch)
             loader = train_loader.epoch(epoch, start_batch=start_step)
             train = train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step, carried, stop,
                                     args.label_smoothing, health, on_first_step=clock.first_step)
@@ -193,7 +203,7 @@ def main(argv=None):
             validation_s = time.perf_counter() - validation_started
             record = {"epoch": epoch, "train_loss": train["loss"], "train_acc": train["acc"],
                       "val_loss": val["loss"], "val_acc": val["acc"], "val_images": val["images"],
-                      "lr": train["lr"],
+                      "lr": train["lr"], "backbone_lr": train["lr"] * (body_lr.body_scale() if body_lr else 1.0),
                       "epoch_time_s": train["time_s"], "validation_s": validation_s,
                       "images_per_s": train["images_per_s"],
                       "data_wait_s": train["data_wait_s"], "compute_s": train["compute_s"],

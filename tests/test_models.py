@@ -151,10 +151,14 @@ def test_every_family_trains_at_zero0_and_zero3_in_bf16():
 
 
 @pytest.mark.slow
-def test_a_torchvision_model_trains_on_two_ranks_at_zero3_exports_and_evaluates(tiny_data, tmp_path):
+def test_a_pretrained_torchvision_model_fine_tunes_on_two_ranks_at_zero3_exports_and_evaluates(
+        tiny_data, tmp_path, monkeypatch):
     import evaluate
 
-    args = data_args(tiny_data) + ["--model", "mobilenet_v3_small", "--epochs", "1", "--batch_size", "4",
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))  # the launcher and the ranks read it
+    imagenet_weights_file(tmp_path / "torch_home", "mobilenet_v3_small")
+    args = data_args(tiny_data) + ["--model", "mobilenet_v3_small", "--pretrained", "DEFAULT", "--epochs", "2",
+                                   "--freeze_backbone_epochs", "1", "--backbone_lr_scale", "0.1", "--batch_size", "4",
                                    "--image_size", "32", "--num_workers", "0", "--zero_stage", "3", "--num_gpus", "2"]
     result = launch(args, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -162,6 +166,10 @@ def test_a_torchvision_model_trains_on_two_ranks_at_zero3_exports_and_evaluates(
     history = json.loads((tmp_path / "logs/training_history.json").read_text())
     info = json.loads((tmp_path / "checkpoints_deepspeed/last/extra_info.json").read_text())
     assert history["config"]["model"] == info["model"] == "mobilenet_v3_small"
+    assert history["config"]["pretrained"] == info["pretrained"] == "DEFAULT"
+    assert history["config"]["training"]["freeze_backbone_epochs"] == 1
+    first, second = history["epochs"]
+    assert first["backbone_lr"] == 0 and second["backbone_lr"] == pytest.approx(0.1 * second["lr"])
 
     from export_model import main as export
 
@@ -173,4 +181,4 @@ def test_a_torchvision_model_trains_on_two_ranks_at_zero3_exports_and_evaluates(
                                          "--num_workers", "0"]))
     assert exited.value.code in (0, None)
     report = json.loads((tmp_path / "eval/report.json").read_text())
-    assert report["top1"] == pytest.approx(history["epochs"][-1]["val_acc"])
+    assert report["top1"] == pytest.approx(second["val_acc"])
