@@ -2,8 +2,9 @@
 
 Three kinds of measurement, each in its own process (a fresh CUDA context and peak-memory counter):
 
-- reference: plain PyTorch, torchvision ResNet18 (90 classes), AdamW (torch defaults), on synthetic
-  images already on the GPU: fp32/TF32, autocast bf16/fp16, channels_last, optionally torch.compile.
+- reference: plain PyTorch, the torchvision model of --model (ResNet18 by default; 90 classes), AdamW
+  (torch defaults), on synthetic images already on the GPU: fp32/TF32, autocast bf16/fp16, channels_last,
+  optionally torch.compile.
 - trainer, synthetic: the trainer's own model, DeepSpeed config (built from the same flags as
   launch_deepspeed.py) and train_one_epoch, fed the same GPU-resident synthetic batch.
 - trainer, real data: src/train_deepspeed.py end to end on a JPEG image folder the size of Animals-90
@@ -11,11 +12,13 @@ Three kinds of measurement, each in its own process (a fresh CUDA context and pe
   is the median over the epochs after the first (from logs/training_history.json).
 
 Ratios compare each trainer run with the reference loop of the same precision, channels_last.
-Prints a table last and writes JSON to benchmarks/results/throughput_<gpu>.json.
+Prints a table last and writes JSON to benchmarks/results/throughput_<gpu>.json (throughput_<model>_<gpu>.json
+for a --model other than resnet18).
 
     python benchmarks/throughput.py                  # all but the torch.compile runs; micro-batch 256, 224 px
     python benchmarks/throughput.py --only reference "step: zero2 bf16 compile"
     python benchmarks/throughput.py --only "torch bf16 channels_last" real --update   # into the same JSON
+    python benchmarks/throughput.py --model vit_b_16 --only "torch bf16 channels_last" "step: zero2 bf16"
 
 With --update, measurements not run this time keep their earlier results (same GPU and versions only),
 so one JSON can come from several shorter runs; every ratio is still taken against the reference
@@ -107,7 +110,10 @@ def reference_case(settings, args, device):
         if device.type == "cuda":
             torch.cuda.set_device(device)
     dtype = DTYPES.get(settings["dtype"])
-    model = torchvision.models.resnet18(num_classes=args.num_classes).to(device)
+    from model import construction_args
+
+    model = torchvision.models.get_model(args.model, num_classes=args.num_classes,
+                                         **construction_args(args.model, args.image_size)).to(device)
     if settings["channels_last"]:
         model = model.to(memory_format=torch.channels_last)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
@@ -147,17 +153,17 @@ def trainer_case(flags, args, device):
     import train_deepspeed
     from distributed import init_distributed
     from ds_config import build_ds_config, precision
-    from model import ResNet18Animals90
+    from model import build_model
     from options import parse_args
     from training import input_dtype, train_one_epoch
 
-    argv = ["--batch_size", str(args.batch_size), "--image_size", str(args.image_size), *flags]
+    argv = ["--model", args.model, "--batch_size", str(args.batch_size), "--image_size", str(args.image_size), *flags]
     train_args = parse_args(train_deepspeed.get_args_parser, argv)
     _, world_size = init_distributed()
     device = torch.device(device.type, torch.cuda.current_device()) if device.type == "cuda" else device
     torch.backends.cudnn.benchmark = True
     images_per_epoch = args.batch_size * world_size * (args.warmup_steps + args.steps)
-    model = ResNet18Animals90(num_classes=args.num_classes)
+    model = build_model(args.model, args.num_classes, args.image_size)
     config = build_ds_config(train_args, world_size, images_per_epoch, device_type=device.type,
                              num_params=sum(p.numel() for p in model.parameters()))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -179,7 +185,7 @@ def real_case(flags, args, workdir):
               else ["launch_deepspeed.py", "--num_gpus", str(args.num_gpus)])
     command = [sys.executable, str(ROOT / script[0]), *script[1:],
                "--train_dir", str(args.data / "train"), "--val_dir", str(args.data / "val"),
-               "--epochs", str(args.epochs), "--batch_size", str(args.batch_size),
+               "--model", args.model, "--epochs", str(args.epochs), "--batch_size", str(args.batch_size),
                "--image_size", str(args.image_size), "--num_workers", str(args.num_workers),
                "--save_every", "0", "--save_last_every", "0",
                "--log_dir", str(workdir / "logs"), "--checkpoint_dir", str(workdir / "checkpoints"), *flags]
@@ -229,7 +235,8 @@ def child(kind, name, args):
 
 
 def passed_settings(args):
-    return ["--batch_size", str(args.batch_size), "--image_size", str(args.image_size), "--num_classes", str(args.num_classes),
+    return ["--model", args.model, "--batch_size", str(args.batch_size), "--image_size", str(args.image_size),
+            "--num_classes", str(args.num_classes),
             "--steps", str(args.steps), "--warmup_steps", str(args.warmup_steps), "--epochs", str(args.epochs),
             "--num_workers", str(args.num_workers), "--data", str(args.data), "--num_gpus", str(args.num_gpus),
             "--case_timeout", str(args.case_timeout)]
@@ -237,6 +244,7 @@ def passed_settings(args):
 
 def get_args_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="resnet18", help="a torchvision classifier (as the trainer's --model)")
     parser.add_argument("--batch_size", type=int, default=256, help="micro-batch, for every loop")
     parser.add_argument("--image_size", type=int, default=224)
     parser.add_argument("--num_classes", type=int, default=90)
@@ -295,7 +303,8 @@ def main():
     env = environment()
     slug = machine_slug(env)
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    path = args.output_dir / f"throughput_{slug}.json"
+    path = args.output_dir / (f"throughput_{slug}.json" if args.model == "resnet18" else
+                              f"throughput_{args.model}_{slug}.json")
     results, commands = earlier_results(path, env) if args.update else ({}, [])
     commands.append(env["command"])
     for kind, name in cases:
@@ -316,7 +325,7 @@ def main():
                                    indent=2) + "\n")
 
     print(f"\n{env['gpu'] or 'CPU'} | torch {env['torch']} | DeepSpeed {env['deepspeed']} | CUDA {env['cuda']} | "
-          f"micro-batch {args.batch_size}, {args.image_size} px")
+          f"{args.model}, micro-batch {args.batch_size}, {args.image_size} px")
     print(f"{'measurement':<46}{'images/s':>9}{'ratio':>7}{'goal':>6}{'peak GiB':>9}  notes")
     for name, r in results.items():
         if "error" in r:

@@ -34,19 +34,17 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import torchvision
 
 import train_deepspeed
 from data import batch_memory_format
 from distributed import init_distributed, rank_zero_only, run_on_free_port, shut_down
 from ds_config import build_ds_config, precision
 from failures import UsageError
-from model import BatchNorm2dFP32, ResNet18Animals90
+from model import build_model
 from options import parse_args, run_cli
 from reproducibility import environment, machine_slug
 from training import input_dtype
 
-MODELS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "wide_resnet50_2", "wide_resnet101_2")
 # name -> trainer flags
 CONFIGS = {
     "ZeRO-0 (DDP-like)": ["--zero_stage", "0"],
@@ -62,7 +60,7 @@ CUDA_CONTEXT_GIB = 1  # what a process's CUDA context takes on the GPU besides i
 
 def get_args_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=MODELS, default="resnet18")
+    parser.add_argument("--model", default="resnet18", help="any torchvision classifier, as the trainer's --model")
     parser.add_argument("--num_classes", type=int, default=90)
     parser.add_argument("--batch_size", type=int, default=64, help="micro-batch per rank")
     parser.add_argument("--image_size", type=int, default=224)
@@ -84,22 +82,13 @@ def get_args_parser():
     return parser
 
 
-def build_model(name, num_classes):
-    """The trainer's model for resnet18; torchvision's others, with the trainer's fp32 batch norm."""
-    if name == "resnet18":
-        return ResNet18Animals90(num_classes=num_classes)
-    return getattr(torchvision.models, name)(num_classes=num_classes, norm_layer=BatchNorm2dFP32)
-
-
 def trainer_config(args, flags, micro_batch, world_size, device, num_params):
     precision_flags = [flag for flag in ("fp16", "bf16") if getattr(args, flag)]
-    argv = ["--batch_size", str(micro_batch), "--epochs", "1", "--precision_mode", args.precision_mode,
+    argv = ["--model", args.model, "--batch_size", str(micro_batch), "--epochs", "1",
+            "--precision_mode", args.precision_mode,
             *[f"--{flag}" for flag in precision_flags], *flags]
     train_args = parse_args(train_deepspeed.get_args_parser, argv)
-    # The trainer's ZeRO-3 module granularity is ResNet18's; ResNet50/101/152 hold fewer parameters per
-    # layer than it as a whole, and a whole-model unit fails in backward: DeepSpeed's default for the rest.
-    base = {} if args.model == "resnet18" else {"zero_optimization": {"stage3_module_granularity_threshold": 0}}
-    return build_ds_config(train_args, world_size, micro_batch * world_size * (args.steps + 1), base=base,
+    return build_ds_config(train_args, world_size, micro_batch * world_size * (args.steps + 1),
                            device_type=device.type, num_params=num_params)
 
 
@@ -204,7 +193,7 @@ def train_steps(engine, config, micro_batch, args, device, steps):
 def new_engine(args, config):
     import deepspeed
 
-    model = build_model(args.model, args.num_classes)
+    model = build_model(args.model, args.num_classes, args.image_size)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return model, engine
 
@@ -410,7 +399,7 @@ def main(argv=None):
         torch.backends.cudnn.benchmark = True
     from deepspeed.runtime.zero.stage3 import model_to_params
 
-    sizes = model_to_params(build_model(args.model, args.num_classes))
+    sizes = model_to_params(build_model(args.model, args.num_classes, args.image_size))
     if args.probe:
         return probe(args, device, sizes[0])
     counters = MemoryCounters(device)

@@ -174,7 +174,7 @@ def check_model_name(name):
                          if close else "") + "; python launch_deepspeed.py --list_models lists them")
 
 
-def _construction_args(name, image_size):
+def construction_args(name, image_size):
     """What some models need at construction: the input size (ViT, MaxViT); no auxiliary heads for GoogLeNet
     and Inception V3 (their training-mode tuple outputs are not logits)."""
     if name.startswith("vit_"):
@@ -195,7 +195,7 @@ def build_model(name, num_classes, image_size=224, pretrained=None):
         model = ResNet18Animals90(num_classes=num_classes)
     else:
         model = torchvision.models.get_model(name, weights=None, num_classes=num_classes,
-                                             **_construction_args(name, image_size))
+                                             **construction_args(name, image_size))
         fp32_norms(model)
         for module in model.modules():
             if hasattr(module, "cpb_mlp"):  # Swin V2: an fp32 coordinate table goes through half-precision weights
