@@ -119,7 +119,8 @@ def throughput(name):
                      f"{r['peak_gpu_memory_gib']:.2f}", ", ".join(notes)])
     settings = result["settings"]
     return source(result, name) + (
-        f"\nResNet18, 90 classes, micro-batch {settings['batch_size']}, {settings['image_size']} px; ratios against "
+        f"\n{settings.get('model', 'resnet18')}, 90 classes, micro-batch {settings['batch_size']}, "
+        f"{settings['image_size']} px; ratios against "
         f"the plain loop of the same precision measured in the same run:\n\n") + table(
         ["measurement", "images/s", "ratio", "peak GiB", "notes"], rows)
 
@@ -193,6 +194,8 @@ TABLES = {
     "first-minute-cpu": lambda: first_minute("first_minute_cpu.json"),
     "checkpoint-engines": checkpoint_engines,
     "throughput-gpu": lambda: throughput("throughput_nvidia_h200.json"),
+    "throughput-models": lambda: "\n\n".join(throughput(f"throughput_{model}_nvidia_h200.json") for model in (
+        "resnet50", "vit_b_16", "convnext_tiny", "swin_v2_t", "efficientnet_b0")),
     "fp16-offload": fp16_offload,
     "augmentation": augmentation,
     "data-path-accuracy": data_path_accuracy,
