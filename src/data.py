@@ -13,15 +13,40 @@ from failures import UsageError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+# How images become model input: the mean and std to normalise with, the validation resize as a multiple of
+# the crop (224 from 256) and the interpolation. Pretrained weights bring their own (model.preprocessing).
+DEFAULT_PREPROCESSING = {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD), "resize_ratio": 256 / 224,
+                         "interpolation": "bilinear"}
+INTERPOLATIONS = ("bilinear", "bicubic")
 
 
-def build_transform(image_size, train):
+def check_preprocessing(preprocessing, source):
+    """`preprocessing` as read from `source` (an export's sidecar, a checkpoint) is one this trainer writes."""
+    if preprocessing is None:
+        return DEFAULT_PREPROCESSING
+    try:
+        triples = [list(map(float, preprocessing[key])) for key in ("mean", "std")]
+        ratio = float(preprocessing["resize_ratio"])
+        usable = (all(len(t) == 3 and all(np.isfinite(t)) for t in triples) and min(triples[1]) > 0
+                  and 1 <= ratio <= 2 and preprocessing["interpolation"] in INTERPOLATIONS)
+    except (KeyError, TypeError, ValueError):
+        usable = False
+    if not usable:
+        raise UsageError(f"{source}: its preprocessing is not one this trainer writes (mean and std of 3 "
+                         f"channels, resize_ratio 1-2, interpolation {' or '.join(INTERPOLATIONS)}): export again")
+    return preprocessing
+
+
+def build_transform(image_size, train, preprocessing=None):
+    pre = preprocessing or DEFAULT_PREPROCESSING
+    interpolation = transforms.InterpolationMode(pre["interpolation"])
     if train:
-        steps = [transforms.RandomResizedCrop(image_size, antialias=True), transforms.RandomHorizontalFlip()]
+        steps = [transforms.RandomResizedCrop(image_size, interpolation=interpolation, antialias=True),
+                 transforms.RandomHorizontalFlip()]
     else:
-        # The usual 0.875 centre-crop ratio (224 from 256).
-        steps = [transforms.Resize(round(image_size / 0.875), antialias=True), transforms.CenterCrop(image_size)]
-    return transforms.Compose(steps + [transforms.ToTensor(), transforms.Normalize(IMAGENET_MEAN, IMAGENET_STD)])
+        steps = [transforms.Resize(round(image_size * pre["resize_ratio"]), interpolation=interpolation,
+                                   antialias=True), transforms.CenterCrop(image_size)]
+    return transforms.Compose(steps + [transforms.ToTensor(), transforms.Normalize(pre["mean"], pre["std"])])
 
 
 def to_rgb(image):
@@ -77,12 +102,13 @@ def image_folder(root, transform=None, classes=None):
     return ImageFiles(labelled_samples(check.train, classes), classes, transform), check
 
 
-def load_datasets(train_dir, val_dir, image_size):
+def load_datasets(train_dir, val_dir, image_size, preprocessing=None):
     """(train set, val set, DataCheck): the checked images, validation labelled by the training classes' names."""
     check = check_data(train_dir, val_dir)
 
     def dataset(scan, train):
-        return ImageFiles(labelled_samples(scan, check.classes), check.classes, build_transform(image_size, train))
+        return ImageFiles(labelled_samples(scan, check.classes), check.classes,
+                          build_transform(image_size, train, preprocessing))
 
     return dataset(check.train, train=True), dataset(check.val, train=False), check
 

@@ -27,7 +27,7 @@ from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg, read_file
 from torchvision.transforms import functional as TF
 
-from data import IMAGENET_MEAN, IMAGENET_STD, EpochSampler, batch_memory_format, epoch_seed, load_rgb
+from data import DEFAULT_PREPROCESSING, EpochSampler, batch_memory_format, epoch_seed, load_rgb
 from data_check import EXIF_ORIENTATION
 
 DECODE_CHUNK = 256  # images decoded per nvJPEG call: bounds the memory the decode needs
@@ -38,14 +38,14 @@ FREE_MEMORY_SHARE = 0.25  # auto mode uses the GPU for data when it needs at mos
 MODEL_STATE_BYTES_PER_PARAMETER = 16  # fp32 weights, gradients and AdamW's two moments
 
 
-def resize_size(image_size):
-    """The validation resize (224 -> 256), and the default side of the stored training squares."""
-    return round(image_size / 0.875)
+def resize_size(image_size, preprocessing=None):
+    """The validation resize (224 -> 256 by default), and the default side of the stored training squares."""
+    return round(image_size * (preprocessing or DEFAULT_PREPROCESSING)["resize_ratio"])
 
 
-def train_square_size(image_size, requested=None):
+def train_square_size(image_size, requested=None, preprocessing=None):
     """Side of the stored training squares: --device_train_size, else the validation resize."""
-    return requested or resize_size(image_size)
+    return requested or resize_size(image_size, preprocessing)
 
 
 def dataset_bytes(num_train, num_val, image_size, train_size=None):
@@ -197,10 +197,11 @@ class ResizedCrops:
 class Normalize:
     """uint8 images -> (x / 255 - mean) / std in `dtype`, channels_last on a GPU."""
 
-    def __init__(self, device, dtype):
-        std = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1)
+    def __init__(self, device, dtype, preprocessing=None):
+        pre = preprocessing or DEFAULT_PREPROCESSING
+        std = torch.tensor(pre["std"], device=device).view(1, 3, 1, 1)
         self.scale = 1 / (255 * std)
-        self.shift = -torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) / std
+        self.shift = -torch.tensor(pre["mean"], device=device).view(1, 3, 1, 1) / std
         self.dtype = dtype
         self.memory_format = batch_memory_format(device)
 
@@ -212,13 +213,14 @@ class Normalize:
 class DeviceTrainLoader:
     """Training batches of one rank, cut from the resident uint8 squares (same interface as data.TrainLoader)."""
 
-    def __init__(self, images, labels, micro_batch_size, image_size, rank, world_size, seed, dtype):
+    def __init__(self, images, labels, micro_batch_size, image_size, rank, world_size, seed, dtype,
+                 preprocessing=None):
         self.images, self.labels = images, labels
         self.sampler = EpochSampler(range(len(labels)), num_replicas=world_size, rank=rank, shuffle=True,
                                     seed=seed, drop_last=True)
         self.seed, self.rank, self.micro_batch_size, self.image_size = seed, rank, micro_batch_size, image_size
         self.batches_per_epoch = self.sampler.num_samples // micro_batch_size
-        self.normalize = Normalize(images.device, dtype)
+        self.normalize = Normalize(images.device, dtype, preprocessing)
         self.crops = ResizedCrops(images.shape[-1], image_size, images.device,
                                   torch.float16 if images.device.type == "cuda" else torch.float32)
 
@@ -245,10 +247,10 @@ class DeviceTrainLoader:
 class DeviceValLoader:
     """Validation batches of one rank's shard (images rank, rank + world_size, ...), resident on the device."""
 
-    def __init__(self, images, labels, micro_batch_size, rank, world_size, dtype):
+    def __init__(self, images, labels, micro_batch_size, rank, world_size, dtype, preprocessing=None):
         self.images, self.labels = images[rank::world_size], labels[rank::world_size]
         self.micro_batch_size = micro_batch_size
-        self.normalize = Normalize(images.device, dtype)
+        self.normalize = Normalize(images.device, dtype, preprocessing)
 
     def __len__(self):
         return math.ceil(len(self.labels) / self.micro_batch_size)
@@ -260,20 +262,20 @@ class DeviceValLoader:
 
 
 def build_device_loaders(train_set, val_set, micro_batch_size, image_size, rank, world_size, seed, device, dtype,
-                         train_size=None, records=None):
+                         train_size=None, records=None, preprocessing=None):
     """Decode both ImageFolders onto `device` (training squares of `train_size` pixels, default the validation
     resize; `records`: the data check's, see decode_chunk); return (train_loader, val_loader, seconds spent
     decoding)."""
     start = time.perf_counter()
     train_paths, train_labels = zip(*train_set.samples)
     val_paths, val_labels = zip(*val_set.samples)
-    train_size = train_square_size(image_size, train_size)
+    train_size = train_square_size(image_size, train_size, preprocessing)
     train_images = decode_dataset(train_paths, train_size, train_size, device, records)
-    val_images = decode_dataset(val_paths, resize_size(image_size), image_size, device, records)
+    val_images = decode_dataset(val_paths, resize_size(image_size, preprocessing), image_size, device, records)
     train_loader = DeviceTrainLoader(train_images, torch.tensor(train_labels, device=device), micro_batch_size,
-                                     image_size, rank, world_size, seed, dtype)
+                                     image_size, rank, world_size, seed, dtype, preprocessing)
     val_loader = DeviceValLoader(val_images, torch.tensor(val_labels, device=device), micro_batch_size, rank,
-                                 world_size, dtype)
+                                 world_size, dtype, preprocessing)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return train_loader, val_loader, time.perf_counter() - start

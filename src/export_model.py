@@ -22,6 +22,7 @@ from checkpoints import find_checkpoint, read_info
 from failures import UsageError, check_output_file, stop_on_write_error
 from files import write_json_atomic
 from loading import check_checkpoint_files, load_checked
+from data import check_preprocessing
 from model import build_model, check_saved_model, load_weights
 from options import MODEL_NAME, run_cli
 
@@ -65,7 +66,9 @@ def export(checkpoint, output):
     # strict: the export must load as it is
     load_weights(build_model(info["model"], len(info["class_names"]), info["image_size"]), state_dict,
                  info["folder"])
-    metadata = {"model": info["model"], "pretrained": info.get("pretrained"), "image_size": info["image_size"],
+    metadata = {"model": info["model"], "pretrained": info.get("pretrained"),
+                "preprocessing": check_preprocessing(info.get("preprocessing"), Path(info["folder"]) / "extra_info.json"),
+                "image_size": info["image_size"],
                 "class_names": info["class_names"],
                 "source_checkpoint": info["folder"], "epoch": info["epoch"], "metrics": info.get("metrics")}
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from data import build_transform
+from data import build_transform, check_preprocessing
 from export_model import consolidated_state_dict, sidecar_path
 from failures import UsageError
 from loading import load_checked
@@ -79,6 +79,7 @@ def _metadata(path):
         raise UsageError(f"{source}: expected class_names (a list of names) and image_size (pixels), as "
                          "export_model.py writes them; export the model again")
     check_saved_model(metadata.get("model", MODEL_NAME), source)
+    check_preprocessing(metadata.get("preprocessing"), source)
     return metadata
 
 
@@ -96,4 +97,4 @@ def predict_probabilities(model, dataset, device, batch_size=64, num_workers=2):
 
 
 def eval_transform(metadata):
-    return build_transform(int(metadata["image_size"]), train=False)
+    return build_transform(int(metadata["image_size"]), train=False, preprocessing=metadata.get("preprocessing"))

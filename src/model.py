@@ -277,6 +277,20 @@ def _weights(name, choice):
     return weights.__members__.get(choice)
 
 
+def preprocessing(name, pretrained):
+    """How images become input for `name` started from `pretrained`: torchvision's weights bring their mean,
+    std, resize and interpolation (data.DEFAULT_PREPROCESSING for anything else)."""
+    from data import DEFAULT_PREPROCESSING
+
+    check_model_name(architecture(name))
+    weights = _weights(architecture(name), pretrained) if isinstance(pretrained, str) else None
+    if weights is None:
+        return dict(DEFAULT_PREPROCESSING)
+    preset = weights.transforms()
+    return {"mean": list(preset.mean), "std": list(preset.std),
+            "resize_ratio": preset.resize_size[0] / preset.crop_size[0], "interpolation": preset.interpolation.value}
+
+
 def weights_file(name, choice, download=True):
     """The local file of `choice`: a path as given, or the weights `choice` of model `name` in the torch hub
     cache (TORCH_HOME), downloaded there when missing and `download`."""

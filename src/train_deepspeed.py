@@ -27,7 +27,7 @@ from failures import advise_on_out_of_memory, check_writable  # noqa: E402
 from finetune import BodyLearningRate, parameter_groups  # noqa: E402
 from history import HISTORY_FILE, TrainingHistory, epoch_line  # noqa: E402
 from interrupt import StopOnSignal, die_with_parent_call  # noqa: E402
-from model import build_model, synchronize_batch_norm  # noqa: E402
+from model import build_model, preprocessing, synchronize_batch_norm  # noqa: E402
 from monitor import prepare_csv_files, write_epoch_events  # noqa: E402
 from numerics import StepHealth  # noqa: E402
 from options import add_training_args, parse_args, run_cli, saved_name  # noqa: E402
@@ -59,7 +59,8 @@ def main(argv=None):
     check_writable(args.checkpoint_dir, "--checkpoint_dir")
     check_writable(args.log_dir, "--log_dir")
     base_config = load_base_config(args.deepspeed_config)
-    train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size)
+    inputs = preprocessing(args.model, args.pretrained)  # the mean, std and resize its weights were trained with
+    train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size, inputs)
     if os.environ.get("RANK", "0") == "0":
         run_folders.take(args)  # before any rank looks for a checkpoint: tidying may rename one
 
@@ -104,7 +105,8 @@ def main(argv=None):
     with advise_on_out_of_memory(ds_config, on_device), ThreadPoolExecutor(1) as decoder:
         if on_device:  # decodes on the GPU while DeepSpeed sets up (one of them waits on the host most of the time)
             decoding = decoder.submit(build_device_loaders, train_set, val_set, micro_batch, args.image_size, rank,
-                                      world_size, args.seed, device, dtype, args.device_train_size, data_check.records)
+                                      world_size, args.seed, device, dtype, args.device_train_size, data_check.records,
+                                      inputs)
         # Head and body in parameter groups of their own only when fine-tuning controls ask for them.
         fine_tuning = args.backbone_lr_scale != 1 or args.freeze_backbone_epochs > 0
         parameters = parameter_groups(model, len(train_set.classes)) if fine_tuning else model.parameters()
@@ -126,14 +128,14 @@ def main(argv=None):
     samples_per_micro_batch = micro_batch * world_size  # over all ranks: a position any world size can take up
 
     run_config = {
-        "model": model_name, "pretrained": args.pretrained, "num_classes": len(train_set.classes), "image_size": args.image_size,
+        "model": model_name, "pretrained": args.pretrained, "preprocessing": inputs, "num_classes": len(train_set.classes), "image_size": args.image_size,
         "train_dir": str(args.train_dir), "val_dir": str(args.val_dir),
         "train_images": len(train_set), "val_images": len(val_set),
         "epochs": args.epochs, "world_size": world_size, "device": device_type,
         "precision": precision(ds_config), "zero_stage": zero_stage, "seed": args.seed,
         "sync_bn": args.sync_bn, "data_on_device": on_device,
         "checkpoint_writes": "background" if device_type == "cuda" else "inline",
-        "device_train_size": train_square_size(args.image_size, args.device_train_size) if on_device else None,
+        "device_train_size": train_square_size(args.image_size, args.device_train_size, inputs) if on_device else None,
         "data_check": data_check.summary(),
         "training": {"lr_schedule": lr_schedule(ds_config), "learning_rate": ds_config["optimizer"]["params"]["lr"],
                      "weight_decay": ds_config["optimizer"]["params"].get("weight_decay"),
@@ -148,7 +150,7 @@ def main(argv=None):
     saver = CheckpointSaver(engine, args.checkpoint_dir, args.save_every, args.keep_last, args.save_last_every,
                             background=device_type == "cuda")
     health = StepHealth(engine, args.max_nonfinite_steps)
-    extra_info = {"model": model_name, "pretrained": args.pretrained, "image_size": args.image_size, "class_names": train_set.classes,
+    extra_info = {"model": model_name, "pretrained": args.pretrained, "preprocessing": inputs, "image_size": args.image_size, "class_names": train_set.classes,
                   "world_size": world_size, "zero_stage": zero_stage, "precision": precision(ds_config),
                   "settings": settings}
 

@@ -55,14 +55,19 @@ def test_crops_match_the_dataloader_paths_pil_crops():
         assert (ours[i] - TF.pil_to_tensor(pil).float()).abs().max() <= 1.0
 
 
-def test_validation_images_match_the_dataloader_path(tiny_data):
+# Pretrained weights bring their own (model.preprocessing): here ResNet50 V2's resize and MaxViT's mean and std.
+WEIGHTS_PREPROCESSING = {"mean": [0.5] * 3, "std": [0.5] * 3, "resize_ratio": 232 / 224, "interpolation": "bilinear"}
+
+
+@pytest.mark.parametrize("preprocessing", [None, WEIGHTS_PREPROCESSING])
+def test_validation_images_match_the_dataloader_path(tiny_data, preprocessing):
     train_set, val_set = ImageFolder(tiny_data / "train"), ImageFolder(tiny_data / "val")
     train_loader, val_loader, _ = build_device_loaders(train_set, val_set, 8, 24, 0, 1, 0, CPU, torch.float32,
-                                                       train_size=40)
+                                                       train_size=40, preprocessing=preprocessing)
     assert train_loader.images.shape[1:] == (3, 40, 40)  # --device_train_size: training squares only
     assert next(train_loader.epoch(0))[0].shape == (8, 3, 24, 24)
     images, labels = next(iter(val_loader))
-    reference = ImageFolder(tiny_data / "val", transform=build_transform(24, train=False))
+    reference = ImageFolder(tiny_data / "val", transform=build_transform(24, train=False, preprocessing=preprocessing))
     expected = torch.stack([reference[i][0] for i in range(8)])
     assert labels.tolist() == [reference[i][1] for i in range(8)]
     # PIL's and torchvision's antialiased resizes differ by about one grey level here and there.

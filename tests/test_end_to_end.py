@@ -51,9 +51,10 @@ def test_training_run_writes_history_and_checkpoints(name, trained, tiny_data):
     assert [e["epoch"] for e in epochs] == list(range(1, TRAINED_EPOCHS + 1))
     for record in epochs:
         assert set(record) == {"epoch", "train_loss", "train_acc", "val_loss", "val_acc", "val_images", "lr",
-                               "epoch_time_s", "images_per_s", "data_wait_s", "compute_s", "validation_s",
+                               "backbone_lr", "epoch_time_s", "images_per_s", "data_wait_s", "compute_s", "validation_s",
                                "checkpoint_s", "epoch_wall_s", "peak_gpu_memory_gib", "skipped_steps",
                                "nonfinite_steps"}
+        assert record["backbone_lr"] == record["lr"]  # no fine-tuning controls: one rate for all
         parts = record["epoch_time_s"] + record["validation_s"] + record["checkpoint_s"]
         assert 0 < parts <= record["epoch_wall_s"] < parts + 0.5  # the rest: metrics, monitors, the epoch line
         assert record["skipped_steps"] == record["nonfinite_steps"] == 0

@@ -15,7 +15,8 @@ import torchvision
 from conftest import TINY_CLASSES, data_args, launch
 from distributed import free_port, init_distributed
 from failures import UsageError
-from model import LayerNorm2dFP32, build_model, check_image_size, list_models
+from data import DEFAULT_PREPROCESSING, build_transform, check_preprocessing
+from model import LayerNorm2dFP32, build_model, check_image_size, list_models, preprocessing
 from options import run_cli
 
 # One small model of each family, with a size each takes.
@@ -67,6 +68,21 @@ def test_layer_norm_computes_in_fp32_under_half_precision_weights(dtype):
     out = norm(x.to(dtype))
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_weights_bring_their_preprocessing_and_files_are_checked_for_it():
+    assert preprocessing("resnet50", "IMAGENET1K_V2") == {
+        "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225], "resize_ratio": 232 / 224,
+        "interpolation": "bilinear"}
+    assert preprocessing("vit_b_16", "IMAGENET1K_SWAG_E2E_V1")["interpolation"] == "bicubic"
+    assert preprocessing("resnet50", None) == preprocessing("resnet50", "weights.pth") == DEFAULT_PREPROCESSING
+    resized = build_transform(224, train=False, preprocessing=preprocessing("resnet50", "IMAGENET1K_V2"))
+    assert resized.transforms[0].size == 232
+    assert check_preprocessing(None, "x.json") == DEFAULT_PREPROCESSING
+    for damaged in ({"mean": [0.5] * 3}, {**DEFAULT_PREPROCESSING, "std": [0, 1, 1]},
+                    {**DEFAULT_PREPROCESSING, "resize_ratio": "big"}, {**DEFAULT_PREPROCESSING, "interpolation": "os"}):
+        with pytest.raises(UsageError, match="x.json: its preprocessing is not one this trainer writes"):
+            check_preprocessing(damaged, "x.json")
 
 
 def imagenet_weights_file(torch_home, name, weights="DEFAULT"):
@@ -167,6 +183,7 @@ def test_a_pretrained_torchvision_model_fine_tunes_on_two_ranks_at_zero3_exports
     info = json.loads((tmp_path / "checkpoints_deepspeed/last/extra_info.json").read_text())
     assert history["config"]["model"] == info["model"] == "mobilenet_v3_small"
     assert history["config"]["pretrained"] == info["pretrained"] == "DEFAULT"
+    assert history["config"]["preprocessing"] == info["preprocessing"] == preprocessing("mobilenet_v3_small", "DEFAULT")
     assert history["config"]["training"]["freeze_backbone_epochs"] == 1
     first, second = history["epochs"]
     assert first["backbone_lr"] == 0 and second["backbone_lr"] == pytest.approx(0.1 * second["lr"])
@@ -174,7 +191,8 @@ def test_a_pretrained_torchvision_model_fine_tunes_on_two_ranks_at_zero3_exports
     from export_model import main as export
 
     export([str(tmp_path / "checkpoints_deepspeed/last"), "--output", str(tmp_path / "model.safetensors")])
-    assert json.loads((tmp_path / "model.safetensors.json").read_text())["model"] == "mobilenet_v3_small"
+    sidecar = json.loads((tmp_path / "model.safetensors.json").read_text())
+    assert sidecar["model"] == "mobilenet_v3_small" and sidecar["preprocessing"] == info["preprocessing"]
     with pytest.raises(SystemExit) as exited:
         sys.exit(run_cli(evaluate.main, ["--model", str(tmp_path / "model.safetensors"), "--data_dir",
                                          str(tiny_data / "val"), "--output_dir", str(tmp_path / "eval"),
