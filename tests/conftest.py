@@ -72,6 +72,27 @@ class Payload:
         return (open, (self.marker, "w"))
 
 
+def spawn_ranks(fn, nprocs=1, *args):
+    """fn(rank, port, results, *args) in `nprocs` fresh processes, as the ranks of one process group (real
+    engines need one, and a process of their own); the dict `results` they filled."""
+    import torch.multiprocessing as mp
+
+    from distributed import free_port
+
+    results = mp.Manager().dict()
+    mp.spawn(fn, args=(free_port(), results, *args), nprocs=nprocs, join=True)
+    return dict(results)
+
+
+def join_process_group(rank, port, world_size=1):
+    """In a spawn_ranks process: join the group as the trainer does (gloo on a CPU)."""
+    from distributed import init_distributed
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    init_distributed()
+
+
 def split_dry_run(stdout):
     """Dry-run output: the config as JSON, then the command on the last line."""
     *config_lines, command = stdout.strip().splitlines()

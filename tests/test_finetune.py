@@ -1,13 +1,12 @@
 """--freeze_backbone_epochs and --backbone_lr_scale on real engines (CPU, gloo) at every ZeRO stage and with
 optimizer offload: the body does not move while frozen and does afterwards, at the scaled learning rate."""
-import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from distributed import free_port, init_distributed
+from conftest import join_process_group, spawn_ranks
+
 from finetune import BodyLearningRate, head_module, parameter_groups
 
 CLASSES, SCALE = 3, 0.1
@@ -39,8 +38,7 @@ def moved(before, after):
 def on_rank(rank, port, results):
     import deepspeed
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    init_distributed()
+    join_process_group(rank, port)
     for name, zero in ZERO.items():
         model = small_model()
         config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
@@ -68,9 +66,7 @@ def on_rank(rank, port, results):
 
 @pytest.fixture(scope="module")
 def runs():
-    results = mp.Manager().dict()
-    mp.spawn(on_rank, args=(free_port(), results), nprocs=1, join=True)
-    return dict(results)
+    return spawn_ranks(on_rank)
 
 
 @pytest.mark.slow

@@ -1,6 +1,5 @@
 """--model (any torchvision classifier), --pretrained through torchvision's weights API, fp32 normalisation."""
 import json
-import os
 import sys
 import urllib.error
 from pathlib import Path
@@ -8,14 +7,12 @@ from urllib.parse import urlparse
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 import torchvision
 
-from conftest import TINY_CLASSES, data_args, launch
-from distributed import free_port, init_distributed
-from failures import UsageError
+from conftest import TINY_CLASSES, data_args, join_process_group, launch, spawn_ranks
 from data import DEFAULT_PREPROCESSING, build_transform, check_preprocessing
+from failures import UsageError
 from model import LayerNorm2dFP32, build_model, check_image_size, list_models, preprocessing
 from options import run_cli
 
@@ -132,8 +129,7 @@ def train_families(rank, port, results):
     model, at ZeRO-0 and ZeRO-3."""
     import deepspeed
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    init_distributed()
+    join_process_group(rank, port)
     for name in TRAINED:
         size = FAMILIES[name]
         for stage in (0, 3):
@@ -158,8 +154,7 @@ def train_families(rank, port, results):
 
 @pytest.mark.slow
 def test_every_family_trains_at_zero0_and_zero3_in_bf16():
-    results = mp.Manager().dict()
-    mp.spawn(train_families, args=(free_port(), results), nprocs=1, join=True)
+    results = spawn_ranks(train_families)
     for name in TRAINED:
         for stage in (0, 3):
             result = results[(name, stage)]

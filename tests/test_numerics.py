@@ -1,14 +1,13 @@
 """fp16 loss scaling under DeepSpeed's torch_autocast: the GradScaler lowers its scale after every skipped
 step, whichever of the scaler or DeepSpeed's ZeRO optimizer skipped it. Real engines on the CPU (gloo),
 where DeepSpeed runs torch_autocast fp16 too."""
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from distributed import free_port, init_distributed
+from conftest import join_process_group, spawn_ranks
+
 from numerics import StepHealth, back_off
 
 OVERFLOWING_STEPS = 3
@@ -47,8 +46,7 @@ def train_steps(zero, clipping):
 
 
 def on_rank(rank, port, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    init_distributed()  # as the trainer joins its process group
+    join_process_group(rank, port)
     for name, zero in CONFIGS.items():
         results[name] = train_steps(zero, clipping=1.0 if "clipping" in name else 0.0)
     dist.destroy_process_group()
@@ -56,9 +54,7 @@ def on_rank(rank, port, results):
 
 @pytest.fixture(scope="module")
 def runs():
-    results = mp.Manager().dict()
-    mp.spawn(on_rank, args=(free_port(), results), nprocs=1, join=True)
-    return dict(results)
+    return spawn_ranks(on_rank)
 
 
 @pytest.mark.slow

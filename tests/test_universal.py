@@ -9,14 +9,13 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from conftest import Payload
+from conftest import Payload, join_process_group, spawn_ranks
 
 import universal
 from checkpoint_engine import BackgroundCheckpointEngine
-from distributed import average_buffers, free_port, init_distributed
+from distributed import average_buffers
 from failures import UsageError, WriteFailed
 
 STAGES = (0, 1, 2, 3)
@@ -64,12 +63,10 @@ def steps(engine, seed, train):
     return losses
 
 
-def on_rank(rank, world_size, port, folder, results):
+def on_rank(rank, port, results, world_size, folder):
     import checkpoints
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
-    init_distributed()
+    join_process_group(rank, port, world_size)
     other = 3 - world_size  # 2 ranks <-> 1
     for stage in STAGES:
         engine = engine_for(stage, world_size)
@@ -94,10 +91,10 @@ def on_rank(rank, world_size, port, folder, results):
 def runs(tmp_path_factory):
     """2 ranks save; 1 rank saves and resumes theirs; 2 ranks resume the 1 rank's."""
     folder = tmp_path_factory.mktemp("universal")
-    results = mp.Manager().dict()
+    results = {}
     for world_size in (2, 1, 2):
-        mp.spawn(on_rank, args=(world_size, free_port(), str(folder), results), nprocs=world_size, join=True)
-    return dict(results), folder
+        results.update(spawn_ranks(on_rank, world_size, world_size, str(folder)))
+    return results, folder
 
 
 @pytest.mark.slow
