@@ -5,7 +5,7 @@ DeepSpeed's ds_to_universal merges the shards into one file per parameter and op
 engine started with `"checkpoint": {"load_universal": true}` cuts again for its own ranks. Rank 0 converts
 into a hidden folder of --checkpoint_dir (a run's own, under its lock), every rank loads it, and it goes.
 
-ds_to_universal and the universal loader unpickle everything (weights_only=False): the checkpoint's files
+ds_to_universal and the universal loader unpickle anything (no weights-only load): the checkpoint's files
 pass loading.load_checked first, and the universal folder holds only what the conversion wrote from them.
 A universal load skips the module's state dict, so the trainer puts back what is not a parameter (the
 batch-norm running statistics) from the checkpoint's model-states file.
