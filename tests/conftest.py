@@ -80,8 +80,17 @@ def spawn_ranks(fn, nprocs=1, *args):
     from distributed import free_port
 
     results = mp.Manager().dict()
-    mp.spawn(fn, args=(free_port(), results, *args), nprocs=nprocs, join=True)
+    mp.spawn(_as_rank, args=(fn, free_port(), results, args), nprocs=nprocs, join=True)
     return dict(results)
+
+
+def _as_rank(rank, fn, port, results, args):
+    from distributed import shut_down
+
+    try:
+        fn(rank, port, results, *args)
+    finally:  # together: a rank leaving gloo while another still works can abort in its teardown
+        shut_down()
 
 
 def join_process_group(rank, port, world_size=1):

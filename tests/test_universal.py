@@ -84,7 +84,6 @@ def on_rank(rank, port, results, world_size, folder):
             resumed = None
         if rank == 0:
             results[(stage, world_size)] = {"own": own, "resumed": resumed}
-    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
