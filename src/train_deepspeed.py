@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from checkpoints import CheckpointSaver, check_resumable, find_checkpoint, load, run_settings, saved_stage  # noqa: E402
 from data import build_loaders, load_datasets  # noqa: E402
 from device_data import build_device_loaders, choose_device_data, train_square_size  # noqa: E402
-from distributed import init_distributed, local_device, rank_zero_only  # noqa: E402
+from distributed import init_distributed, local_device, rank_zero_only, shut_down  # noqa: E402
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_with_deepspeed,  # noqa: E402
                        load_base_config, lr_schedule, precision)
 from failures import advise_on_out_of_memory, check_writable  # noqa: E402
@@ -237,6 +237,7 @@ def main(argv=None):
         total = datetime.timedelta(seconds=round(clock.since_start()))
         say(f"Best val acc {best['val_acc']:.4f} at epoch {best['epoch']}; total time {total}; "
             f"history in {history.path}, checkpoints in {args.checkpoint_dir}")
+    shut_down()  # together: a rank leaving gloo while rank 0 still writes can abort in the backend's teardown
     return 0
 
 
