@@ -99,8 +99,8 @@ def main(argv=None):
 
     import deepspeed
 
-    if args.sync_bn:
-        synchronize_batch_norm(model)
+    if args.sync_bn and not synchronize_batch_norm(model):
+        say(f"--sync_bn: {model_name} has no batch norm, so there is nothing to synchronise")
     # Out of memory from here on (the engine's buffers, the dataset on the GPU) ends with the next flags to try.
     with advise_on_out_of_memory(ds_config, on_device), ThreadPoolExecutor(1) as decoder:
         if on_device:  # decodes on the GPU while DeepSpeed sets up (one of them waits on the host most of the time)

@@ -13,7 +13,8 @@ import torchvision
 from conftest import TINY_CLASSES, data_args, join_process_group, launch, spawn_ranks
 from data import DEFAULT_PREPROCESSING, build_transform, check_preprocessing
 from failures import UsageError
-from model import LayerNorm2dFP32, build_model, check_image_size, list_models, preprocessing
+from model import (LayerNorm2dFP32, build_model, check_image_size, list_models, preprocessing,
+                   synchronize_batch_norm)
 from options import run_cli
 
 # One small model of each family, with a size each takes.
@@ -45,6 +46,11 @@ def test_a_model_or_size_no_run_can_use_is_refused_before_anything_starts():
         check_image_size("vit_b_16", 3, 40)
     for name, size in FAMILIES.items():
         check_image_size(name, TINY_CLASSES, size)
+
+
+def test_sync_bn_reaches_the_batch_norm_of_any_model():
+    assert synchronize_batch_norm(build_model("efficientnet_b0", 3)) == 49
+    assert synchronize_batch_norm(build_model("vit_b_16", 3, 32)) == 0  # layer norm only: the run says so
 
 
 def test_resnet18_keeps_its_name_and_keys_and_others_keep_torchvisions():
