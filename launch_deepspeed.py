@@ -209,10 +209,9 @@ def main(argv=None):
         class_names, num_train_images = data_check.classes, data_check.train.num_images
     num_params = num_parameters(len(class_names))
     if args.model != DEFAULT_MODEL or args.pretrained:  # the training script's checks, before any process starts
-        from model import check_image_size, pretrained_state, shape_model
+        from model import check_image_size, pretrained_state
 
-        check_image_size(args.model, len(class_names), args.image_size)
-        shapes = shape_model(args.model, len(class_names), args.image_size)
+        shapes = check_image_size(args.model, len(class_names), args.image_size)
         num_params = sum(p.numel() for p in shapes.parameters())
         if args.pretrained:  # downloads torchvision's weights once, here, rather than in every rank
             pretrained_state(shapes, args.model, args.pretrained, len(class_names), mmap=True)

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from checkpoints import find_checkpoint, read_info
+from data import check_preprocessing
 from failures import UsageError, check_output_file, stop_on_write_error
 from files import write_json_atomic
 from loading import check_checkpoint_files, load_checked
-from data import check_preprocessing
 from model import build_model, check_saved_model, load_weights
 from options import MODEL_NAME, run_cli
 

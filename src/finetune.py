@@ -7,7 +7,6 @@ group to the same value, and ZeRO 1-3 and offload keep groups as they are. A fro
 gradients are still computed (ZeRO's buffers are built for every parameter at setup, so requires_grad
 cannot change afterwards), but AdamW moves no weight whose learning rate is 0, weight decay included.
 """
-import torch
 from torch import nn
 
 
@@ -58,9 +57,3 @@ class BodyLearningRate:
         """The body's scale this epoch: its learning rate over the head's."""
         return self.optimizer.param_groups[1]["lr_scale"]
 
-
-@torch.no_grad()
-def body_snapshot(model, num_classes):
-    """Copies of the body's parameters (for tests and checks)."""
-    head = {id(p) for p in head_module(model, num_classes).parameters()}
-    return [p.detach().clone() for p in model.parameters() if id(p) not in head]

@@ -8,6 +8,7 @@ from torch.utils.data import DataLoader
 from data import build_transform, check_preprocessing
 from export_model import consolidated_state_dict, sidecar_path
 from failures import UsageError
+from finetune import head_module
 from loading import load_checked
 from model import build_model, check_saved_model, load_weights
 from options import MODEL_NAME
@@ -24,11 +25,13 @@ def load_model(path, device):
         state_dict = _weights(path)
     else:
         raise UsageError(f"--model {path}: no such file or checkpoint folder")
-    model = build_model(metadata.get("model", MODEL_NAME), len(metadata["class_names"]), metadata["image_size"])
-    fc = state_dict.get("fc.weight")
-    if torch.is_tensor(fc) and fc.ndim == 2 and fc.shape[0] != len(metadata["class_names"]):
-        raise UsageError(f"--model {path} has {fc.shape[0]} outputs but its class names list "
-                         f"{len(metadata['class_names'])}: its .json sidecar belongs to another export")
+    classes = len(metadata["class_names"])
+    model = build_model(metadata.get("model", MODEL_NAME), classes, metadata["image_size"])
+    head = head_module(model, classes)
+    saved = state_dict.get(next(f"{name}.weight" for name, module in model.named_modules() if module is head))
+    if torch.is_tensor(saved) and saved.ndim and saved.shape[0] != classes:
+        raise UsageError(f"--model {path} has {saved.shape[0]} outputs but its class names list {classes}: its "
+                         ".json sidecar belongs to another export")
     load_weights(model, state_dict, f"--model {path}")
     return model.to(device).eval(), metadata
 

@@ -21,7 +21,6 @@ from loading import load_checked
 from options import DEFAULT_MODEL, architecture
 
 
-
 class BatchNorm2dFP32(nn.BatchNorm2d):
     """BatchNorm2d that normalises in fp32 and keeps its running statistics in fp32.
 
@@ -227,8 +226,6 @@ def _no_initialisation():
 
 def shape_model(name, num_classes=1000, image_size=224):
     """The model on the meta device: its shapes without its memory or initialisation."""
-    name = architecture(name)
-    check_model_name(name)
     try:
         with torch.device("meta"):
             return build_model(name, num_classes, image_size)
@@ -239,7 +236,7 @@ def shape_model(name, num_classes=1000, image_size=224):
 
 def check_image_size(name, num_classes, image_size):
     """Stop before anything starts when `name` cannot take `image_size` px (too small for its downsampling,
-    not a multiple of its patch or window): a forward pass on the meta device."""
+    not a multiple of its patch or window): a forward pass on the meta device. Returns that meta model."""
     try:
         model = shape_model(name, num_classes, image_size)
     except (ValueError, AssertionError) as err:  # ViT and MaxViT check the size at construction
@@ -250,6 +247,7 @@ def check_image_size(name, num_classes, image_size):
         detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise UsageError(f"--model {name} cannot take --image_size {image_size} ({detail}); use a larger or "
                          "rounder size, such as 224") from None
+    return model
 
 
 def default_image_size(name):
@@ -291,9 +289,9 @@ def preprocessing(name, pretrained):
             "resize_ratio": preset.resize_size[0] / preset.crop_size[0], "interpolation": preset.interpolation.value}
 
 
-def weights_file(name, choice, download=True):
+def weights_file(name, choice):
     """The local file of `choice`: a path as given, or the weights `choice` of model `name` in the torch hub
-    cache (TORCH_HOME), downloaded there when missing and `download`."""
+    cache (TORCH_HOME), downloaded there when missing."""
     if Path(choice).is_file():
         return Path(choice)
     weights = _weights(name, choice)
@@ -302,7 +300,7 @@ def weights_file(name, choice, download=True):
         raise UsageError(f"--pretrained {choice}: no such file, and not a weights name of {name} ({names})")
     folder = Path(torch.hub.get_dir()) / "checkpoints"
     path = folder / Path(urlparse(weights.url).path).name
-    if path.is_file() or not download:
+    if path.is_file():
         return path
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -319,12 +317,10 @@ AUXILIARY_HEADS = ("aux1.", "aux2.", "AuxLogits.")  # GoogLeNet's and Inception 
 
 
 def pretrained_state(model, name, choice, num_classes, mmap=False):
-    """(state_dict to load, names of the tensors left out as the new head) of weights `choice` (a weights name
-    or a file, see weights_file) for `model`, a `name` with `num_classes` outputs (on the meta device too:
-    only shapes are compared). The head is left out when the class count differs."""
+    """The state_dict of weights `choice` (a weights name or a file, see weights_file) to load into `model`, a
+    `name` with `num_classes` outputs (on the meta device too: only shapes are compared). The classifier
+    head is left out when the class count differs."""
     path = weights_file(name, choice)
-    if not path.is_file():
-        raise UsageError(f"--pretrained {choice}: file not found")
     state = load_checked(path, mmap=mmap, deepspeed_classes=False)
     if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
         raise UsageError(f"--pretrained {path} is not a state_dict (tensors by name)"
@@ -347,11 +343,9 @@ def pretrained_state(model, name, choice, num_classes, mmap=False):
         what = "; ".join(f"{label} {', '.join(keys[:3])}" for label, keys in
                          (("missing", missing), ("unexpected", unexpected), ("other shapes", mismatched)) if keys)
         raise UsageError(f"--pretrained {path} is not a {name} state_dict ({what})")
-    return kept, sorted(head)
+    return kept
 
 
 def load_pretrained(model, name, choice, num_classes):
-    """Load weights `choice` into `model` (see pretrained_state); the names of the tensors left out as the head."""
-    kept, head = pretrained_state(model, name, choice, num_classes)
-    model.load_state_dict(kept, strict=False)
-    return head
+    """Load weights `choice` into `model` (see pretrained_state)."""
+    model.load_state_dict(pretrained_state(model, name, choice, num_classes), strict=False)

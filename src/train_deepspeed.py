@@ -39,7 +39,7 @@ from training import evaluate, input_dtype, peak_gpu_memory_gib, train_one_epoch
 
 
 def get_args_parser():
-    parser = argparse.ArgumentParser(description="Train ResNet18 on an image folder with DeepSpeed.")
+    parser = argparse.ArgumentParser(description="Train a torchvision classifier on an image folder with DeepSpeed.")
     add_training_args(parser)
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by `deepspeed`
     return parser

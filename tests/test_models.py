@@ -201,3 +201,8 @@ def test_a_pretrained_torchvision_model_fine_tunes_on_two_ranks_at_zero3_exports
     assert exited.value.code in (0, None)
     report = json.loads((tmp_path / "eval/report.json").read_text())
     assert report["top1"] == pytest.approx(second["val_acc"])
+    # A sidecar of another export: its class count against the head's (classifier.3 here, not ResNet's fc).
+    (tmp_path / "model.safetensors.json").write_text(json.dumps({**sidecar, "class_names": ["a", "b"]}))
+    with pytest.raises(UsageError, match=f"has {TINY_CLASSES} outputs but its class names list 2"):
+        evaluate.main(["--model", str(tmp_path / "model.safetensors"), "--data_dir", str(tiny_data / "val"),
+                       "--output_dir", str(tmp_path / "eval"), "--num_workers", "0"])
