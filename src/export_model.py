@@ -23,7 +23,7 @@ from data import check_preprocessing
 from failures import UsageError, check_output_file, stop_on_write_error
 from files import write_json_atomic
 from loading import check_checkpoint_files, load_checked
-from model import build_model, check_saved_model, load_weights
+from model import check_saved_model, load_weights, model_for_weights
 from options import MODEL_NAME, run_cli
 
 SUFFIXES = (".pt", ".pth", ".safetensors")
@@ -64,7 +64,7 @@ def export(checkpoint, output):
     check_output_file(output, "--output", SUFFIXES)
     state_dict, info = consolidated_state_dict(checkpoint)
     # strict: the export must load as it is
-    load_weights(build_model(info["model"], len(info["class_names"]), info["image_size"]), state_dict,
+    load_weights(model_for_weights(info["model"], len(info["class_names"]), info["image_size"]), state_dict,
                  info["folder"])
     metadata = {"model": info["model"], "pretrained": info.get("pretrained"),
                 "preprocessing": check_preprocessing(info.get("preprocessing"), Path(info["folder"]) / "extra_info.json"),

@@ -10,7 +10,7 @@ from export_model import consolidated_state_dict, sidecar_path
 from failures import UsageError
 from finetune import head_module
 from loading import load_checked
-from model import build_model, check_saved_model, load_weights
+from model import check_saved_model, load_weights, model_for_weights
 from options import MODEL_NAME
 
 
@@ -26,7 +26,7 @@ def load_model(path, device):
     else:
         raise UsageError(f"--model {path}: no such file or checkpoint folder")
     classes = len(metadata["class_names"])
-    model = build_model(metadata.get("model", MODEL_NAME), classes, metadata["image_size"])
+    model = model_for_weights(metadata.get("model", MODEL_NAME), classes, metadata["image_size"])
     head = head_module(model, classes)
     saved = state_dict.get(next(f"{name}.weight" for name, module in model.named_modules() if module is head))
     if torch.is_tensor(saved) and saved.ndim and saved.shape[0] != classes:
@@ -91,12 +91,13 @@ def default_device():
 
 
 @torch.no_grad()
-def predict_probabilities(model, dataset, device, batch_size=64, num_workers=2):
-    """Softmax probabilities for every item of `dataset` (items are (image tensor, anything))."""
+def predict_log_probabilities(model, dataset, num_classes, device, batch_size=64, num_workers=2):
+    """Log-softmax of the logits for every item of `dataset` (items are (image tensor, anything)): exact for
+    the loss where probabilities round to 0 or 1."""
     loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, pin_memory=device.type == "cuda")
-    batches = [torch.softmax(model(images.to(device, non_blocking=True)).float(), dim=1).cpu()
+    batches = [torch.log_softmax(model(images.to(device, non_blocking=True)).float(), dim=1).cpu()
                for images, _ in loader]
-    return torch.cat(batches) if batches else torch.empty(0, len(model.fc.weight))
+    return torch.cat(batches) if batches else torch.empty(0, num_classes)
 
 
 def eval_transform(metadata):

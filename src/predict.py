@@ -11,7 +11,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from data import load_rgb
 from failures import UsageError, check_counts
-from inference import default_device, eval_transform, load_model, predict_probabilities
+from inference import default_device, eval_transform, load_model, predict_log_probabilities
 from options import run_cli
 
 
@@ -65,8 +65,9 @@ def main(argv=None):
     device = default_device()
     model, metadata = load_model(args.model, device)
     # Worker processes would turn a bad image's UsageError into a traceback: decode in this process.
-    probabilities = predict_probabilities(model, Images(paths, eval_transform(metadata)), device,
-                                          args.batch_size, num_workers=0)
+    probabilities = predict_log_probabilities(model, Images(paths, eval_transform(metadata)),
+                                              len(metadata["class_names"]), device, args.batch_size,
+                                              num_workers=0).exp()
     k = max(1, min(args.top_k, len(metadata["class_names"])))
     top = probabilities.topk(k, dim=1)
     results = [{"image": str(path), "predictions": [

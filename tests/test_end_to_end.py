@@ -235,14 +235,17 @@ def test_evaluate_reports_the_logged_accuracy(source, exported, tiny_data, tmp_p
                   str(tiny_data / "val"), "--output_dir", str(tmp_path / "eval"), "--num_workers", "0"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "eval/report.json").read_text())
-    assert report["top1"] == pytest.approx(load_history(workdir)["best"]["val_acc"])
+    history = load_history(workdir)
+    best = history["epochs"][history["best"]["epoch"] - 1]
+    assert report["top1"] == pytest.approx(best["val_acc"])
+    assert report["loss"] == pytest.approx(best["val_loss"], rel=1e-4)
     assert report["top1"] <= report["top3"] == 1.0  # 3 classes: the top 3 always hold the answer
     confusion = report["confusion_matrix"]
     assert sum(map(sum, confusion)) == report["images"] == TINY_VAL_IMAGES
     assert sum(confusion[i][i] for i in range(TINY_CLASSES)) / TINY_VAL_IMAGES == pytest.approx(report["top1"])
     assert report["per_class_accuracy"] == {name: confusion[i][i] / TINY_VAL_PER_CLASS for i, name in enumerate(report["class_names"])}
     assert (tmp_path / "eval/confusion_matrix.png").read_bytes()[:4] == b"\x89PNG"
-    assert f"top-1 {report['top1']:.4f}" in result.stdout
+    assert f"loss {report['loss']:.4f}, top-1 {report['top1']:.4f}" in result.stdout
 
 
 def test_predict_agrees_with_evaluate(exported, tiny_data, tmp_path, trained):

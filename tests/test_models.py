@@ -13,8 +13,8 @@ import torchvision
 from conftest import TINY_CLASSES, data_args, join_process_group, launch, spawn_ranks
 from data import DEFAULT_PREPROCESSING, build_transform, check_preprocessing
 from failures import UsageError
-from model import (LayerNorm2dFP32, build_model, check_image_size, list_models, preprocessing,
-                   synchronize_batch_norm)
+from model import (LayerNorm2dFP32, build_model, check_image_size, list_models, load_weights, model_for_weights,
+                   preprocessing, synchronize_batch_norm)
 from options import run_cli
 
 # One small model of each family, with a size each takes.
@@ -109,6 +109,16 @@ def test_pretrained_weights_come_from_the_torch_hub_cache_with_a_new_head(tmp_pa
     loaded = model.state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in imagenet.items() if not k.startswith("classifier.3."))
     assert loaded["classifier.3.weight"].shape == (3, 1024)
+
+
+def test_weights_without_module_versions_load_into_mnasnet(tmp_path, monkeypatch):
+    """MNASNet's loader refuses a state without its version (an export; torchvision's file seen through a
+    filtered copy)."""
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path))
+    _, imagenet = imagenet_weights_file(tmp_path, "mnasnet0_5")
+    model = build_model("mnasnet0_5", 3, pretrained="DEFAULT")
+    assert torch.equal(model.state_dict()["layers.0.weight"], imagenet["layers.0.weight"])
+    load_weights(model_for_weights("mnasnet0_5", 3, 224), dict(model.state_dict()), "an export")
 
 
 def test_pretrained_without_the_file_or_the_network_names_both(tmp_path, monkeypatch):
