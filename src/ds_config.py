@@ -134,8 +134,7 @@ def build_ds_config(args, world_size, num_train_images, base=None, device_type="
     _resolve_precision(config, args, device_type)
     _resolve_zero(config, args, num_params, world_size, resumed_stage)
     _resolve_optimizer(config, args, device_type)
-    _resolve_scheduler(config, args, total_steps=args.epochs * steps,
-                       warmup_steps=max(1, round(args.warmup_epochs * steps)))
+    _resolve_scheduler(config, args, total_steps=args.epochs * steps, warmup_steps=round(args.warmup_epochs * steps))
     _resolve_monitors(config, args)
     # Always written: a config without it would get DeepSpeed's default of 1.0, not --clip_grad's 0.
     config["gradient_clipping"] = _pick(config, "gradient_clipping", args, "clip_grad", missing=args.clip_grad)
@@ -301,7 +300,7 @@ def _resolve_scheduler(config, args, total_steps, warmup_steps):
         config.pop("scheduler", None)
     scheduler = config.setdefault("scheduler", {"type": kind, "params": dict(defaults)})
     params = scheduler.setdefault("params", {})
-    auto_values = {"total_num_steps": total_steps, "warmup_num_steps": warmup_steps,
+    auto_values = {"total_num_steps": total_steps, "warmup_num_steps": max(1, warmup_steps),
                    "warmup_min_lr": 0.0, "warmup_max_lr": config["optimizer"]["params"]["lr"]}
     # Without these DeepSpeed would fall back to its own step counts (and WarmupDecayLR to lr 0.001).
     if scheduler.get("type") in ("WarmupCosineLR", "WarmupDecayLR"):
@@ -311,6 +310,11 @@ def _resolve_scheduler(config, args, total_steps, warmup_steps):
     if scheduler.get("type") in ("WarmupDecayLR", "WarmupLR"):
         params.setdefault("warmup_min_lr", AUTO)
         params.setdefault("warmup_max_lr", AUTO)
+    if warmup_steps == 0 and params.get("warmup_num_steps") == AUTO:
+        # DeepSpeed's schedulers warm up for 2 steps at least, from the minimum (WarmupCosineLR: lr 0, whatever
+        # the ratio): a one-step run would not train. Started past step 0 (the optimizer's lr, the peak) with a
+        # log ramp (the peak at step 1), every step is at the schedule's peak or after it.
+        params.update(warmup_type="log", last_batch_iteration=0)
     for key, value in auto_values.items():
         if params.get(key) == AUTO:
             params[key] = value

@@ -300,6 +300,16 @@ def test_lr_schedule_picks_the_deepspeed_scheduler(schedule, kind, final_fractio
     assert lrs[-1] == pytest.approx(0.02 * final_fraction, abs=1e-4)
 
 
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+def test_without_warmup_the_first_step_trains_at_the_peak(schedule):
+    # DeepSpeed warms up for 2 steps at least; the first was at lr 0, so a one-step run learnt nothing.
+    config = build("--lr_schedule", schedule, "--learning_rate", "0.02", "--warmup_epochs", "0", "--epochs", "10")
+    lrs = scheduled_lrs(config, 620)
+    assert lrs[:2] == [0.02, 0.02] and lrs[-1] == pytest.approx({"cosine": 0.0002, "linear": 0.0}.get(schedule, 0.02),
+                                                                 abs=1e-4)
+    assert lrs == sorted(lrs, reverse=True)
+
+
 def test_lr_schedule_flag_and_base_scheduler():
     constant = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}
     config = build(base=constant)
