@@ -1,5 +1,6 @@
 """--model (any torchvision classifier), --pretrained through torchvision's weights API, fp32 normalisation."""
 import json
+import math
 import sys
 import urllib.error
 from pathlib import Path
@@ -10,22 +11,18 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
-from conftest import TINY_CLASSES, data_args, join_process_group, launch, spawn_ranks
+from conftest import (TINY_CLASSES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, data_args, join_process_group, launch,
+                      spawn_ranks)
 from data import DEFAULT_PREPROCESSING, build_transform, check_preprocessing
 from failures import UsageError
 from model import (LayerNorm2dFP32, build_model, check_image_size, list_models, load_weights, model_for_weights,
                    preprocessing, synchronize_batch_norm)
-from options import run_cli
+from options import run_cli, saved_name
 
 # One small model of each family, with a size each takes.
-FAMILIES = {"mobilenet_v3_small": 32, "efficientnet_b0": 32, "convnext_tiny": 32, "vit_b_16": 32, "swin_t": 32,
+FAMILIES = {"resnet18": 32, "mobilenet_v3_small": 32, "efficientnet_b0": 32, "convnext_tiny": 32, "vit_b_16": 32, "swin_t": 32,
             "swin_v2_t": 32, "regnet_x_400mf": 32, "densenet121": 32, "shufflenet_v2_x0_5": 32, "mnasnet0_5": 32,
             "squeezenet1_1": 32, "googlenet": 32, "inception_v3": 80}
-# Those the engines below train (all of them did, 50 s on 2 CPU cores; these are the families whose layers
-# differ most: depthwise and squeeze-excite convolutions, LayerNorm2d, attention, Swin V2's coordinate
-# table, Inception's auxiliary head). ResNet18 trains in every other test.
-TRAINED = ("mobilenet_v3_small", "efficientnet_b0", "convnext_tiny", "vit_b_16", "swin_t", "swin_v2_t",
-           "inception_v3")
 
 
 def test_every_torchvision_classifier_is_listed_with_its_size_and_weights():
@@ -140,41 +137,105 @@ def test_pretrained_without_the_file_or_the_network_names_both(tmp_path, monkeyp
         build_model("resnet18", 3, pretrained=str(path))
 
 
-def train_families(rank, port, results):
-    """Two bf16 steps (DeepSpeed's half-precision weights, the mode the fp32 norms are for) of each TRAINED
-    model, at ZeRO-0 and ZeRO-3."""
+def bf16_steps(name, size):
+    """Two bf16 steps at ZeRO-3 (half-precision weights, fp32 buffers: the mode the fp32 norms and Swin V2's
+    table cast are for): the losses, and whether the first weight moved."""
     import deepspeed
 
-    join_process_group(rank, port)
-    for name in TRAINED:
+    torch.manual_seed(0)
+    model = build_model(name, TINY_CLASSES, size)
+    before = next(model.parameters()).detach().clone()
+    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_optimization": {"stage": 3}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    losses = []
+    for _ in range(2):
+        loss = F.cross_entropy(engine(torch.randn(2, 3, size, size, dtype=torch.bfloat16)).float(),
+                               torch.tensor([0, 2]))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    with deepspeed.zero.GatheredParameters([next(engine.module.parameters())]):
+        moved = not torch.equal(next(engine.module.parameters()).detach().float(), before.float())
+    return {"losses": losses, "moved": moved}
+
+
+# The families split in two for two processes, about the same time each (ViT-B/16 alone takes a fifth).
+FAMILY_HALVES = (("vit_b_16", "inception_v3", "densenet121", "efficientnet_b0", "googlenet", "mobilenet_v3_small",
+                  "squeezenet1_1"),
+                 ("swin_v2_t", "swin_t", "convnext_tiny", "regnet_x_400mf", "resnet18", "mnasnet0_5",
+                  "shufflenet_v2_x0_5"))
+# bf16_steps for one model of each kind of normalisation layer the fp32 swap covers: batch norm (with
+# squeeze-excite), layer norm, ConvNeXt's LayerNorm2d, and Swin V2's coordinate table.
+BF16_STEPPED = ("mobilenet_v3_small", "efficientnet_b0", "swin_t", "convnext_tiny", "swin_v2_t")
+
+
+def train_export_evaluate_predict(process, _, results, data, workdir):
+    """For each model of FAMILY_HALVES[process]: a run of the trainer at each ZeRO stage in fp32, its export,
+    evaluate and predict on it; then bf16_steps. The trainer's main() in this process: a launcher run each
+    would add seconds of startup to each of the 56 runs."""
+    import contextlib
+    import gc
+    import io
+    import shutil
+
+    import evaluate
+    import export_model
+    import predict
+    import train_deepspeed
+    from distributed import free_port
+
+    torch.set_num_threads(1)  # two of these processes share the machine's cores
+    join_process_group(0, free_port())  # a group of one of its own
+    train_deepspeed.shut_down = lambda: None  # it serves every run here; spawn_ranks leaves it at the end
+    for name in FAMILY_HALVES[process]:
         size = FAMILIES[name]
-        for stage in (0, 3):
-            torch.manual_seed(0)
-            model = build_model(name, TINY_CLASSES, size)
-            before = [p.detach().clone() for p in model.parameters()][0]
-            config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
-                      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-                      "zero_optimization": {"stage": stage}}
-            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-            losses = []
-            for _ in range(2):
-                loss = F.cross_entropy(engine(torch.randn(2, 3, size, size, dtype=torch.bfloat16)).float(),
-                                       torch.tensor([0, 2]))
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-            with deepspeed.zero.GatheredParameters([next(engine.module.parameters())]):
-                moved = not torch.equal(next(engine.module.parameters()).detach().float(), before.float())
-            results[(name, stage)] = {"losses": losses, "moved": moved}
+        for stage in range(4):
+            work = workdir / f"{name}-{stage}"
+            exported = work / ("model.pt" if stage % 2 else "model.safetensors")
+            code = train_deepspeed.main(data_args(data) + [
+                "--model", name, "--image_size", str(size), "--zero_stage", str(stage), "--epochs", "1",
+                "--batch_size", str(TINY_TRAIN_IMAGES), "--learning_rate", "0.05", "--warmup_epochs", "0",
+                "--num_workers", "0", "--checkpoint_dir", str(work / "checkpoints"), "--log_dir", str(work / "logs")])
+            export_model.main([str(work / "checkpoints/last"), "--output", str(exported)])
+            evaluate.main(["--model", str(exported), "--data_dir", str(data / "val"), "--output_dir",
+                           str(work / "eval"), "--num_workers", "0"])
+            with contextlib.redirect_stdout(io.StringIO()) as printed:
+                predict.main(["--model", str(exported), str(data / "val"), "--json"])
+            results[(name, stage)] = {
+                "code": code, "history": json.loads((work / "logs/training_history.json").read_text()),
+                "sidecar": json.loads(Path(f"{exported}.json").read_text()),
+                "report": json.loads((work / "eval/report.json").read_text()),
+                "predictions": json.loads(printed.getvalue())}
+            gc.unfreeze()  # the trainer froze what it built; the next run needs the memory
+            gc.collect()
+            shutil.rmtree(work)  # a ViT-B/16 run writes 1.5 GB
+        if name in BF16_STEPPED:
+            results[(name, "bf16")] = bf16_steps(name, size)
 
 
 @pytest.mark.slow
-def test_every_family_trains_at_zero0_and_zero3_in_bf16():
-    results = spawn_ranks(train_families)
-    for name in TRAINED:
-        for stage in (0, 3):
+def test_every_family_trains_exports_evaluates_and_predicts_at_every_zero_stage(tiny_data, tmp_path):
+    assert sorted(sum(FAMILY_HALVES, ())) == sorted(FAMILIES)
+    results = spawn_ranks(train_export_evaluate_predict, 2, tiny_data, tmp_path)
+    for name in FAMILIES:
+        for stage in range(4):
             result = results[(name, stage)]
-            assert all(map(torch.isfinite, map(torch.tensor, result["losses"]))) and result["moved"], (name, stage)
+            history, report = result["history"], result["report"]
+            last = history["epochs"][-1]
+            assert result["code"] == 0 and history["config"]["model"] == saved_name(name), (name, stage)
+            assert history["config"]["zero_stage"] == stage and result["sidecar"]["model"] == saved_name(name)
+            # It learnt (not chance's loss), so an export of other weights could not match the loss below.
+            assert abs(last["val_loss"] - math.log(TINY_CLASSES)) > 1e-3, (name, stage)
+            # The export is the model the trainer validated: the same loss and accuracy on the same images.
+            assert report["loss"] == pytest.approx(last["val_loss"], rel=1e-5), (name, stage)
+            assert report["top1"] == pytest.approx(last["val_acc"]), (name, stage)
+            classes = [Path(p["image"]).parent.name == p["predictions"][0]["class"] for p in result["predictions"]]
+            assert len(classes) == TINY_VAL_IMAGES and sum(classes) / len(classes) == pytest.approx(report["top1"])
+    for name in BF16_STEPPED:
+        bf16 = results[(name, "bf16")]
+        assert all(map(math.isfinite, bf16["losses"])) and bf16["moved"], name
 
 
 @pytest.mark.slow
