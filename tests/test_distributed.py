@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from distributed import average_buffers, free_port, shut_down
-from model import BatchNorm2dFP32, synchronize_batch_norm
+from model import BatchNorm2dFP32, build_model, synchronize_batch_norm
 
 pytestmark = pytest.mark.slow  # every test here starts processes (training runs, or ranks of a process group)
 
@@ -30,6 +30,19 @@ def fresh_layer():
     return layer
 
 
+def whole_model():
+    torch.manual_seed(2)
+    return build_model("mobilenet_v3_small", 3).train()
+
+
+def model_batch():
+    return torch.randn(2 * WORLD_SIZE, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+
+
+def model_running_means(model):
+    return [m.running_mean.clone() for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+
+
 def on_each_rank(rank, port, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
@@ -48,7 +61,11 @@ def on_each_rank(rank, port, results):
         unsynced(x[shard])
         before = unsynced.running_mean.clone()
         average_buffers(unsynced)
-        results[rank] = {"input_grad": x_shard.grad, "param_grads": grads,
+        model = whole_model()  # every batch norm of a model other than ResNet, the swapped-in layers included
+        synchronize_batch_norm(model)
+        model(model_batch()[shard])
+        results[rank] = {"model_running": model_running_means(model),
+                         "input_grad": x_shard.grad, "param_grads": grads,
                          "running": (layer.running_mean, layer.running_var, layer.num_batches_tracked),
                          "unsynced_before": before,
                          "unsynced_after": (unsynced.running_mean, unsynced.running_var)}
@@ -79,6 +96,15 @@ def test_sync_bn_matches_one_process_on_the_whole_batch(ranks):
         torch.testing.assert_close(running_var, reference.running_var)
         assert tracked.item() == 1
     torch.testing.assert_close(ranks[0]["running"][0], ranks[1]["running"][0], rtol=0, atol=0)
+
+
+def test_sync_bn_reaches_every_batch_norm_of_a_model(ranks):
+    reference = whole_model()
+    reference(model_batch())
+    expected = model_running_means(reference)
+    assert len(expected) == 34
+    for result in ranks:
+        torch.testing.assert_close(result["model_running"], expected, rtol=1e-4, atol=1e-5)
 
 
 def test_average_buffers_makes_every_rank_hold_the_mean_statistics(ranks):

@@ -1,6 +1,7 @@
 """--model (any torchvision classifier), --pretrained through torchvision's weights API, fp32 normalisation."""
 import json
 import math
+import os
 import sys
 import urllib.error
 from pathlib import Path
@@ -11,16 +12,16 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
-from conftest import (TINY_CLASSES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, data_args, join_process_group, launch,
-                      spawn_ranks)
+from conftest import TINY_CLASSES, data_args, join_process_group, launch, spawn_ranks
 from data import DEFAULT_PREPROCESSING, build_transform, check_preprocessing
 from failures import UsageError
 from model import (LayerNorm2dFP32, build_model, check_image_size, list_models, load_weights, model_for_weights,
                    preprocessing, synchronize_batch_norm)
 from options import run_cli, saved_name
+from prepare_data import make_sample_dataset
 
 # One small model of each family, with a size each takes.
-FAMILIES = {"resnet18": 32, "mobilenet_v3_small": 32, "efficientnet_b0": 32, "convnext_tiny": 32, "vit_b_16": 32, "swin_t": 32,
+FAMILIES = {"resnet18": 32, "mobilenet_v3_small": 32, "mobilenet_v2": 32, "efficientnet_b0": 32, "convnext_tiny": 32, "vit_b_16": 32, "swin_t": 32,
             "swin_v2_t": 32, "regnet_x_400mf": 32, "densenet121": 32, "shufflenet_v2_x0_5": 32, "mnasnet0_5": 32,
             "squeezenet1_1": 32, "googlenet": 32, "inception_v3": 80}
 
@@ -161,18 +162,28 @@ def bf16_steps(name, size):
     return {"losses": losses, "moved": moved}
 
 
-# The families split in two for two processes, about the same time each (ViT-B/16 alone takes a fifth).
-FAMILY_HALVES = (("vit_b_16", "inception_v3", "densenet121", "efficientnet_b0", "googlenet", "mobilenet_v3_small",
-                  "squeezenet1_1"),
-                 ("swin_v2_t", "swin_t", "convnext_tiny", "regnet_x_400mf", "resnet18", "mnasnet0_5",
-                  "shufflenet_v2_x0_5"))
+# The families split in two for two processes, about the same time each (ViT-B/16 alone takes 40 s of 85).
+FAMILY_HALVES = (("vit_b_16", "densenet121", "efficientnet_b0", "googlenet", "mobilenet_v3_small", "squeezenet1_1",
+                  "resnet18", "regnet_x_400mf"),
+                 ("swin_v2_t", "swin_t", "inception_v3", "convnext_tiny", "mnasnet0_5", "shufflenet_v2_x0_5",
+                  "mobilenet_v2"))
+# The rest of torchvision's model builders, through the same checks with ALL_FAMILIES=1: each of them takes
+# a CPU longer than the families above together (tens of millions of parameters; MaxViT takes 224 px only).
+MORE_FAMILIES = {"efficientnet_v2_s": 32, "resnext50_32x4d": 32, "wide_resnet50_2": 32, "alexnet": 64, "vgg11": 32,
+                 "maxvit_t": 224}
+MORE_HALVES = (("maxvit_t", "resnext50_32x4d"), ("vgg11", "wide_resnet50_2", "alexnet", "efficientnet_v2_s"))
 # bf16_steps for one model of each kind of normalisation layer the fp32 swap covers: batch norm (with
 # squeeze-excite), layer norm, ConvNeXt's LayerNorm2d, and Swin V2's coordinate table.
 BF16_STEPPED = ("mobilenet_v3_small", "efficientnet_b0", "swin_t", "convnext_tiny", "swin_v2_t")
 
 
-def train_export_evaluate_predict(process, _, results, data, workdir):
-    """For each model of FAMILY_HALVES[process]: a run of the trainer at each ZeRO stage in fp32, its export,
+# 4 train and 2 validation images per class: one step of 12 (a quarter of the compute of the shared tiny
+# dataset's epoch, which for ViT-B/16 was a quarter of a run).
+FAMILY_TRAIN_IMAGES, FAMILY_VAL_IMAGES = 4 * TINY_CLASSES, 2 * TINY_CLASSES
+
+
+def train_export_evaluate_predict(process, _, results, data, workdir, halves, sizes):
+    """For each model of halves[process] (sizes: its --image_size): a run of the trainer at each ZeRO stage in fp32, its export,
     evaluate and predict on it; then bf16_steps. The trainer's main() in this process: a launcher run each
     would add seconds of startup to each of the 56 runs."""
     import contextlib
@@ -189,14 +200,14 @@ def train_export_evaluate_predict(process, _, results, data, workdir):
     torch.set_num_threads(1)  # two of these processes share the machine's cores
     join_process_group(0, free_port())  # a group of one of its own
     train_deepspeed.shut_down = lambda: None  # it serves every run here; spawn_ranks leaves it at the end
-    for name in FAMILY_HALVES[process]:
-        size = FAMILIES[name]
+    for name in halves[process]:
+        size = sizes[name]
         for stage in range(4):
             work = workdir / f"{name}-{stage}"
             exported = work / ("model.pt" if stage % 2 else "model.safetensors")
             code = train_deepspeed.main(data_args(data) + [
                 "--model", name, "--image_size", str(size), "--zero_stage", str(stage), "--epochs", "1",
-                "--batch_size", str(TINY_TRAIN_IMAGES), "--learning_rate", "0.05", "--warmup_epochs", "0",
+                "--batch_size", str(FAMILY_TRAIN_IMAGES), "--learning_rate", "0.05", "--warmup_epochs", "0",
                 "--num_workers", "0", "--checkpoint_dir", str(work / "checkpoints"), "--log_dir", str(work / "logs")])
             export_model.main([str(work / "checkpoints/last"), "--output", str(exported)])
             evaluate.main(["--model", str(exported), "--data_dir", str(data / "val"), "--output_dir",
@@ -216,10 +227,18 @@ def train_export_evaluate_predict(process, _, results, data, workdir):
 
 
 @pytest.mark.slow
-def test_every_family_trains_exports_evaluates_and_predicts_at_every_zero_stage(tiny_data, tmp_path):
-    assert sorted(sum(FAMILY_HALVES, ())) == sorted(FAMILIES)
-    results = spawn_ranks(train_export_evaluate_predict, 2, tiny_data, tmp_path)
-    for name in FAMILIES:
+@pytest.mark.parametrize("halves, sizes", [
+    (FAMILY_HALVES, FAMILIES),
+    pytest.param(MORE_HALVES, MORE_FAMILIES, marks=pytest.mark.skipif(not os.environ.get("ALL_FAMILIES"),
+                                                                      reason="ALL_FAMILIES=1 runs these"))],
+    ids=["families", "more families"])
+def test_every_family_trains_exports_evaluates_and_predicts_at_every_zero_stage(tmp_path, halves, sizes):
+    assert sorted(sum(halves, ())) == sorted(sizes)
+    data = tmp_path / "data"
+    make_sample_dataset(data, num_classes=TINY_CLASSES, train_per_class=FAMILY_TRAIN_IMAGES // TINY_CLASSES,
+                        val_per_class=FAMILY_VAL_IMAGES // TINY_CLASSES, image_size=32, seed=0)
+    results = spawn_ranks(train_export_evaluate_predict, 2, data, tmp_path, halves, sizes)
+    for name in sizes:
         for stage in range(4):
             result = results[(name, stage)]
             history, report = result["history"], result["report"]
@@ -232,7 +251,7 @@ def test_every_family_trains_exports_evaluates_and_predicts_at_every_zero_stage(
             assert report["loss"] == pytest.approx(last["val_loss"], rel=1e-5), (name, stage)
             assert report["top1"] == pytest.approx(last["val_acc"]), (name, stage)
             classes = [Path(p["image"]).parent.name == p["predictions"][0]["class"] for p in result["predictions"]]
-            assert len(classes) == TINY_VAL_IMAGES and sum(classes) / len(classes) == pytest.approx(report["top1"])
+            assert len(classes) == FAMILY_VAL_IMAGES and sum(classes) / len(classes) == pytest.approx(report["top1"])
     for name in BF16_STEPPED:
         bf16 = results[(name, "bf16")]
         assert all(map(math.isfinite, bf16["losses"])) and bf16["moved"], name
