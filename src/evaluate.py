@@ -84,8 +84,9 @@ def main(argv=None):
     plot_confusion(report["confusion_matrix"], dataset.classes, output_dir / "confusion_matrix.png")
     top_k = next(k for k in report if k.startswith("top") and k != "top1")
     worst = sorted((acc, name) for name, acc in report["per_class_accuracy"].items() if acc is not None)[:3]
-    print(f"{report['images']} images: loss {report['loss']:.4f}, top-1 {report['top1']:.4f}, {top_k} {report[top_k]:.4f}; "
-          f"weakest classes: {', '.join(f'{name} {acc:.2f}' for acc, name in worst)}")
+    weakest = ", ".join(f"{name} {acc:.2f}" for acc, name in worst)
+    print(f"{report['images']} images: loss {report['loss']:.4f}, top-1 {report['top1']:.4f}, "
+          f"{top_k} {report[top_k]:.4f}; weakest classes: {weakest}")
     print(f"report: {output_dir / 'report.json'}, confusion matrix: {output_dir / 'confusion_matrix.png'}")
 
 

@@ -145,20 +145,18 @@ class ResNet18Animals90(ResNet):
             load_pretrained(self, DEFAULT_MODEL, "DEFAULT" if pretrained is True else pretrained, num_classes)
 
 
-def with_versions(state_dict, model, versions=None):
-    """`state_dict` carrying module versions (`_metadata`): its own, else `versions`, else the model's. An export
-    (a plain dict, or safetensors) has none, and MNASNet's loader refuses a state without a version."""
-    if getattr(state_dict, "_metadata", None) is not None:
-        return state_dict
+def with_versions(state_dict, versions):
+    """A copy of `state_dict` carrying the module versions `versions` (`_metadata`, as model.state_dict() has
+    them): an export (a plain dict, or safetensors) has none, and MNASNet's loader refuses a state without."""
     state_dict = collections.OrderedDict(state_dict)
-    state_dict._metadata = versions if versions is not None else model.state_dict()._metadata
+    state_dict._metadata = versions
     return state_dict
 
 
 def load_weights(model, state_dict, source):
     """model.load_state_dict(state_dict), strict; keys or shapes that do not fit are a UsageError naming `source`."""
     try:
-        model.load_state_dict(with_versions(state_dict, model))
+        model.load_state_dict(with_versions(state_dict, model.state_dict()._metadata))  # ours: today's versions
     except RuntimeError as err:  # torch's first line only names the model; the next says what did not fit
         detail = next((line.strip() for line in str(err).splitlines()[1:] if line.strip()), str(err).strip())
         raise UsageError(f"{source}: not a {type(model).__name__} state_dict ({detail[:300]})") from None
@@ -346,6 +344,8 @@ def pretrained_state(model, name, choice, num_classes, mmap=False):
                             if isinstance(state, dict) and "module" in state else ""))
     own = model.state_dict()
     versions = getattr(state, "_metadata", None)  # the file's module versions (MNASNet's stem depends on them)
+    if not (isinstance(versions, dict) and all(isinstance(v, dict) for v in versions.values())):
+        versions = own._metadata
     state = {k: v for k, v in state.items() if not k.startswith(AUXILIARY_HEADS)}
     if name.startswith("vit_") and "encoder.pos_embedding" in state and "encoder.pos_embedding" in own:
         from torchvision.models.vision_transformer import interpolate_embeddings
@@ -362,9 +362,12 @@ def pretrained_state(model, name, choice, num_classes, mmap=False):
         what = "; ".join(f"{label} {', '.join(keys[:3])}" for label, keys in
                          (("missing", missing), ("unexpected", unexpected), ("other shapes", mismatched)) if keys)
         raise UsageError(f"--pretrained {path} is not a {name} state_dict ({what})")
-    return with_versions(kept, model, versions)
+    return with_versions(kept, versions)
 
 
 def load_pretrained(model, name, choice, num_classes):
     """Load weights `choice` into `model` (see pretrained_state)."""
-    model.load_state_dict(pretrained_state(model, name, choice, num_classes), strict=False)
+    try:
+        model.load_state_dict(pretrained_state(model, name, choice, num_classes), strict=False)
+    except ValueError as err:  # a module's own check of its saved version (MNASNet)
+        raise UsageError(f"--pretrained {choice}: {err}") from None

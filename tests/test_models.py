@@ -21,9 +21,9 @@ from options import run_cli, saved_name
 from prepare_data import make_sample_dataset
 
 # One small model of each family, with a size each takes.
-FAMILIES = {"resnet18": 32, "mobilenet_v3_small": 32, "mobilenet_v2": 32, "efficientnet_b0": 32, "convnext_tiny": 32, "vit_b_16": 32, "swin_t": 32,
-            "swin_v2_t": 32, "regnet_x_400mf": 32, "densenet121": 32, "shufflenet_v2_x0_5": 32, "mnasnet0_5": 32,
-            "squeezenet1_1": 32, "googlenet": 32, "inception_v3": 80}
+FAMILIES = {"resnet18": 32, "mobilenet_v3_small": 32, "mobilenet_v2": 32, "efficientnet_b0": 32, "convnext_tiny": 32,
+            "vit_b_16": 32, "swin_t": 32, "swin_v2_t": 32, "regnet_x_400mf": 32, "densenet121": 32,
+            "shufflenet_v2_x0_5": 32, "mnasnet0_5": 32, "squeezenet1_1": 32, "googlenet": 32, "inception_v3": 80}
 
 
 def test_every_torchvision_classifier_is_listed_with_its_size_and_weights():
@@ -117,6 +117,12 @@ def test_weights_without_module_versions_load_into_mnasnet(tmp_path, monkeypatch
     model = build_model("mnasnet0_5", 3, pretrained="DEFAULT")
     assert torch.equal(model.state_dict()["layers.0.weight"], imagenet["layers.0.weight"])
     load_weights(model_for_weights("mnasnet0_5", 3, 224), dict(model.state_dict()), "an export")
+    path = tmp_path / "version3.pth"
+    state = model.state_dict()
+    state._metadata[""] = {"version": 3}  # no MNASNet had it
+    torch.save(state, path)
+    with pytest.raises(UsageError, match=f"--pretrained {path}: version should be set to 1 or 2 instead of 3"):
+        build_model("mnasnet0_5", 3, pretrained=str(path))
 
 
 def test_pretrained_without_the_file_or_the_network_names_both(tmp_path, monkeypatch):
@@ -183,9 +189,9 @@ FAMILY_TRAIN_IMAGES, FAMILY_VAL_IMAGES = 4 * TINY_CLASSES, 2 * TINY_CLASSES
 
 
 def train_export_evaluate_predict(process, _, results, data, workdir, halves, sizes):
-    """For each model of halves[process] (sizes: its --image_size): a run of the trainer at each ZeRO stage in fp32, its export,
-    evaluate and predict on it; then bf16_steps. The trainer's main() in this process: a launcher run each
-    would add seconds of startup to each of the 56 runs."""
+    """For each model of halves[process] (sizes: its --image_size): a run of the trainer at each ZeRO stage in
+    fp32, its export, evaluate and predict on it; then bf16_steps. The trainer's main() in this process: a
+    launcher run each would add seconds of startup to each of the 60 runs."""
     import contextlib
     import gc
     import io
