@@ -258,7 +258,7 @@ def test_every_family_trains_exports_evaluates_and_predicts_at_every_zero_stage(
             assert report["top1"] == pytest.approx(last["val_acc"]), (name, stage)
             classes = [Path(p["image"]).parent.name == p["predictions"][0]["class"] for p in result["predictions"]]
             assert len(classes) == FAMILY_VAL_IMAGES and sum(classes) / len(classes) == pytest.approx(report["top1"])
-    for name in BF16_STEPPED:
+    for name in (name for name in BF16_STEPPED if name in sizes):
         bf16 = results[(name, "bf16")]
         assert all(map(math.isfinite, bf16["losses"])) and bf16["moved"], name
 
