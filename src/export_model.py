@@ -66,10 +66,9 @@ def export(checkpoint, output):
     # strict: the export must load as it is
     load_weights(model_for_weights(info["model"], len(info["class_names"]), info["image_size"]), state_dict,
                  info["folder"])
-    metadata = {"model": info["model"], "pretrained": info.get("pretrained"),
-                "preprocessing": check_preprocessing(info.get("preprocessing"), Path(info["folder"]) / "extra_info.json"),
-                "image_size": info["image_size"],
-                "class_names": info["class_names"],
+    preprocessing = check_preprocessing(info.get("preprocessing"), Path(info["folder"]) / "extra_info.json")
+    metadata = {"model": info["model"], "pretrained": info.get("pretrained"), "preprocessing": preprocessing,
+                "image_size": info["image_size"], "class_names": info["class_names"],
                 "source_checkpoint": info["folder"], "epoch": info["epoch"], "metrics": info.get("metrics")}
     output.parent.mkdir(parents=True, exist_ok=True)
     # Written beside it and renamed over it: a failed write leaves an earlier export as it was.

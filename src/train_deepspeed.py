@@ -128,7 +128,8 @@ def main(argv=None):
     samples_per_micro_batch = micro_batch * world_size  # over all ranks: a position any world size can take up
 
     run_config = {
-        "model": model_name, "pretrained": args.pretrained, "preprocessing": inputs, "num_classes": len(train_set.classes), "image_size": args.image_size,
+        "model": model_name, "pretrained": args.pretrained, "preprocessing": inputs,
+        "num_classes": len(train_set.classes), "image_size": args.image_size,
         "train_dir": str(args.train_dir), "val_dir": str(args.val_dir),
         "train_images": len(train_set), "val_images": len(val_set),
         "epochs": args.epochs, "world_size": world_size, "device": device_type,
@@ -150,7 +151,8 @@ def main(argv=None):
     saver = CheckpointSaver(engine, args.checkpoint_dir, args.save_every, args.keep_last, args.save_last_every,
                             background=device_type == "cuda")
     health = StepHealth(engine, args.max_nonfinite_steps)
-    extra_info = {"model": model_name, "pretrained": args.pretrained, "preprocessing": inputs, "image_size": args.image_size, "class_names": train_set.classes,
+    extra_info = {"model": model_name, "pretrained": args.pretrained, "preprocessing": inputs,
+                  "image_size": args.image_size, "class_names": train_set.classes,
                   "world_size": world_size, "zero_stage": zero_stage, "precision": precision(ds_config),
                   "settings": settings}
 

@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from distributed import average_buffers, free_port, shut_down
+from conftest import spawn_ranks
+from distributed import average_buffers, free_port
 from model import BatchNorm2dFP32, build_model, synchronize_batch_norm
 
 pytestmark = pytest.mark.slow  # every test here starts processes (training runs, or ranks of a process group)
@@ -46,37 +46,33 @@ def model_running_means(model):
 def on_each_rank(rank, port, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
-    try:
-        x, weight = whole_batch()
-        shard = slice(rank * 2, rank * 2 + 2)
-        layer = fresh_layer()
-        synchronize_batch_norm(layer)
-        x_shard = x[shard].clone().requires_grad_()
-        (layer(x_shard) * weight[shard]).sum().backward()
-        grads = [layer.weight.grad.clone(), layer.bias.grad.clone()]
-        for grad in grads:
-            dist.all_reduce(grad)  # what data parallelism does with parameter gradients (sum, then / N)
+    x, weight = whole_batch()
+    shard = slice(rank * 2, rank * 2 + 2)
+    layer = fresh_layer()
+    synchronize_batch_norm(layer)
+    x_shard = x[shard].clone().requires_grad_()
+    (layer(x_shard) * weight[shard]).sum().backward()
+    grads = [layer.weight.grad.clone(), layer.bias.grad.clone()]
+    for grad in grads:
+        dist.all_reduce(grad)  # what data parallelism does with parameter gradients (sum, then / N)
 
-        unsynced = fresh_layer()  # each rank normalises its own shard; then the statistics are averaged
-        unsynced(x[shard])
-        before = unsynced.running_mean.clone()
-        average_buffers(unsynced)
-        model = whole_model()  # every batch norm of a model other than ResNet, the swapped-in layers included
-        synchronize_batch_norm(model)
-        model(model_batch()[shard])
-        results[rank] = {"model_running": model_running_means(model),
-                         "input_grad": x_shard.grad, "param_grads": grads,
-                         "running": (layer.running_mean, layer.running_var, layer.num_batches_tracked),
-                         "unsynced_before": before,
-                         "unsynced_after": (unsynced.running_mean, unsynced.running_var)}
-    finally:
-        shut_down()  # together: a rank leaving gloo while another still works can abort in its teardown
+    unsynced = fresh_layer()  # each rank normalises its own shard; then the statistics are averaged
+    unsynced(x[shard])
+    before = unsynced.running_mean.clone()
+    average_buffers(unsynced)
+    model = whole_model()  # every batch norm of a model other than ResNet, the swapped-in layers included
+    synchronize_batch_norm(model)
+    model(model_batch()[shard])
+    results[rank] = {"model_running": model_running_means(model),
+                     "input_grad": x_shard.grad, "param_grads": grads,
+                     "running": (layer.running_mean, layer.running_var, layer.num_batches_tracked),
+                     "unsynced_before": before,
+                     "unsynced_after": (unsynced.running_mean, unsynced.running_var)}
 
 
 @pytest.fixture(scope="module")
 def ranks():
-    results = mp.Manager().dict()
-    mp.spawn(on_each_rank, args=(free_port(), results), nprocs=WORLD_SIZE, join=True)
+    results = spawn_ranks(on_each_rank, WORLD_SIZE)
     return [results[rank] for rank in range(WORLD_SIZE)]
 
 
