@@ -76,21 +76,37 @@ def spawn_ranks(fn, nprocs=1, *args):
     """fn(rank, port, results, *args) in `nprocs` fresh processes, as the ranks of one process group (real
     engines need one, and a process of their own); the dict `results` they filled."""
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
     from distributed import free_port
 
     results = mp.Manager().dict()
-    mp.spawn(_as_rank, args=(fn, free_port(), results, args), nprocs=nprocs, join=True)
+    try:
+        mp.spawn(_as_rank, args=(fn, free_port(), results, args), nprocs=nprocs, join=True)
+    except ProcessException as err:
+        # spawn names the first rank to end; the one that failed first may be another, its peers aborting after it
+        raise AssertionError("\n".join([str(err), *(results.get(("traceback", rank), f"rank {rank}: no exception")
+                                                    for rank in range(nprocs))])) from None
     return dict(results)
 
 
 def _as_rank(rank, fn, port, results, args):
+    import traceback
+
     from distributed import shut_down
 
     try:
         fn(rank, port, results, *args)
+    except BaseException:
+        results[("traceback", rank)] = f"rank {rank}: {traceback.format_exc()}"
+        raise
     finally:  # together: a rank leaving gloo while another still works can abort in its teardown
         shut_down()
+    # Its results are with the manager: skip the interpreter's teardown, where the process groups DeepSpeed
+    # still holds can abort on the way out (gloo worker threads releasing tensors without the GIL).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def join_process_group(rank, port, world_size=1):
