@@ -203,9 +203,13 @@ def real_case(flags, args, workdir):
 
 
 def run_case(kind, name, args):
-    """One measurement in a child process (torchrun's, one per GPU, for several GPUs; the real-data runs
-    start their own); returns its result dict or {"error": ...}."""
-    command = [sys.executable, __file__, "--case", json.dumps([kind, name]), *passed_settings(args)]
+    return run_case_of(__file__, kind, name, args)
+
+
+def run_case_of(script, kind, name, args):
+    """One measurement, `script --case`, in a child process (torchrun's, one per GPU, for several GPUs; the
+    real-data runs start their own); returns its result dict or {"error": ...}."""
+    command = [sys.executable, script, "--case", json.dumps([kind, name]), *passed_settings(args)]
     port = free_port()
     if args.num_gpus > 1 and kind != "real":
         command[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(args.num_gpus),

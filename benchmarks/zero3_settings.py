@@ -1,0 +1,116 @@
+"""ZeRO-3's settings, one at a time, against the plain PyTorch loop of the same model in the same run.
+
+ZeRO-3 gathers and releases parameters in Python hooks around every module, and how much work that is
+depends on settings DeepSpeed leaves to the user: which modules are gathered as one unit (a leaf module,
+or the granularity threshold), which parameters stay whole on every GPU (the persistence threshold), how
+far ahead a parameter that is used again is kept (the reuse distance). Each variant below is the trainer's
+own ZeRO-3 config (the same flags as launch_deepspeed.py) with one of them changed, through a base config
+as a user passes one with --deepspeed_config; each runs train_one_epoch on a GPU-resident synthetic batch
+in a process of its own (throughput.py's trainer case), the plain loop in another.
+
+    python benchmarks/zero3_settings.py                                   # resnet18, micro-batch 256
+    python benchmarks/zero3_settings.py --model vit_l_16 --batch_size 32 --steps 20 --warmup_steps 5
+
+Prints a table last; writes benchmarks/results/zero3_settings_<model>_<gpu>.json.
+"""
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import throughput  # noqa: E402
+from common import environment, fmt, shown  # noqa: E402
+from reproducibility import machine_slug  # noqa: E402
+
+# The unit a leaf-module variant gathers whole: each model's repeated block.
+BLOCKS = {"resnet": "BasicBlock", "resnet50": "Bottleneck", "vit": "EncoderBlock", "convnext": "CNBlock",
+          "swin": "SwinTransformerBlock", "regnet": "ResBottleneckBlock", "efficientnet": "MBConv"}
+REFERENCE = "torch bf16 channels_last"
+
+
+def block_of(model):
+    if model in BLOCKS:
+        return BLOCKS[model]
+    return next(block for prefix, block in BLOCKS.items() if model.startswith(prefix))
+
+
+def variants(model):
+    """name -> (trainer flags, zero_optimization keys of the base config)."""
+    zero3 = ["--zero_stage", "3", "--bf16"]
+    return {
+        "zero2": (["--zero_stage", "2", "--bf16"], {}),
+        "zero3 (trainer)": (zero3, {}),
+        "zero3 granularity 0 (DeepSpeed's)": (zero3, {"stage3_module_granularity_threshold": 0}),
+        f"zero3 leaf {block_of(model)}": (zero3, {"stage3_module_granularity_threshold": 0,
+                                                  "leaf_module": {"classes": [block_of(model)]}}),
+        "zero3 reuse distance 0": (zero3, {"stage3_max_reuse_distance": 0}),
+        "zero3 persistence 1e6": (zero3, {"stage3_param_persistence_threshold": 1_000_000}),
+        "zero3 everything persistent": (zero3, {"stage3_param_persistence_threshold": 10**12}),
+    }
+
+
+def child(name, args):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == REFERENCE:
+        result = throughput.reference_case(throughput.REFERENCES[REFERENCE], args, device)
+    else:
+        flags, zero = variants(args.model)[name]
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as base:
+            json.dump({"zero_optimization": zero}, base)
+        result = throughput.trainer_case([*flags, "--deepspeed_config", base.name], args, device)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def get_args_parser():
+    parser = throughput.get_args_parser()
+    parser.description = __doc__
+    parser.set_defaults(output_dir=ROOT / "benchmarks" / "results")
+    parser.add_argument("--variants", nargs="+", metavar="NAME", help="only these (default: all)")
+    return parser
+
+
+def main():
+    args = get_args_parser().parse_args()
+    if args.case:
+        return child(json.loads(args.case)[1], args)
+    names = [REFERENCE, *(args.variants or variants(args.model))]
+    unknown = set(names) - {REFERENCE, *variants(args.model)}
+    if unknown:
+        sys.exit(f"error: unknown variant(s): {', '.join(sorted(unknown))}; known: {', '.join(variants(args.model))}")
+    env = environment()
+    path = args.output_dir / f"zero3_settings_{args.model}_{machine_slug(env)}.json"
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    results = {}
+    for name in names:
+        started = time.perf_counter()
+        results[name] = {**throughput.run_case_of(__file__, "variant", name, args),
+                         "wall_s": round(time.perf_counter() - started, 1)}
+        if name != REFERENCE:
+            flags, zero = variants(args.model)[name]
+            results[name].update(flags=flags, zero_optimization=zero,
+                                 ratio_to_reference=throughput.ratio(results, name, REFERENCE))
+        print(f"{name}: {json.dumps(results[name])[:300]}", flush=True)
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "case"}
+        path.write_text(json.dumps({"environment": env, "settings": settings, "results": results}, indent=2) + "\n")
+
+    print(f"\n{env['gpu'] or 'CPU'} | torch {env['torch']} | DeepSpeed {env['deepspeed']} | {args.model}, "
+          f"micro-batch {args.batch_size}, {args.image_size} px, bf16")
+    print(f"{'variant':<40}{'images/s':>9}{'ratio':>7}{'peak GiB':>9}")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<40} FAILED: {r['error'].strip().splitlines()[-1][:80] if r['error'].strip() else '?'}")
+            continue
+        print(f"{name:<40}{r['images_per_s']:>9.0f}{fmt(r.get('ratio_to_reference')):>7}"
+              f"{fmt(r['peak_gpu_memory_gib']):>9}")
+    print(f"results: {shown([str(path)])}")
+
+
+if __name__ == "__main__":
+    main()
