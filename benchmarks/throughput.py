@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import earlier_results, environment, fmt, peak_memory, shown  # noqa: E402
 from reproducibility import machine_slug  # noqa: E402
-from distributed import free_port  # noqa: E402
+from distributed import run_on_free_port  # noqa: E402
 
 # name -> settings of a plain-PyTorch loop on GPU-resident synthetic data
 REFERENCES = {
@@ -146,13 +146,14 @@ def reset_peak_memory(device):
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def trainer_case(flags, args, device):
-    """The trainer's model, config and train_one_epoch on one synthetic batch, repeated."""
+def trainer_case(flags, args, device, profile=None):
+    """The trainer's model, config and train_one_epoch on one synthetic batch, repeated; then, with a
+    cProfile.Profile `profile`, the same steps again under it (not in the figures)."""
     import deepspeed
 
     import train_deepspeed
     from distributed import init_distributed
-    from ds_config import build_ds_config, precision
+    from ds_config import build_ds_config, load_base_config, precision
     from model import build_model
     from options import parse_args
     from training import input_dtype, train_one_epoch
@@ -164,8 +165,8 @@ def trainer_case(flags, args, device):
     torch.backends.cudnn.benchmark = True
     images_per_epoch = args.batch_size * world_size * (args.warmup_steps + args.steps)
     model = build_model(args.model, args.num_classes, args.image_size)
-    config = build_ds_config(train_args, world_size, images_per_epoch, device_type=device.type,
-                             num_params=sum(p.numel() for p in model.parameters()))
+    config = build_ds_config(train_args, world_size, images_per_epoch, base=load_base_config(train_args.deepspeed_config),
+                             device_type=device.type, num_params=sum(p.numel() for p in model.parameters()))
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     if train_args.compile:
         engine.compile()
@@ -174,8 +175,10 @@ def trainer_case(flags, args, device):
     train_one_epoch(engine, [batch] * args.warmup_steps, 0, dtype, args.warmup_steps)
     reset_peak_memory(device)
     metrics = train_one_epoch(engine, [batch] * args.steps, 1, dtype, args.steps)
+    if profile is not None:
+        profile.runcall(train_one_epoch, engine, [batch] * args.steps, 2, dtype, args.steps)
     return {"images_per_s": metrics["images_per_s"], "precision": precision(config),
-            "peak_gpu_memory_gib": peak_memory(device)}
+            "peak_gpu_memory_gib": peak_memory(device), "zero_optimization": config["zero_optimization"]}
 
 
 def real_case(flags, args, workdir):
@@ -206,17 +209,19 @@ def run_case(kind, name, args):
     return run_case_of(__file__, kind, name, args)
 
 
-def run_case_of(script, kind, name, args):
+def run_case_of(script, kind, name, args, extra=()):
     """One measurement, `script --case`, in a child process (torchrun's, one per GPU, for several GPUs; the
     real-data runs start their own); returns its result dict or {"error": ...}."""
-    command = [sys.executable, script, "--case", json.dumps([kind, name]), *passed_settings(args)]
-    port = free_port()
-    if args.num_gpus > 1 and kind != "real":
-        command[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(args.num_gpus),
-                        "--master_port", str(port)]
-    env = {**os.environ, "MASTER_PORT": str(port)}
+    def start(port):
+        command = [sys.executable, script, "--case", json.dumps([kind, name]), *passed_settings(args), *extra]
+        if args.num_gpus > 1 and kind != "real":
+            command[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(args.num_gpus),
+                            "--master_port", str(port)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=args.case_timeout,
+                              env={**os.environ, "MASTER_PORT": str(port)})
+
     try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=args.case_timeout, env=env)
+        result = run_on_free_port(start)
     except subprocess.TimeoutExpired:
         return {"error": f"over {args.case_timeout} s"}
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]

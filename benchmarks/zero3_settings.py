@@ -13,7 +13,11 @@ in a process of its own (throughput.py's trainer case), the plain loop in anothe
 
 Prints a table last; writes benchmarks/results/zero3_settings_<model>_<gpu>.json.
 """
+import cProfile
+import io
 import json
+import pstats
+import re
 import sys
 import tempfile
 import time
@@ -53,6 +57,7 @@ def variants(model):
         "zero3 reuse distance 0": (zero3, {"stage3_max_reuse_distance": 0}),
         "zero3 persistence 1e6": (zero3, {"stage3_param_persistence_threshold": 1_000_000}),
         "zero3 everything persistent": (zero3, {"stage3_param_persistence_threshold": 10**12}),
+        "zero3 overlap_comm off": (zero3, {"overlap_comm": False}),
     }
 
 
@@ -64,7 +69,16 @@ def child(name, args):
         flags, zero = variants(args.model)[name]
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as base:
             json.dump({"zero_optimization": zero}, base)
-        result = throughput.trainer_case([*flags, "--deepspeed_config", base.name], args, device)
+        case = [*flags, "--deepspeed_config", base.name]
+        if args.profile:  # where the host's time goes in --steps more steps, after the timed ones
+            profile = cProfile.Profile()
+            result = throughput.trainer_case(case, args, device, profile)
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
+            slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+            (args.output_dir / f"zero3_profile_{args.model}_{slug}.txt").write_text(text.getvalue())
+        else:
+            result = throughput.trainer_case(case, args, device)
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -73,6 +87,9 @@ def get_args_parser():
     parser.description = __doc__
     parser.set_defaults(output_dir=ROOT / "benchmarks" / "results")
     parser.add_argument("--variants", nargs="+", metavar="NAME", help="only these (default: all)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also write each variant's host profile of --steps more steps (cProfile, top 40 by own time) to "
+                             "--output_dir")
     return parser
 
 
@@ -88,13 +105,14 @@ def main():
     path = args.output_dir / f"zero3_settings_{args.model}_{machine_slug(env)}.json"
     args.output_dir.mkdir(parents=True, exist_ok=True)
     results = {}
+    extra = ["--output_dir", str(args.output_dir), *(["--profile"] if args.profile else [])]
     for name in names:
         started = time.perf_counter()
-        results[name] = {**throughput.run_case_of(__file__, "variant", name, args),
+        results[name] = {**throughput.run_case_of(__file__, "variant", name, args, extra),
                          "wall_s": round(time.perf_counter() - started, 1)}
         if name != REFERENCE:
             flags, zero = variants(args.model)[name]
-            results[name].update(flags=flags, zero_optimization=zero,
+            results[name].update(flags=flags, changed=zero,
                                  ratio_to_reference=throughput.ratio(results, name, REFERENCE))
         print(f"{name}: {json.dumps(results[name])[:300]}", flush=True)
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "case"}
