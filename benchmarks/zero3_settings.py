@@ -58,7 +58,17 @@ def variants(model):
         "zero3 persistence 1e6": (zero3, {"stage3_param_persistence_threshold": 1_000_000}),
         "zero3 everything persistent": (zero3, {"stage3_param_persistence_threshold": 10**12}),
         "zero3 overlap_comm off": (zero3, {"overlap_comm": False}),
+        **({"zero3 leaf layer1-4": (zero3, {"stage3_module_granularity_threshold": 0, "leaf_module": {
+            "names": ["layer1", "layer2", "layer3", "layer4"]}})} if model.startswith("resnet") else {}),
     }
+
+
+def summary(runs):
+    """The median run's figures, with every run's images/s."""
+    timed = sorted((run for run in runs if "images_per_s" in run), key=lambda run: run["images_per_s"])
+    if not timed:
+        return runs[-1]
+    return {**timed[(len(timed) - 1) // 2], "runs_images_per_s": [run.get("images_per_s") for run in runs]}
 
 
 def child(name, args):
@@ -87,6 +97,7 @@ def get_args_parser():
     parser.description = __doc__
     parser.set_defaults(output_dir=ROOT / "benchmarks" / "results")
     parser.add_argument("--variants", nargs="+", metavar="NAME", help="only these (default: all)")
+    parser.add_argument("--repeat", type=int, default=1, help="measure each variant this many times (the median)")
     parser.add_argument("--profile", action="store_true",
                         help="also write each variant's host profile of --steps more steps (cProfile, top 40 by own time) to "
                              "--output_dir")
@@ -106,27 +117,30 @@ def main():
     args.output_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     extra = ["--output_dir", str(args.output_dir), *(["--profile"] if args.profile else [])]
-    for name in names:
-        started = time.perf_counter()
-        results[name] = {**throughput.run_case_of(__file__, "variant", name, args, extra),
-                         "wall_s": round(time.perf_counter() - started, 1)}
-        if name != REFERENCE:
-            flags, zero = variants(args.model)[name]
-            results[name].update(flags=flags, changed=zero,
-                                 ratio_to_reference=throughput.ratio(results, name, REFERENCE))
-        print(f"{name}: {json.dumps(results[name])[:300]}", flush=True)
+    runs = {name: [] for name in names}
+    for _ in range(args.repeat):  # round by round, so that a slower spell of the machine hits every variant
+        for name in names:
+            started = time.perf_counter()
+            runs[name].append({**throughput.run_case_of(__file__, "variant", name, args, extra),
+                               "wall_s": round(time.perf_counter() - started, 1)})
+            results[name] = summary(runs[name])
+            if name != REFERENCE:
+                flags, zero = variants(args.model)[name]
+                results[name].update(flags=flags, changed=zero,
+                                     ratio_to_reference=throughput.ratio(results, name, REFERENCE))
+            print(f"{name}: {json.dumps(runs[name][-1])[:300]}", flush=True)
         settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "case"}
         path.write_text(json.dumps({"environment": env, "settings": settings, "results": results}, indent=2) + "\n")
 
     print(f"\n{env['gpu'] or 'CPU'} | torch {env['torch']} | DeepSpeed {env['deepspeed']} | {args.model}, "
           f"micro-batch {args.batch_size}, {args.image_size} px, bf16")
-    print(f"{'variant':<40}{'images/s':>9}{'ratio':>7}{'peak GiB':>9}")
+    print(f"{'variant':<40}{'images/s':>9}{'ratio':>7}{'peak GiB':>9}  runs")
     for name, r in results.items():
         if "error" in r:
             print(f"{name:<40} FAILED: {r['error'].strip().splitlines()[-1][:80] if r['error'].strip() else '?'}")
             continue
         print(f"{name:<40}{r['images_per_s']:>9.0f}{fmt(r.get('ratio_to_reference')):>7}"
-              f"{fmt(r['peak_gpu_memory_gib']):>9}")
+              f"{fmt(r['peak_gpu_memory_gib']):>9}  {' '.join(f'{v:.0f}' for v in r.get('runs_images_per_s', []) if v)}")
     print(f"results: {shown([str(path)])}")
 
 
