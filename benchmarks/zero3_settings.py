@@ -1,11 +1,12 @@
 """ZeRO-3's settings, one at a time, against the plain PyTorch loop of the same model in the same run.
 
 ZeRO-3 gathers and releases parameters in Python hooks around every module, and how much work that is
-depends on settings DeepSpeed leaves to the user: which modules are gathered as one unit (a leaf module,
-or the granularity threshold), which parameters stay whole on every GPU (the persistence threshold), how
-far ahead a parameter that is used again is kept (the reuse distance). Each variant below is the trainer's
-own ZeRO-3 config (the same flags as launch_deepspeed.py) with one of them changed, through a base config
-as a user passes one with --deepspeed_config; each runs train_one_epoch on a GPU-resident synthetic batch
+depends on settings DeepSpeed leaves to the user: which modules are gathered as one unit (leaf modules,
+which the trainer sets to each family's repeated block, or the granularity threshold), which parameters
+stay whole on every GPU (the persistence threshold), how far ahead a parameter that is used again is kept
+(the reuse distance). Each variant below is the trainer's own ZeRO-3 config (the same flags as
+launch_deepspeed.py) with one of them changed, through a base config as a user passes one with
+--deepspeed_config; each runs train_one_epoch on a GPU-resident synthetic batch
 in a process of its own (throughput.py's trainer case), the plain loop in another.
 
     python benchmarks/zero3_settings.py                                   # resnet18, micro-batch 256
@@ -33,16 +34,8 @@ import throughput  # noqa: E402
 from common import environment, fmt, shown  # noqa: E402
 from reproducibility import machine_slug  # noqa: E402
 
-# The unit a leaf-module variant gathers whole: each model's repeated block.
-BLOCKS = {"resnet": "BasicBlock", "resnet50": "Bottleneck", "vit": "EncoderBlock", "convnext": "CNBlock",
-          "swin": "SwinTransformerBlock", "regnet": "ResBottleneckBlock", "efficientnet": "MBConv"}
 REFERENCE = "torch bf16 channels_last"
-
-
-def block_of(model):
-    if model in BLOCKS:
-        return BLOCKS[model]
-    return next(block for prefix, block in BLOCKS.items() if model.startswith(prefix))
+NO_LEAVES = {"leaf_module": {"classes": []}}  # a config's own leaf_module (here: none) replaces the trainer's
 
 
 def variants(model):
@@ -50,16 +43,15 @@ def variants(model):
     zero3 = ["--zero_stage", "3", "--bf16"]
     return {
         "zero2": (["--zero_stage", "2", "--bf16"], {}),
-        "zero3 (trainer)": (zero3, {}),
-        "zero3 granularity 0 (DeepSpeed's)": (zero3, {"stage3_module_granularity_threshold": 0}),
-        f"zero3 leaf {block_of(model)}": (zero3, {"stage3_module_granularity_threshold": 0,
-                                                  "leaf_module": {"classes": [block_of(model)]}}),
+        "zero3 (trainer: blocks as leaf modules)": (zero3, {}),
+        "zero3 DeepSpeed's defaults": (zero3, {**NO_LEAVES, "stage3_module_granularity_threshold": 0}),
+        "zero3 granularity 200k, no leaf modules": (zero3, {**NO_LEAVES, "stage3_module_granularity_threshold": 200_000}),
         "zero3 reuse distance 0": (zero3, {"stage3_max_reuse_distance": 0}),
         "zero3 persistence 1e6": (zero3, {"stage3_param_persistence_threshold": 1_000_000}),
         "zero3 everything persistent": (zero3, {"stage3_param_persistence_threshold": 10**12}),
         "zero3 overlap_comm off": (zero3, {"overlap_comm": False}),
-        **({"zero3 leaf layer1-4": (zero3, {"stage3_module_granularity_threshold": 0, "leaf_module": {
-            "names": ["layer1", "layer2", "layer3", "layer4"]}})} if model.startswith("resnet") else {}),
+        **({"zero3 leaf layer1-4": (zero3, {"leaf_module": {"names": ["layer1", "layer2", "layer3", "layer4"]}})}
+           if model.startswith("resnet") else {}),
     }
 
 

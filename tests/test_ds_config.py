@@ -5,7 +5,7 @@ import pytest
 
 from conftest import ROOT
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, load_base_config,
-                       lr_schedule, num_parameters, precision, steps_per_epoch)
+                       lr_schedule, num_parameters, precision, steps_per_epoch, ZERO3_LEAF_BLOCKS)
 from failures import UsageError
 from options import add_training_args, parse_args
 
@@ -264,11 +264,15 @@ def test_step_syncs_and_zero3_hooks_are_cut_unless_the_base_config_sets_them():
     assert build()["timers"] == {"throughput": {"enabled": False}}  # no device sync at each step's start and end
     assert build(base={"timers": {"throughput": {"enabled": True}}})["timers"]["throughput"]["enabled"] is True
     zero3 = build("--zero_stage", "3")["zero_optimization"]
-    assert zero3["stage3_module_granularity_threshold"] == 200_000
-    assert "stage3_module_granularity_threshold" not in build("--zero_stage", "2")["zero_optimization"]
-    for value, expected in ((0, 0), ("auto", 200_000)):
+    assert zero3["leaf_module"] == {"classes": list(ZERO3_LEAF_BLOCKS)} and "torchvision.models.resnet.BasicBlock" in \
+        ZERO3_LEAF_BLOCKS and zero3["stage3_module_granularity_threshold"] == 0
+    assert not {"stage3_module_granularity_threshold", "leaf_module"} & set(build("--zero_stage", "2")["zero_optimization"])
+    assert "leaf_module" not in build("--zero_stage", "3", "--model", "vgg11")["zero_optimization"]  # no blocks
+    for value, expected in ((200_000, 200_000), ("auto", 0)):
         base = {"zero_optimization": {"stage": 3, "stage3_module_granularity_threshold": value}}
         assert build(base=base)["zero_optimization"]["stage3_module_granularity_threshold"] == expected
+    own = {"names": ["layer1"]}  # a config's own leaf modules are kept, none added
+    assert build(base={"zero_optimization": {"stage": 3, "leaf_module": own}})["zero_optimization"]["leaf_module"] == own
 
 
 def scheduled_lrs(config, steps):

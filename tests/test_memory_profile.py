@@ -33,12 +33,11 @@ def test_paper_formulas(flags, world_size, bytes_per_param):
     assert paper_formula_bytes(config, PSI, world_size) == pytest.approx(bytes_per_param * PSI)
 
 
-@pytest.mark.parametrize("model, threshold", [("resnet18", 200_000), ("resnet50", 0), ("wide_resnet50_2", 0)])
-def test_zero3_module_granularity_is_the_trainers_for_resnet18_only(model, threshold):
-    # 200,000 would make ResNet50's whole model one unit (it holds 191,068 parameters per layer)
+@pytest.mark.parametrize("model, leaves", [("resnet18", True), ("resnet50", True), ("vgg11", False)])
+def test_zero3_gathers_the_blocks_the_trainer_does(model, leaves):
     args = Namespace(model=model, fp16=False, bf16=True, precision_mode="auto", steps=1)
     config = trainer_config(args, ["--zero_stage", "3"], 8, 1, torch.device("cpu"), PSI)
-    assert config["zero_optimization"]["stage3_module_granularity_threshold"] == threshold
+    assert ("leaf_module" in config["zero_optimization"]) == leaves
 
 
 @pytest.mark.slow
