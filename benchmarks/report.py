@@ -125,6 +125,24 @@ def throughput(name):
         ["measurement", "images/s", "ratio", "peak GiB", "notes"], rows)
 
 
+def zero3_settings(name):
+    result = load(name)
+    rows = []
+    for label, r in result["results"].items():
+        if "error" in r:
+            rows.append([label, "failed", "", "", ""])
+            continue
+        ratio = r.get("ratio_to_reference")
+        runs = ", ".join(f"{value:,.0f}" for value in r.get("runs_images_per_s", []) if value)
+        rows.append([label, f"{r['images_per_s']:,.0f}", f"**{ratio:.2f}**" if ratio else "1 (reference)",
+                     f"{r['peak_gpu_memory_gib']:.2f}", runs])
+    settings = result["settings"]
+    return source(result, name) + (
+        f"\n{settings['model']}, micro-batch {settings['batch_size']}, {settings['image_size']} px, bf16, "
+        f"{settings['steps']} timed steps; each variant run {settings['repeat']} times in turn, the lower median "
+        f"shown:\n\n") + table(["variant", "images/s", "ratio", "peak GiB", "every run"], rows)
+
+
 def fp16_offload():
     name = "fp16_offload_nvidia_h200.json"
     result = load(name)
@@ -196,6 +214,8 @@ TABLES = {
     "throughput-gpu": lambda: throughput("throughput_nvidia_h200.json"),
     "throughput-models": lambda: "\n\n".join(throughput(f"throughput_{model}_nvidia_h200.json") for model in (
         "resnet50", "vit_b_16", "convnext_tiny", "swin_v2_t", "efficientnet_b0")),
+    "zero3-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{model}_nvidia_h200.json")
+                                          for model in ("resnet18", "vit_l_16")),
     "fp16-offload": fp16_offload,
     "augmentation": augmentation,
     "data-path-accuracy": data_path_accuracy,

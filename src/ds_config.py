@@ -199,8 +199,8 @@ def _autocast_half(section):
 # ZeRO-3 gathers and releases parameters in Python hooks around every module, per step: hundreds for a
 # torchvision model, and on a GPU the step then waits on the host. The trainer makes each family's repeated
 # block a leaf module (DeepSpeed's zero_optimization.leaf_module): gathered and released whole, no hooks
-# inside. One H200, bf16 (benchmarks/results/zero3_settings_*.json): vit_l_16 0.19x -> 0.36x of the plain
-# loop, ResNet18 0.38x (DeepSpeed's default) -> 0.59x. Fully qualified, so a name matches one family only.
+# inside: the fastest ZeRO-3 setting measured for ResNet18 and vit_l_16 (docs/performance.md, from
+# benchmarks/zero3_settings.py). Fully qualified, so a name matches one family only.
 ZERO3_LEAF_BLOCKS = tuple(f"torchvision.models.{name}" for name in (
     "resnet.BasicBlock", "resnet.Bottleneck", "vision_transformer.EncoderBlock", "swin_transformer.SwinTransformerBlock",
     "swin_transformer.SwinTransformerBlockV2", "convnext.CNBlock", "efficientnet.MBConv", "efficientnet.FusedMBConv",
