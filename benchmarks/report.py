@@ -104,19 +104,23 @@ def checkpoint_engines():
     return out
 
 
-def throughput(name):
-    result = load(name)
+def ratio_rows(result, notes):
+    """[label, images/s, ratio, peak GiB, notes(r)] for each measurement of a result with reference ratios."""
     rows = []
     for label, r in result["results"].items():
         if "error" in r:
             rows.append([label, "failed", "", "", ""])
             continue
-        notes = []
-        if r.get("data_wait_share") is not None:
-            notes.append(f"waiting for data {r['data_wait_share']:.0%}")
         ratio = r.get("ratio_to_reference")
         rows.append([label, f"{r['images_per_s']:,.0f}", f"**{ratio:.2f}**" if ratio else "1 (reference)",
-                     f"{r['peak_gpu_memory_gib']:.2f}", ", ".join(notes)])
+                     f"{r['peak_gpu_memory_gib']:.2f}", notes(r)])
+    return rows
+
+
+def throughput(name):
+    result = load(name)
+    rows = ratio_rows(result, lambda r: f"waiting for data {r['data_wait_share']:.0%}"
+                      if r.get("data_wait_share") is not None else "")
     settings = result["settings"]
     return source(result, name) + (
         f"\n{settings.get('model', 'resnet18')}, 90 classes, micro-batch {settings['batch_size']}, "
@@ -127,15 +131,7 @@ def throughput(name):
 
 def zero3_settings(name):
     result = load(name)
-    rows = []
-    for label, r in result["results"].items():
-        if "error" in r:
-            rows.append([label, "failed", "", "", ""])
-            continue
-        ratio = r.get("ratio_to_reference")
-        runs = ", ".join(f"{value:,.0f}" for value in r.get("runs_images_per_s", []) if value)
-        rows.append([label, f"{r['images_per_s']:,.0f}", f"**{ratio:.2f}**" if ratio else "1 (reference)",
-                     f"{r['peak_gpu_memory_gib']:.2f}", runs])
+    rows = ratio_rows(result, lambda r: ", ".join(f"{value:,.0f}" for value in r.get("runs_images_per_s", []) if value))
     settings = result["settings"]
     return source(result, name) + (
         f"\n{settings['model']}, micro-batch {settings['batch_size']}, {settings['image_size']} px, bf16, "

@@ -243,6 +243,12 @@ def child(kind, name, args):
         print("RESULT " + json.dumps(result), flush=True)
 
 
+def failed(name, result, width):
+    """A table line for a measurement that failed: the last line of its error."""
+    error = result["error"].strip()
+    return f"{name:<{width}} FAILED: {error.splitlines()[-1][:80] if error else '?'}"
+
+
 def passed_settings(args):
     return ["--model", args.model, "--batch_size", str(args.batch_size), "--image_size", str(args.image_size),
             "--num_classes", str(args.num_classes),
@@ -338,7 +344,7 @@ def main():
     print(f"{'measurement':<46}{'images/s':>9}{'ratio':>7}{'goal':>6}{'peak GiB':>9}  notes")
     for name, r in results.items():
         if "error" in r:
-            print(f"{name:<46} FAILED: {r['error'].strip().splitlines()[-1][:80] if r['error'].strip() else '?'}")
+            print(failed(name, r, 46))
             continue
         notes = []
         if "data_wait_share" in r:

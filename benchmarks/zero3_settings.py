@@ -129,7 +129,7 @@ def main():
     print(f"{'variant':<40}{'images/s':>9}{'ratio':>7}{'peak GiB':>9}  runs")
     for name, r in results.items():
         if "error" in r:
-            print(f"{name:<40} FAILED: {r['error'].strip().splitlines()[-1][:80] if r['error'].strip() else '?'}")
+            print(throughput.failed(name, r, 40))
             continue
         print(f"{name:<40}{r['images_per_s']:>9.0f}{fmt(r.get('ratio_to_reference')):>7}"
               f"{fmt(r['peak_gpu_memory_gib']):>9}  {' '.join(f'{v:.0f}' for v in r.get('runs_images_per_s', []) if v)}")
