@@ -17,6 +17,7 @@ Prints a table last; writes benchmarks/results/zero3_settings_<model>_<gpu>.json
 import cProfile
 import io
 import json
+import os
 import pstats
 import re
 import sys
@@ -121,7 +122,8 @@ def main():
                 results[name].update(flags=flags, changed=zero,
                                      ratio_to_reference=throughput.ratio(results, name, REFERENCE))
             print(f"{name}: {json.dumps(runs[name][-1])[:300]}", flush=True)
-        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "case"}
+        settings = {k: os.path.relpath(v, ROOT) if isinstance(v, Path) else v for k, v in vars(args).items()
+                    if k != "case"}
         path.write_text(json.dumps({"environment": env, "settings": settings, "results": results}, indent=2) + "\n")
 
     print(f"\n{env['gpu'] or 'CPU'} | torch {env['torch']} | DeepSpeed {env['deepspeed']} | {args.model}, "
