@@ -70,18 +70,16 @@ def child(name, args):
         result = throughput.reference_case(throughput.REFERENCES[REFERENCE], args, device)
     else:
         flags, zero = variants(args.model)[name]
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as base:
-            json.dump({"zero_optimization": zero}, base)
-        case = [*flags, "--deepspeed_config", base.name]
-        if args.profile:  # where the host's time goes in --steps more steps, after the timed ones
-            profile = cProfile.Profile()
-            result = throughput.trainer_case(case, args, device, profile)
+        profile = cProfile.Profile() if args.profile else None  # the host's time in --steps more steps
+        with tempfile.TemporaryDirectory() as tmp:
+            base = Path(tmp) / "base.json"
+            base.write_text(json.dumps({"zero_optimization": zero}))
+            result = throughput.trainer_case([*flags, "--deepspeed_config", str(base)], args, device, profile)
+        if profile is not None:
             text = io.StringIO()
             pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
             slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
             (args.output_dir / f"zero3_profile_{args.model}_{slug}.txt").write_text(text.getvalue())
-        else:
-            result = throughput.trainer_case(case, args, device)
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -110,6 +108,7 @@ def main():
     args.output_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     extra = ["--output_dir", str(args.output_dir), *(["--profile"] if args.profile else [])]
+    settings = {k: os.path.relpath(v, ROOT) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "case"}
     runs = {name: [] for name in names}
     for _ in range(args.repeat):  # round by round, so that a slower spell of the machine hits every variant
         for name in names:
@@ -122,8 +121,6 @@ def main():
                 results[name].update(flags=flags, changed=zero,
                                      ratio_to_reference=throughput.ratio(results, name, REFERENCE))
             print(f"{name}: {json.dumps(runs[name][-1])[:300]}", flush=True)
-        settings = {k: os.path.relpath(v, ROOT) if isinstance(v, Path) else v for k, v in vars(args).items()
-                    if k != "case"}
         path.write_text(json.dumps({"environment": env, "settings": settings, "results": results}, indent=2) + "\n")
 
     print(f"\n{env['gpu'] or 'CPU'} | torch {env['torch']} | DeepSpeed {env['deepspeed']} | {args.model}, "

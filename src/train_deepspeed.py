@@ -11,7 +11,6 @@ import argparse  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
 import os  # noqa: E402
-import sys  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -20,7 +19,7 @@ import torch  # noqa: E402
 from checkpoints import CheckpointSaver, check_resumable, find_checkpoint, load, run_settings, saved_stage  # noqa: E402
 from data import build_loaders, load_datasets  # noqa: E402
 from device_data import build_device_loaders, choose_device_data, train_square_size  # noqa: E402
-from distributed import init_distributed, local_device, rank_zero_only, shut_down  # noqa: E402
+from distributed import exit_now, init_distributed, local_device, rank_zero_only, shut_down  # noqa: E402
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_with_deepspeed,  # noqa: E402
                        load_base_config, lr_schedule, precision)
 from failures import advise_on_out_of_memory, check_writable  # noqa: E402
@@ -243,15 +242,5 @@ def main(argv=None):
     return 0
 
 
-def exit_now(status):
-    """Leave without the interpreter's teardown once the run is over and written (history, checkpoints; the
-    monitors flush as they write) and the process group is gone: there a rank of a finished 2-rank ZeRO-3 run
-    aborted in gloo (SIGABRT after its last line, seen in CI), which failed the whole run."""
-    gc.collect()  # the DataLoader workers of main()'s frames go down now, not in the exit handlers
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status or 0)
-
-
 if __name__ == "__main__":
-    exit_now(run_cli(main))
+    exit_now(run_cli(main))  # history, checkpoints and monitors are written by now

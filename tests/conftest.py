@@ -93,7 +93,7 @@ def spawn_ranks(fn, nprocs=1, *args):
 def _as_rank(rank, fn, port, results, args):
     import traceback
 
-    from distributed import shut_down
+    from distributed import exit_now, shut_down
 
     try:
         fn(rank, port, results, *args)
@@ -102,11 +102,7 @@ def _as_rank(rank, fn, port, results, args):
         raise
     finally:  # together: a rank leaving gloo while another still works can abort in its teardown
         shut_down()
-    # Its results are with the manager: skip the interpreter's teardown, where the process groups DeepSpeed
-    # still holds can abort on the way out (gloo worker threads releasing tensors without the GIL).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()  # its results are with the manager; the trainer's ranks leave the same way
 
 
 def join_process_group(rank, port, world_size=1):
