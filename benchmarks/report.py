@@ -203,6 +203,51 @@ def max_batch():
         ["configuration", *columns], rows)
 
 
+def capacity(folder):
+    """The ladder under one GPU size: every memory_profile.py --find_max_batch JSON in `folder`, models by size."""
+    results = sorted(((file, load(f"{folder}/{file.name}")) for file in (RESULTS / folder).glob("memory_*_x1.json")),
+                     key=lambda item: item[1]["results"][0]["params"])
+    if not results:
+        return f"(no results in benchmarks/results/{folder})\n"
+    out = "".join(source(result, f"{folder}/{file.name}") for file, result in results)
+    models = [f"{r['settings']['model']} ({r['results'][0]['params'] / 1e6:,.0f} M)" for _, r in results]
+    configs = list(dict.fromkeys(row["config"] for _, r in results for row in r["results"]))
+    rows_of = [{row["config"]: row for row in r["results"]} for _, r in results]
+
+    def speed(row):
+        if not row["max_micro_batch"]:
+            return "0"
+        ratio = f" ({row['ratio_to_reference']:.2f}x)" if row.get("ratio_to_reference") else ""
+        return f"**{row['max_micro_batch']}** · {row['images_per_s']:,.0f}{ratio}" if row.get("images_per_s") \
+            else f"**{row['max_micro_batch']}**"
+
+    def states(row):
+        measured = "OOM" if row["out_of_memory"] else f"{row['model_states_gib']:.1f}"
+        estimate = row["deepspeed_estimate_gpu_gib"]
+        return f"{measured} / {row['paper_formula_gib']:.1f} / {'–' if estimate is None else f'{estimate:.1f}'}"
+
+    reference = ["plain PyTorch on the whole GPU (reference)", *[
+        f"{r['reference']['batch']} · {r['reference']['images_per_s']:,.0f}" if r["reference"].get("images_per_s")
+        else "OOM" for _, r in results]]
+    gib = results[0][1]["settings"]["gpu_memory_gib"]
+    out += (f"\nHeld to {gib:g} GiB, bf16, 224 px: the largest micro-batch (0: out of memory at 1) · images/s there "
+            f"(the ratio to plain PyTorch on the whole GPU):\n\n")
+    out += table(["configuration", *models], [reference] + [
+        [config, *[speed(rows[config]) if config in rows else "–" for rows in rows_of]] for config in configs])
+    out += "\nModel states held between steps, GiB: measured / the ZeRO paper's formula / DeepSpeed's estimator:\n\n"
+    out += table(["configuration", *models], [
+        [config, *[states(rows[config]) if config in rows else "–" for rows in rows_of]] for config in configs])
+    accumulated = [[model, row["config"], f"{row['max_micro_batch']} × {row['global_batch'] // row['max_micro_batch']}"
+                    f" = {row['global_batch']}", f"{row['global_batch_images_per_s']:,.0f}",
+                    f"**{row['global_batch_images_per_s'] / r['reference']['images_per_s']:.2f}**"]
+                   for model, rows, (_, r) in zip(models, rows_of, results) for row in rows.values()
+                   if row.get("global_batch_images_per_s")]
+    if accumulated:
+        out += "\nAt the largest micro-batch with gradient accumulation (one optimizer step per global batch):\n\n"
+        out += table(["model", "configuration", "micro-batch × steps = global batch", "images/s", "ratio"], accumulated)
+    return out
+
+
 TABLES = {
     "first-minute-gpu": lambda: first_minute("first_minute_nvidia_h200.json"),
     "first-minute-cpu": lambda: first_minute("first_minute_cpu.json"),

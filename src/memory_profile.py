@@ -1,8 +1,9 @@
-"""What each ZeRO stage and offload really costs in memory: a few real training steps per configuration.
+"""What each ZeRO stage and offload really costs in memory, and what fits a GPU: real training steps per configuration.
 
-For each configuration (ZeRO-0, the DDP-like baseline; ZeRO-1, 2, 3; optimizer offload; optimizer and
-parameter offload) this builds the model and the DeepSpeed config the trainer would, runs a few steps
-on synthetic images and records on every rank:
+For each configuration (plain PyTorch, the hand-written reference; ZeRO-0, the DDP-like baseline; ZeRO-1, 2,
+3; optimizer offload; optimizer and parameter offload, each offload also with DeepSpeed's half-precision
+weights) this builds the model and the DeepSpeed config the trainer would, runs a few steps on synthetic
+images and records on every rank:
 
 - model states: GPU memory still allocated between steps (parameters, gradients, optimizer state and
   the buffers DeepSpeed keeps, such as its reduce buckets);
@@ -16,80 +17,116 @@ helpers print) and the ZeRO paper's per-GPU model-state formulas for Adam: 16Ψ,
 16Ψ/N bytes with half-precision weights; with fp32 weights (fp32, or autocast) 16Ψ, 8Ψ + 8Ψ/N,
 4Ψ + 12Ψ/N, 16Ψ/N. Prints a table and writes JSON and a bar chart PNG.
 
+With --find_max_batch (one GPU) it searches each configuration's largest micro-batch instead and times the
+steps there; with --gpu_memory_gib, as on a smaller GPU, and then plain PyTorch on the whole GPU at
+--batch_size is the speed every configuration is compared with.
+
     python src/memory_profile.py --model resnet18 --batch_size 64 --bf16
     deepspeed --num_gpus 2 src/memory_profile.py --model wide_resnet50_2 --bf16
-    python src/memory_profile.py --model resnet50 --bf16 --find_max_batch --gpu_memory_gib 8
+    python src/memory_profile.py --model vit_h_14 --bf16 --find_max_batch --gpu_memory_gib 8 --global_batch 512
 """
 import argparse
 import gc
 import json
+import math
 import os
 import re
 import shlex
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+import max_batch
 import train_deepspeed
 from data import batch_memory_format
-from distributed import init_distributed, rank_zero_only, run_on_free_port, shut_down
+from distributed import exit_now, init_distributed, rank_zero_only, run_on_free_port, shut_down
 from ds_config import build_ds_config, precision
 from failures import UsageError
-from model import build_model
+from model import build_model, construction_args, shape_model
 from options import parse_args, run_cli
 from reproducibility import environment, machine_slug
 from training import input_dtype
 
-# name -> trainer flags
+PLAIN = "plain PyTorch"
+HALF_WEIGHTS = ["--precision_mode", "half_weights"]
+# name -> trainer flags (None: plain PyTorch, no DeepSpeed)
 CONFIGS = {
+    PLAIN: None,
     "ZeRO-0 (DDP-like)": ["--zero_stage", "0"],
     "ZeRO-1": ["--zero_stage", "1"],
     "ZeRO-2": ["--zero_stage", "2"],
     "ZeRO-3": ["--zero_stage", "3"],
     "ZeRO-2 + offload optimizer": ["--zero_stage", "2", "--offload_optimizer"],
     "ZeRO-3 + offload optimizer + params": ["--zero_stage", "3", "--offload_optimizer", "--offload_param"],
+    # DeepSpeed's fp16/bf16 weights move half the bytes of fp32 weights between the CPU and the GPU
+    "ZeRO-2 + offload optimizer, half weights": ["--zero_stage", "2", "--offload_optimizer", *HALF_WEIGHTS],
+    "ZeRO-3 + offload optimizer + params, half weights": ["--zero_stage", "3", "--offload_optimizer",
+                                                          "--offload_param", *HALF_WEIGHTS],
 }
 GIB = 2**30
-CUDA_CONTEXT_GIB = 1  # what a process's CUDA context takes on the GPU besides its capped allocations, at most
+OUT_OF_MEMORY = 3  # exit status of a --probe or --search process whose last try ran out of memory
 
 
 def get_args_parser():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="resnet18", help="any torchvision classifier, as the trainer's --model")
     parser.add_argument("--num_classes", type=int, default=90)
-    parser.add_argument("--batch_size", type=int, default=64, help="micro-batch per rank")
+    parser.add_argument("--batch_size", type=int, default=64,
+                        help="micro-batch per rank (with --find_max_batch: the whole-GPU reference's)")
     parser.add_argument("--image_size", type=int, default=224)
     parser.add_argument("--fp16", action="store_true", help="fp16 compute (GPU only)")
     parser.add_argument("--bf16", action="store_true", help="bf16 compute")
     parser.add_argument("--precision_mode", choices=["auto", "autocast", "half_weights"], default="auto",
-                        help="as the trainer's flag: autocast keeps fp32 weights, half_weights DeepSpeed's fp16/bf16")
+                        help="as the trainer's flag: autocast keeps fp32 weights, half_weights DeepSpeed's fp16/bf16 "
+                             "(the configurations named 'half weights' always use them)")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="NAME",
                         help=f"configurations to measure (default: all): {', '.join(CONFIGS)}")
-    parser.add_argument("--steps", type=int, default=3, help="training steps per configuration")
+    parser.add_argument("--steps", type=int, default=3, help="training steps per configuration (timed ones with "
+                                                             "--find_max_batch)")
     parser.add_argument("--find_max_batch", action="store_true",
-                        help="also search the largest micro-batch that trains without running out of GPU memory "
-                             "(one GPU, one process)")
+                        help="search each configuration's largest micro-batch that trains without running out of "
+                             "GPU memory, within 5%%, and its images/s there (one GPU, one process)")
+    parser.add_argument("--max_batch_limit", type=int, default=max_batch.LIMIT, metavar="N",
+                        help="with --find_max_batch: stop searching at this micro-batch (default %(default)s)")
+    parser.add_argument("--global_batch", type=int, default=None, metavar="N",
+                        help="with --find_max_batch: also time each configuration at its largest micro-batch with "
+                             "gradient accumulation to at least N images per optimizer step")
     parser.add_argument("--gpu_memory_gib", type=float, default=None,
                         help="let PyTorch use only this much GPU memory, as on a smaller GPU")
     parser.add_argument("--output_dir", type=Path, default=Path("memory_profile"))
-    parser.add_argument("--probe", nargs=2, metavar=("CONFIG", "BATCH"), help=argparse.SUPPRESS)  # one try of fits()
+    parser.add_argument("--probe", nargs=2, metavar=("CONFIG", "BATCH"), help=argparse.SUPPRESS)  # one timed try
+    parser.add_argument("--accumulation", type=int, default=1, help=argparse.SUPPRESS)  # of a --probe
+    parser.add_argument("--search", nargs=2, metavar=("CONFIG", "STATE"), help=argparse.SUPPRESS)  # search process
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by `deepspeed`
     return parser
 
 
-def trainer_config(args, flags, micro_batch, world_size, device, num_params):
+def trainer_config(args, flags, micro_batch, world_size, device, num_params, accumulation=1):
     precision_flags = [flag for flag in ("fp16", "bf16") if getattr(args, flag)]
     argv = ["--model", args.model, "--batch_size", str(micro_batch), "--epochs", "1",
-            "--precision_mode", args.precision_mode,
+            "--gradient_accumulation_steps", str(accumulation), "--precision_mode", args.precision_mode,
             *[f"--{flag}" for flag in precision_flags], *flags]
     train_args = parse_args(train_deepspeed.get_args_parser, argv)
-    return build_ds_config(train_args, world_size, micro_batch * world_size * (args.steps + 1),
+    return build_ds_config(train_args, world_size, micro_batch * accumulation * world_size * (args.steps + 2),
                            device_type=device.type, num_params=num_params)
+
+
+def plain_config(args):
+    """What plain PyTorch amounts to in DeepSpeed's terms: fp32 weights, nothing partitioned."""
+    half = "fp16" if args.fp16 else "bf16" if args.bf16 else None
+    return {"zero_optimization": {"stage": 0},
+            **({"torch_autocast": {"enabled": True, "dtype": f"{'b' if half == 'bf16' else ''}float16"}} if half else {})}
+
+
+def config_of(args, name, micro_batch, world_size, device, num_params, accumulation=1):
+    flags = CONFIGS[name]
+    if flags is None:
+        return plain_config(args)
+    return trainer_config(args, flags, micro_batch, world_size, device, num_params, accumulation)
 
 
 def paper_formula_bytes(config, params, world_size):
@@ -125,6 +162,13 @@ def deepspeed_estimate_bytes(config, total, largest_layer, world_size):
                                                          cpu_offload=offload_optimizer)
         return gpu, cpu
     return None, None
+
+
+def model_sizes(name, num_classes, image_size):
+    """(parameters, the largest layer's parameters), from the model on the meta device (nothing allocated)."""
+    model = shape_model(name, num_classes, image_size)
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return sum(p.numel() for p in model.parameters()), largest
 
 
 class MemoryCounters:
@@ -173,29 +217,47 @@ def host_peak_rss_gib():
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB  # Linux kB; peak since start
 
 
-def train_steps(engine, config, micro_batch, args, device, steps):
-    """`steps` optimizer steps on a synthetic batch; returns the memory held between steps after each."""
-    dtype = input_dtype(precision(config))
-    images = torch.randn(micro_batch, 3, args.image_size, args.image_size, device=device)
-    images = images.to(dtype, memory_format=batch_memory_format(device))
-    labels = torch.randint(0, args.num_classes, (micro_batch,), device=device)
-    held = []
-    for _ in range(steps):
-        loss = F.cross_entropy(engine(images).float(), labels)
-        engine.backward(loss)
-        engine.step()
-        held.append(torch.cuda.memory_allocated(device) if device.type == "cuda" else None)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return held
+class PlainEngine:
+    """Plain PyTorch behind the calls these measurements make of a DeepSpeed engine: torchvision's model of
+    that name, AdamW (fused on a GPU), autocast and channels_last on a GPU, DistributedDataParallel on
+    several ranks: the loop a user writes by hand."""
+
+    def __init__(self, args, device, world_size):
+        import torchvision
+
+        half = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else None
+        model = torchvision.models.get_model(args.model, num_classes=args.num_classes,
+                                             **construction_args(args.model, args.image_size)).to(device)
+        model = model.to(memory_format=batch_memory_format(device))
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05, fused=device.type == "cuda")
+        self.scaler = torch.amp.GradScaler(device.type, enabled=half == torch.float16)
+        self.module = model if world_size == 1 else torch.nn.parallel.DistributedDataParallel(model)
+        self.autocast = torch.autocast(device.type, dtype=half or torch.float32, enabled=half is not None)
+
+    def __call__(self, images):
+        with self.autocast:
+            return self.module(images)
+
+    def backward(self, loss):
+        self.scaler.scale(loss).backward()
+
+    def step(self):
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def destroy(self):
+        self.module = self.optimizer = None
 
 
-def new_engine(args, config):
+def new_engine(args, name, config, device, world_size):
+    if CONFIGS[name] is None:
+        return PlainEngine(args, device, world_size)
     import deepspeed
 
     model = build_model(args.model, args.num_classes, args.image_size)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-    return model, engine
+    return engine
 
 
 def release(engine):
@@ -206,98 +268,180 @@ def release(engine):
         torch.cuda.empty_cache()
 
 
-def measure(args, name, world_size, device, counters, sizes):
-    """One configuration's figures on this rank; `sizes`: (parameters, largest layer's parameters)."""
-    config = trainer_config(args, CONFIGS[name], args.batch_size, world_size, device, sizes[0])
-    counters.reset()
-    started = time.perf_counter()
-    _, engine = new_engine(args, config)
-    after_init = counters.since_reset(counters.allocated())
-    held = [counters.since_reset(value) for value in train_steps(engine, config, args.batch_size, args, device,
-                                                                 args.steps)]
-    peaks = counters.peaks()
+def synthetic_batch(args, config, micro_batch, device):
+    images = torch.randn(micro_batch, 3, args.image_size, args.image_size, device=device)
+    images = images.to(input_dtype(precision(config)), memory_format=batch_memory_format(device))
+    return images, torch.randint(0, args.num_classes, (micro_batch,), device=device)
+
+
+def train_steps(engine, batch, steps, accumulation=1):
+    """`steps` optimizer steps of `accumulation` micro-batches each; returns the seconds they took and the
+    memory held between steps after each."""
+    images, labels = batch
+    cuda = images.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(images.device)
+    started, held = time.perf_counter(), []
+    for _ in range(steps):
+        for _ in range(accumulation):  # DeepSpeed's step() steps the optimizer at the accumulation boundary only
+            loss = F.cross_entropy(engine(images).float(), labels)
+            engine.backward(loss)
+            engine.step()
+        held.append(torch.cuda.memory_allocated(images.device) if cuda else None)
+    if cuda:
+        torch.cuda.synchronize(images.device)
+    return time.perf_counter() - started, held
+
+
+def figures(config, sizes, world_size):
+    """What the formulas say of a configuration: the ZeRO paper's and DeepSpeed's estimators."""
     estimate_gpu, estimate_cpu = deepspeed_estimate_bytes(config, *sizes, world_size)
-    release(engine)
-    model_states = held[-1]
-    activations = (None if model_states is None or peaks["peak_allocated_gib"] is None
-                   else peaks["peak_allocated_gib"] - model_states)
-    return {"config": name, "flags": CONFIGS[name], "precision": precision(config), "params": sizes[0],
+    return {"precision": precision(config), "params": sizes[0],
             "paper_formula_gib": paper_formula_bytes(config, sizes[0], world_size) / GIB,
             "deepspeed_estimate_gpu_gib": None if estimate_gpu is None else estimate_gpu / GIB,
-            "deepspeed_estimate_cpu_gib": None if estimate_cpu is None else estimate_cpu / GIB,
+            "deepspeed_estimate_cpu_gib": None if estimate_cpu is None else estimate_cpu / GIB}
+
+
+def measure(args, name, world_size, device, counters, sizes):
+    """One configuration's figures on this rank at --batch_size; `sizes`: (parameters, largest layer's)."""
+    config = config_of(args, name, args.batch_size, world_size, device, sizes[0])
+    counters.reset()
+    started = time.perf_counter()
+    engine = new_engine(args, name, config, device, world_size)
+    after_init = counters.since_reset(counters.allocated())
+    _, held = train_steps(engine, synthetic_batch(args, config, args.batch_size, device), args.steps)
+    peaks = counters.peaks()
+    release(engine)
+    model_states = counters.since_reset(held[-1])
+    activations = (None if model_states is None or peaks["peak_allocated_gib"] is None
+                   else peaks["peak_allocated_gib"] - model_states)
+    return {"config": name, "flags": CONFIGS[name], **figures(config, sizes, world_size),
             "after_init_gib": after_init, "model_states_gib": model_states, "activations_gib": activations,
             **peaks, "seconds": time.perf_counter() - started}
 
 
 def is_out_of_memory(err):
-    # some of DeepSpeed's allocations report it as a plain RuntimeError
-    return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and "out of memory" in str(err))
+    # some of DeepSpeed's allocations report it as a plain RuntimeError, cuBLAS and cuDNN as their own status
+    return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and any(
+        text in str(err) for text in ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")))
 
 
-PROBE_OUT_OF_MEMORY = 3  # exit status of a --probe that ran out of memory
+def timed_try(engine, config, micro_batch, args, device, counters, timed_steps, accumulation=1):
+    """Two steps at `micro_batch` (whether it fits, and the peak), then `timed_steps` timed ones: the try's figures."""
+    counters.reset()
+    counters.baseline = 0  # the whole process's figures: the engine's states count
+    batch = synthetic_batch(args, config, micro_batch, device)
+    # the first step allocates the optimizer state (and tunes cuDNN), the second runs with it
+    train_steps(engine, batch, 2 if accumulation == 1 else 1, accumulation)
+    seconds, held = train_steps(engine, batch, timed_steps, accumulation) if timed_steps else (None, [None])
+    peaks = counters.peaks()
+    allocated = held[-1] if held[-1] is not None else counters.allocated()
+    return {"batch": micro_batch, "fits": True, "accumulation": accumulation,
+            "images_per_s": micro_batch * accumulation * timed_steps / seconds if seconds else None,
+            "model_states_gib": None if allocated is None else allocated / GIB,
+            "peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if counters.cuda else 0, **peaks}
 
 
-def fits(args, name, micro_batch, device, num_params):
-    """Whether `micro_batch` trains for two steps on one GPU without running out of memory.
-
-    Each try runs in a process of its own: what a try leaves behind after an out-of-memory error is not
-    all freed in the process (engine.destroy(), gc, empty_cache). On an H100 limited to 8 GiB, the two
-    offload configurations searched after ZeRO-3's search "ran out of memory" even at micro-batch 1, with
-    wide_resnet50_2, which ZeRO-0 trained at 128 in the same run.
-    """
-    command = [sys.executable, os.path.abspath(__file__), "--probe", name, str(micro_batch),
-               "--model", args.model, "--num_classes", str(args.num_classes), "--image_size", str(args.image_size),
-               "--precision_mode", args.precision_mode, *[f"--{flag}" for flag in ("fp16", "bf16") if getattr(args, flag)],
-               *(["--gpu_memory_gib", str(args.gpu_memory_gib)] if args.gpu_memory_gib else [])]
-    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-    started = time.perf_counter()
-    result = run_on_free_port(lambda port: subprocess.run(command, env={**env, "MASTER_PORT": str(port)},
-                                                          capture_output=True, text=True))
-    if result.returncode not in (0, PROBE_OUT_OF_MEMORY):
-        raise RuntimeError(f"the try of {name} at micro-batch {micro_batch} failed:\n{result.stderr[-3000:]}")
-    print(f"  {name}: micro-batch {micro_batch} {'fits' if result.returncode == 0 else 'runs out of memory'} "
-          f"({time.perf_counter() - started:.0f} s)", flush=True)
-    return result.returncode == 0
+def say(tag, value):
+    print(f"{tag} {json.dumps(value)}", flush=True)
 
 
-def probe(args, device, num_params):
-    """--probe NAME BATCH: two training steps; exit status 0 if they fit, PROBE_OUT_OF_MEMORY if not."""
+def probe(args, device, sizes):
+    """--probe NAME BATCH: one timed try in this process; status OUT_OF_MEMORY if it does not fit."""
     name, micro_batch = args.probe[0], int(args.probe[1])
-    config = trainer_config(args, CONFIGS[name], micro_batch, 1, device, num_params)
+    config = config_of(args, name, micro_batch, 1, device, sizes[0], args.accumulation)
     try:
-        _, engine = new_engine(args, config)
-        train_steps(engine, config, micro_batch, args, device, 2)
+        engine = new_engine(args, name, config, device, 1)
+        say("TRY", timed_try(engine, config, micro_batch, args, device, MemoryCounters(device), args.steps,
+                             args.accumulation))
     except (torch.OutOfMemoryError, RuntimeError) as err:
         if not is_out_of_memory(err):
             raise
-        return PROBE_OUT_OF_MEMORY
+        say("TRY", {"batch": micro_batch, "fits": False})
+        return OUT_OF_MEMORY
     return 0
 
 
-def find_max_batch(args, name, device, num_params, start=16):
-    """Double the micro-batch until a step runs out of memory, then bisect to within 5%."""
-    low, high = 0, start
-    while fits(args, name, high, device, num_params):
-        low, high = high, high * 2
-    while high - low > max(1, low // 20):
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(args, name, middle, device, num_params) else (low, middle)
-    return low
+def search_process(args, device, sizes, budget):
+    """--search NAME STATE: build the engine once, then try micro-batches upwards from STATE (see
+    max_batch.next_batch) until one runs out of memory (status OUT_OF_MEMORY) or the search is done."""
+    name, state = args.search[0], json.loads(args.search[1])
+    low, high, peaks, limit = state["low"], state["high"], state["peaks"], state["limit"]
+    micro_batch = max_batch.next_batch(low, high, peaks, budget, limit)
+    config = config_of(args, name, micro_batch, 1, device, sizes[0])
+    counters = MemoryCounters(device)
+    try:
+        engine = new_engine(args, name, config, device, 1)
+        while micro_batch is not None:
+            # 1 and 2 only start the line the sizes are predicted from: untimed (a search ending there times it apart)
+            timed_steps = args.steps if micro_batch > 2 else 0
+            attempt = timed_try(engine, config, micro_batch, args, device, counters, timed_steps)
+            say("TRY", attempt)
+            low, peaks = micro_batch, [*peaks, [micro_batch, attempt["peak_reserved_bytes"]]]
+            micro_batch = max_batch.next_batch(low, high, peaks, budget, limit)
+    except (torch.OutOfMemoryError, RuntimeError) as err:
+        if not is_out_of_memory(err):
+            raise
+        say("TRY", {"batch": micro_batch, "fits": False})
+        return OUT_OF_MEMORY
+    return 0
 
 
-def max_batches(args, device, num_params):
-    """{config: (largest micro-batch, whether --batch_size fits)}. Under --gpu_memory_gib every try is held to
-    the cap, so when the GPU has room for one capped process per configuration, the searches run side by side."""
-    def search(name):
-        fits_given = fits(args, name, args.batch_size, device, num_params)
-        return find_max_batch(args, name, device, num_params, start=16 if fits_given else 1), fits_given
+def child(args, mode, name, *values, capped=True):
+    """memory_profile.py --MODE NAME VALUES... in a process of its own: (its TRY lines, whether it ended without
+    running out of memory)."""
+    command = [sys.executable, os.path.abspath(__file__), f"--{mode}", name, *values,
+               "--model", args.model, "--num_classes", str(args.num_classes), "--image_size", str(args.image_size),
+               "--precision_mode", args.precision_mode, "--steps", str(args.steps),
+               *[f"--{flag}" for flag in ("fp16", "bf16") if getattr(args, flag)],
+               *(["--gpu_memory_gib", str(args.gpu_memory_gib)] if args.gpu_memory_gib and capped else [])]
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    result = run_on_free_port(lambda port: subprocess.run(command, env={**env, "MASTER_PORT": str(port)},
+                                                          capture_output=True, text=True))
+    if result.returncode not in (0, OUT_OF_MEMORY):
+        raise RuntimeError(f"the {mode} of {name} ({' '.join(values)}) failed:\n{result.stderr[-3000:]}")
+    tries = [json.loads(line[4:]) for line in result.stdout.splitlines() if line.startswith("TRY ")]
+    for attempt in tries:
+        speed = f", {attempt['images_per_s']:.1f} images/s" if attempt.get("images_per_s") else ""
+        print(f"  {name}: micro-batch {attempt['batch']}"
+              + (f" x {attempt['accumulation']}" if attempt.get("accumulation", 1) > 1 else "")
+              + (f" fits ({fmt(attempt['peak_reserved_gib'])} GiB reserved{speed})" if attempt["fits"]
+                 else " runs out of memory"), flush=True)
+    return tries, result.returncode == 0
 
-    side_by_side = 1
-    if args.gpu_memory_gib:
-        free, _ = torch.cuda.mem_get_info(device)
-        side_by_side = max(1, min(len(args.configs), int(free // ((args.gpu_memory_gib + CUDA_CONTEXT_GIB) * GIB))))
-    with ThreadPoolExecutor(side_by_side) as pool:
-        return dict(zip(args.configs, pool.map(search, args.configs)))
+
+def largest_batches(args, sizes):
+    """With --find_max_batch: one row per configuration with its largest micro-batch and the figures there."""
+    rows = []
+    for name in args.configs:
+        started = time.perf_counter()
+        largest, best, tries = max_batch.search(
+            lambda state: child(args, "search", name, json.dumps(state)), args.max_batch_limit)
+        row = {"config": name, "flags": CONFIGS[name],
+               **figures(config_of(args, name, max(1, largest), 1, torch.device("cuda"), sizes[0]), sizes, 1),
+               "max_micro_batch": largest, "out_of_memory": largest == 0,
+               **{key: (best or {}).get(key) for key in ("images_per_s", "model_states_gib", "peak_allocated_gib",
+                                                         "peak_reserved_gib", "host_peak_rss_gib")},
+               "tries": [{k: t.get(k) for k in ("batch", "fits", "peak_reserved_gib", "images_per_s")} for t in tries]}
+        if largest and not row["images_per_s"]:  # found at an untimed micro-batch
+            timed, _ = child(args, "probe", name, str(largest))
+            row["images_per_s"] = timed[0].get("images_per_s") if timed and timed[0]["fits"] else None
+        if args.global_batch and largest:
+            accumulation = math.ceil(args.global_batch / largest)
+            timed, _ = child(args, "probe", name, str(largest), "--accumulation", str(accumulation))
+            row["global_batch"] = largest * accumulation
+            row["global_batch_images_per_s"] = timed[0].get("images_per_s") if timed and timed[0]["fits"] else None
+        row["seconds"] = time.perf_counter() - started
+        rows.append(row)
+    return rows
+
+
+def reference_speed(args):
+    """Plain PyTorch on the whole GPU at --batch_size: the speed the configurations on a smaller one are
+    compared with (None when it does not fit there either)."""
+    tries, _ = child(args, "probe", PLAIN, str(args.batch_size), capped=False)
+    return {"config": PLAIN, "batch": args.batch_size, "gpu_memory_gib": None,
+            "images_per_s": tries[0].get("images_per_s") if tries and tries[0]["fits"] else None}
 
 
 def fmt(value):
@@ -305,29 +449,39 @@ def fmt(value):
 
 
 @rank_zero_only
-def report(args, rows, world_size, env):
+def report(args, rows, world_size, env, reference=None):
     """Print the table and write the JSON and the bar chart; returns the JSON path."""
     slug = machine_slug(env)
     stem = f"memory_{args.model}_{slug}_x{world_size}"
     args.output_dir.mkdir(parents=True, exist_ok=True)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "local_rank"}
-    data = {"environment": env, "settings": settings, "world_size": world_size, "results": rows}
+    for row in rows:
+        if reference and reference.get("images_per_s") and row.get("images_per_s"):
+            row["ratio_to_reference"] = row["images_per_s"] / reference["images_per_s"]
+    data = {"environment": env, "settings": settings, "world_size": world_size, "results": rows,
+            **({"reference": reference} if reference else {})}
     (args.output_dir / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
     plot(rows, args, world_size, env, args.output_dir / f"{stem}.png")
 
     params = rows[0]["params"] if rows else 0
-    print(f"\n{args.model} ({params / 1e6:.1f} M params), micro-batch {args.batch_size}, {args.image_size} px, "
-          f"{world_size} rank(s) on {env['gpu'] or 'CPU'}; GiB per rank, the largest over ranks")
-    header = (f"{'configuration':<38}{'paper':>7}{'DS est':>8}{'states':>8}{'activ':>8}{'peak':>8}{'reserved':>9}"
-              f"{'host':>7}" + (f"{'max batch':>10}" if args.find_max_batch else ""))
-    print(header)
+    at = (f"the largest micro-batch of each under {args.gpu_memory_gib:g} GiB" if args.find_max_batch and args.gpu_memory_gib
+          else "the largest micro-batch of each" if args.find_max_batch else f"micro-batch {args.batch_size}")
+    print(f"\n{args.model} ({params / 1e6:.1f} M params), {at}, {args.image_size} px, {world_size} rank(s) on "
+          f"{env['gpu'] or 'CPU'}; GiB per rank, the largest over ranks")
+    if reference:
+        print(f"reference: {PLAIN} on the whole GPU at micro-batch {reference['batch']}: "
+              + (f"{reference['images_per_s']:.1f} images/s" if reference["images_per_s"] else "out of memory"))
+    searched = args.find_max_batch
+    columns = [("paper", "paper_formula_gib", 7), ("DS est", "deepspeed_estimate_gpu_gib", 8),
+               ("states", "model_states_gib", 8), *([] if searched else [("activ", "activations_gib", 8)]),
+               ("peak", "peak_allocated_gib", 8), ("reserved", "peak_reserved_gib", 9), ("host", "host_peak_rss_gib", 7)]
+    print(f"{'configuration':<50}" + "".join(f"{title:>{width}}" for title, _, width in columns)
+          + (f"{'max batch':>10}{'images/s':>10}{'ratio':>7}" if searched else ""))
     for row in rows:
-        figures = ("paper_formula_gib", "deepspeed_estimate_gpu_gib", "model_states_gib", "activations_gib",
-                   "peak_allocated_gib", "peak_reserved_gib", "host_peak_rss_gib")
-        shown = ([fmt(row.get(key)) for key in figures] if not row.get("out_of_memory")
-                 else ["-"] * 4 + [f"OOM at {args.batch_size}", "-", "-"])
-        print(f"{row['config']:<38}" + "".join(f"{value:>{width}}" for value, width in zip(shown, (7, 8, 8, 8, 8, 9, 7)))
-              + (f"{row.get('max_micro_batch') or '-':>10}" if args.find_max_batch else ""))
+        shown = [fmt(row.get(key)) for _, key, _ in columns]
+        print(f"{row['config']:<50}" + "".join(f"{value:>{width}}" for value, (_, _, width) in zip(shown, columns))
+              + (f"{row['max_micro_batch']:>10}{fmt(row.get('images_per_s')):>10}{fmt(row.get('ratio_to_reference')):>7}"
+                 if searched else ""))
     print(f"results: {args.output_dir / stem}.json and .png")
     return args.output_dir / f"{stem}.json"
 
@@ -356,7 +510,8 @@ def plot(rows, args, world_size, env, path):
     if any(row.get("max_micro_batch") is not None for row in rows):
         ax.set_ylim(0, top * 1.12)
     ax.set_ylabel("GiB per rank (largest over ranks)" if gpu else "GiB per process")
-    ax.set_title(f"{args.model}, micro-batch {args.batch_size}, {args.image_size} px, {world_size} rank(s), "
+    at = "the largest micro-batch" if args.find_max_batch else f"micro-batch {args.batch_size}"
+    ax.set_title(f"{args.model}, {at}, {args.image_size} px, {world_size} rank(s), "
                  f"{rows[0].get('precision', '') if rows else ''} — {env['gpu'] or 'CPU'}")
     ax.legend(fontsize=8)
     fig.savefig(path, dpi=120)
@@ -376,43 +531,56 @@ def largest_over_ranks(per_rank):
     return rows
 
 
-def main(argv=None):
-    args = get_args_parser().parse_args(argv)
+def check_args(args, cuda):
     if args.fp16 and args.bf16:
         raise UsageError("--fp16 and --bf16 exclude each other")
     if args.batch_size < 1 or args.steps < 1:
         raise UsageError("--batch_size and --steps must be at least 1")
-    cuda = torch.cuda.is_available()
     if args.fp16 and not cuda:
         raise UsageError("fp16 needs a GPU: use --bf16 on a CPU-only machine")
     if args.find_max_batch and (not cuda or int(os.environ.get("WORLD_SIZE", "1")) > 1):
         raise UsageError("--find_max_batch needs one GPU and one process: an out-of-memory error on one rank "
                          "would leave the others waiting in a collective")
-    if args.gpu_memory_gib and not cuda:
-        raise UsageError("--gpu_memory_gib needs a GPU")
+    if args.max_batch_limit < 1:
+        raise UsageError("--max_batch_limit must be at least 1")
+    if args.global_batch is not None and (not args.find_max_batch or args.global_batch < 1):
+        raise UsageError("--global_batch goes with --find_max_batch and must be at least 1")
+    if args.gpu_memory_gib is not None and (not cuda or not args.gpu_memory_gib > 0):
+        raise UsageError("--gpu_memory_gib needs a GPU and a positive size")
+
+
+def main(argv=None):
+    args = get_args_parser().parse_args(argv)
+    cuda = torch.cuda.is_available()
+    child_process = args.probe or args.search
+    if not child_process:
+        check_args(args, cuda)
+    sizes = model_sizes(args.model, args.num_classes, args.image_size)
+    if child_process:
+        device, budget = torch.device("cuda", 0) if cuda else torch.device("cpu"), 0
+        if cuda:
+            budget = torch.cuda.get_device_properties(device).total_memory
+            if args.gpu_memory_gib:
+                torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gib * GIB / budget), device)
+                budget = min(budget, args.gpu_memory_gib * GIB)
+            torch.backends.cudnn.benchmark = True
+        init_distributed()
+        return probe(args, device, sizes) if args.probe else search_process(args, device, sizes, budget)
+    env = environment(shlex.join(["python", *sys.argv]))
+    if args.find_max_batch:  # every try runs in a child process: this one keeps no GPU memory
+        rows = largest_batches(args, sizes)
+        reference = reference_speed(args) if args.gpu_memory_gib else None
+        report(args, rows, 1, env, reference)
+        return 0
     _, world_size = init_distributed()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     if args.gpu_memory_gib:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gib * GIB / total), device)
-    if device.type == "cuda":
+    if cuda:
         torch.backends.cudnn.benchmark = True
-    from deepspeed.runtime.zero.stage3 import model_to_params
-
-    sizes = model_to_params(build_model(args.model, args.num_classes, args.image_size))
-    if args.probe:
-        return probe(args, device, sizes[0])
     counters = MemoryCounters(device)
-    env = environment(shlex.join(["python", *sys.argv]))
-    max_batch = max_batches(args, device, sizes[0]) if args.find_max_batch else {}
-    mine = []
-    for name in args.configs:
-        if max_batch.get(name, (None, True))[1]:
-            mine.append({**measure(args, name, world_size, device, counters, sizes),
-                         **({"max_micro_batch": max_batch[name][0]} if name in max_batch else {})})
-        else:
-            mine.append({"config": name, "flags": CONFIGS[name], "params": sizes[0], "out_of_memory": True,
-                         "max_micro_batch": max_batch[name][0]})
+    mine = [measure(args, name, world_size, device, counters, sizes) for name in args.configs]
     per_rank = [mine]
     if world_size > 1:
         per_rank = [None] * world_size
@@ -423,4 +591,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli(main))
+    exit_now(run_cli(main))  # the report is written: leave without the interpreter's teardown, as the trainer does

@@ -9,6 +9,7 @@ import torch
 import memory_profile
 from conftest import ROOT, run
 from distributed import free_port
+import max_batch
 from memory_profile import GIB, paper_formula_bytes, trainer_config
 from options import run_cli
 
@@ -44,20 +45,20 @@ def test_zero3_gathers_the_blocks_the_trainer_does(model, leaves):
 def test_two_ranks_write_table_json_and_chart(tmp_path):
     command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port()),
                str(ROOT / "src/memory_profile.py"), "--batch_size", "2", "--image_size", "32", "--steps", "1",
-               "--configs", "ZeRO-0 (DDP-like)", "ZeRO-3", "--output_dir", "report"]
+               "--configs", "plain PyTorch", "ZeRO-0 (DDP-like)", "ZeRO-3", "--output_dir", "report"]
     result = run(command, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "report/memory_resnet18_cpu_x2.json").read_text())
     assert (tmp_path / "report/memory_resnet18_cpu_x2.png").stat().st_size > 10_000
     assert report["world_size"] == 2 and report["environment"]["gpu"] is None
-    zero0, zero3 = report["results"]
-    assert (zero0["config"], zero3["config"]) == ("ZeRO-0 (DDP-like)", "ZeRO-3")
+    plain, zero0, zero3 = report["results"]
+    assert (plain["config"], zero0["config"], zero3["config"]) == ("plain PyTorch", "ZeRO-0 (DDP-like)", "ZeRO-3")
     params = zero0["params"]
-    assert params == sum(p.numel() for p in __import__("model").ResNet18Animals90().parameters())
-    assert zero0["paper_formula_gib"] == pytest.approx(16 * params / GIB)
+    assert params == plain["params"] == sum(p.numel() for p in __import__("model").ResNet18Animals90().parameters())
+    assert plain["paper_formula_gib"] == zero0["paper_formula_gib"] == pytest.approx(16 * params / GIB)
     assert zero3["paper_formula_gib"] == pytest.approx(16 * params / 2 / GIB)
     assert zero0["deepspeed_estimate_gpu_gib"] is None and zero3["deepspeed_estimate_gpu_gib"] > 0
-    for row in (zero0, zero3):
+    for row in (plain, zero0, zero3):
         assert len(row["per_rank"]) == 2
         assert row["model_states_gib"] is None and row["peak_allocated_gib"] is None  # no GPU counters on CPU
         assert 0.1 < row["host_peak_rss_gib"] == max(r["host_peak_rss_gib"] for r in row["per_rank"])
@@ -68,6 +69,9 @@ def test_two_ranks_write_table_json_and_chart(tmp_path):
     (["--find_max_batch"], "--find_max_batch needs one GPU and one process"),
     (["--fp16", "--bf16"], "--fp16 and --bf16 exclude each other"),
     (["--fp16"], "fp16 needs a GPU"),
+    (["--global_batch", "512"], "--global_batch goes with --find_max_batch"),
+    (["--max_batch_limit", "0"], "--max_batch_limit must be at least 1"),
+    (["--gpu_memory_gib", "8"], "--gpu_memory_gib needs a GPU"),
 ])
 def test_bad_input(capsys, extra, message):
     with pytest.raises(SystemExit) as stop:
@@ -77,42 +81,126 @@ def test_bad_input(capsys, extra, message):
     assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1, err
 
 
+def simulated_process(limit_bytes, per_image, fixed):
+    """A search process on a GPU whose peak is fixed + per_image x micro-batch (+2% above 64): it tries
+    upwards from the state it is given until a try passes limit_bytes, as memory_profile's --search does."""
+    processes = []
 
-def test_a_configuration_out_of_memory_is_a_row_of_the_report(tmp_path, capsys):
-    # --find_max_batch on a small GPU: a configuration that cannot train even the asked micro-batch is
-    # reported with its largest micro-batch, not a traceback (the GPU search itself needs a GPU)
-    args = memory_profile.get_args_parser().parse_args(["--find_max_batch", "--batch_size", "8",
-                                                        "--output_dir", str(tmp_path)])
-    env = {"gpu": "Some GPU", "command": "python src/memory_profile.py"}
-    fitted = {"config": "ZeRO-0 (DDP-like)", "params": PSI, "precision": "autocast-bf16", "max_micro_batch": 40,
-              **{key: 1.0 for key in ("paper_formula_gib", "deepspeed_estimate_gpu_gib", "model_states_gib",
-                                      "activations_gib", "peak_allocated_gib", "peak_reserved_gib",
-                                      "host_peak_rss_gib")}}
-    oom = {"config": "ZeRO-1", "params": PSI, "out_of_memory": True, "max_micro_batch": 3}
-    memory_profile.report(args, [fitted, oom], 1, env)
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[-3].startswith("ZeRO-0 (DDP-like)") and lines[-3].split()[-1] == "40"
-    assert lines[-2].startswith("ZeRO-1") and "OOM at 8" in lines[-2] and lines[-2].split()[-1] == "3"
-    saved = json.loads((tmp_path / "memory_resnet18_some_gpu_x1.json").read_text())
-    assert saved["results"][1] == oom and (tmp_path / "memory_resnet18_some_gpu_x1.png").is_file()
+    def run(state):
+        processes.append(state)
+        low, high, peaks, tries = state["low"], state["high"], list(state["peaks"]), []
+        batch = max_batch.next_batch(low, high, peaks, limit_bytes, state["limit"])
+        if fixed > limit_bytes:  # the engine itself does not fit
+            return [{"batch": batch, "fits": False}], False
+        while batch is not None:
+            peak = fixed + per_image * batch * (1.02 if batch > 64 else 1)
+            if peak > limit_bytes:
+                return tries + [{"batch": batch, "fits": False}], False
+            tries.append({"batch": batch, "fits": True, "peak_reserved_bytes": peak,
+                          "images_per_s": batch if batch > 2 else None})  # 1 and 2 are not timed
+            low, peaks = batch, peaks + [[batch, peak]]
+            batch = max_batch.next_batch(low, high, peaks, limit_bytes, state["limit"])
+        return tries, True
+
+    return run, processes
+
+
+@pytest.mark.parametrize("fixed, per_image, largest", [
+    (10 * GIB, 0.1 * GIB, 0),  # the model states alone are over the 8 GiB
+    (7.9 * GIB, 0.06 * GIB, 1),
+    (2 * GIB, 1.1 * GIB, 5),
+    (1 * GIB, 0.02 * GIB, 343),
+    (1 * GIB, 0.0005 * GIB, None),  # more than the limit fits: the search stops there
+])
+def test_the_search_finds_the_largest_micro_batch_in_few_processes(fixed, per_image, largest):
+    limit = 4096
+    run, processes = simulated_process(8 * GIB, per_image, fixed)
+    found, best, tries = max_batch.search(run, limit)
+    if largest is None:
+        assert found == limit and best["batch"] == limit
+    else:
+        assert largest * (1 - 1 / max_batch.TOLERANCE) <= found <= largest
+        assert found == 0 and best is None or best["batch"] == found
+        assert best is None or best["images_per_s"] == (found if found > 2 else None)
+        assert any(not t["fits"] and t["batch"] - found <= max(1, found // max_batch.TOLERANCE) for t in tries)
+    assert len(processes) <= 3, processes  # one failure ends a process; predictions keep failures few
+    assert len(tries) <= 12
+
+
+def test_next_batch_predicts_from_the_peaks_then_bisects():
+    assert max_batch.next_batch(0, None, [], 100) == 1
+    assert max_batch.next_batch(1, None, [[1, 10]], 100) == 2  # one point: no line yet, doubled
+    # the line through (1, 10) and (2, 20) reaches 100 at 10; aimed 3% under it
+    assert max_batch.next_batch(2, None, [[1, 10], [2, 20]], 100) == 9
+    assert max_batch.next_batch(2, None, [[1, 10], [2, 20]], 10_000) == 16  # at most 8x the largest that fitted
+    assert max_batch.next_batch(40, 80, [], 100) == 60  # a failure known: bisection
+    assert max_batch.next_batch(100, 105, [], 100) is None  # within 5%
+    assert max_batch.next_batch(9, None, [[8, 80], [9, 90]], 91) == 10  # on the line already: one step up
+    assert max_batch.next_batch(6, None, [], 100, limit=6) is None
+
+
+def test_a_search_process_reports_each_try_and_ends_at_the_first_failure(monkeypatch, capsys):
+    # the process's loop, without a GPU: micro-batches above 24 "run out of memory"; 1, 2, then 8 x 2 (the line
+    # says 32: at most 8 times the largest that fitted), then the line's 32 aimed 3% under it
+    def timed_try(engine, config, micro_batch, *args):
+        if micro_batch > 24:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return {"batch": micro_batch, "fits": True, "peak_reserved_bytes": micro_batch * GIB / 4}
+
+    monkeypatch.setattr(memory_profile, "new_engine", lambda *args: None)
+    monkeypatch.setattr(memory_profile, "timed_try", timed_try)
+    args = memory_profile.get_args_parser().parse_args(
+        ["--search", "ZeRO-2", json.dumps({"low": 0, "high": None, "peaks": [], "limit": 4096})])
+    assert memory_profile.search_process(args, torch.device("cpu"), (PSI, PSI), 8 * GIB) == memory_profile.OUT_OF_MEMORY
+    tries = [json.loads(line[4:]) for line in capsys.readouterr().out.splitlines()]
+    assert [t["batch"] for t in tries] == [1, 2, 16, 31] and [t["fits"] for t in tries] == [True] * 3 + [False]
 
 
 @pytest.mark.slow
-def test_each_max_batch_try_runs_in_a_process_of_its_own():
-    # the out-of-memory outcome needs a GPU; the child process, its exit status and a broken try do not
-    args = memory_profile.get_args_parser().parse_args(["--image_size", "32", "--bf16"])
-    assert memory_profile.fits(args, "ZeRO-3", 2, torch.device("cpu"), PSI)
-    args.model = "resnet_none"  # the child's own argument parser refuses it: an error, not "does not fit"
-    with pytest.raises(RuntimeError, match="the try of ZeRO-0 \\(DDP-like\\) at micro-batch 2 failed"):
-        memory_profile.fits(args, "ZeRO-0 (DDP-like)", 2, torch.device("cpu"), PSI)
+def test_a_search_process_trains_real_steps_and_a_broken_one_is_an_error():
+    # on the CPU nothing runs out of memory: the search climbs to its limit, timing each try
+    args = memory_profile.get_args_parser().parse_args(["--image_size", "64", "--bf16", "--steps", "1"])
+    tries, finished = memory_profile.child(args, "search", "ZeRO-3", json.dumps(
+        {"low": 0, "high": None, "peaks": [], "limit": 5}))
+    assert finished and [t["batch"] for t in tries] == [1, 2, 4, 5]
+    assert all(t["fits"] and t["host_peak_rss_gib"] > 0.1 for t in tries)
+    assert [t["images_per_s"] > 0 if t["images_per_s"] else None for t in tries] == [None, None, True, True]
+    args.model = "resnet_none"  # the child's own checks refuse it: an error, not "out of memory"
+    with pytest.raises(RuntimeError, match="the probe of plain PyTorch \\(2\\) failed"):
+        memory_profile.child(args, "probe", memory_profile.PLAIN, "2")
 
 
-def test_max_batch_search_per_configuration(monkeypatch):
-    # the search itself (doubling, then bisecting to within 5%) against known limits; a real try needs a GPU
-    limits = {"ZeRO-0 (DDP-like)": 300, "ZeRO-3": 5}
-    monkeypatch.setattr(memory_profile, "fits", lambda args, name, batch, device, n: batch <= limits[name])
-    args = memory_profile.get_args_parser().parse_args(["--batch_size", "8", "--configs", *limits])
-    found = memory_profile.max_batches(args, torch.device("cpu"), PSI)
-    assert found["ZeRO-3"] == (5, False)  # --batch_size 8 does not fit: searched from 1, exactly
-    batch, fits_given = found["ZeRO-0 (DDP-like)"]
-    assert fits_given and 300 * 0.95 <= batch <= 300
+def test_every_configuration_gets_its_largest_batch_its_speed_and_the_reference(monkeypatch, tmp_path, capsys):
+    # the parent's side of --find_max_batch on a GPU held to 8 GiB, its child processes simulated
+    limits = {memory_profile.PLAIN: 0, "ZeRO-2 + offload optimizer": 48, "ZeRO-3": 5, "ZeRO-2": 2}
+    calls = []
+
+    def child(args, mode, name, *values, capped=True):
+        calls.append((mode, name, values, capped))
+        if mode == "probe":
+            batch = int(values[0])
+            accumulation = int(values[2]) if len(values) > 2 else 1
+            return [{"batch": batch, "fits": True, "images_per_s": 100.0 / accumulation + (not capped) * 900}], True
+        return simulated_process(8 * GIB, GIB / 8, 8 * GIB - limits[name] * GIB / 8 - 1)[0](json.loads(values[0]))
+
+    monkeypatch.setattr(memory_profile, "child", child)
+    args = memory_profile.get_args_parser().parse_args(
+        ["--find_max_batch", "--gpu_memory_gib", "8", "--global_batch", "512", "--batch_size", "32",
+         "--configs", *limits, "--output_dir", str(tmp_path)])
+    rows = memory_profile.largest_batches(args, (PSI, PSI))
+    assert [row["max_micro_batch"] for row in rows] == [0, 48, 5, 2]
+    plain, offload, zero3, zero2 = rows
+    assert plain["out_of_memory"] and plain["images_per_s"] is None and "global_batch" not in plain
+    assert offload["global_batch"] == 48 * 11 and offload["global_batch_images_per_s"] == pytest.approx(100 / 11)
+    assert zero3["global_batch"] == 5 * 103 and zero3["images_per_s"] == 5
+    assert ("probe", "ZeRO-2", ("2",), True) in calls and zero2["images_per_s"] == 100  # found untimed: timed apart
+    reference = memory_profile.reference_speed(args)
+    assert calls[-1] == ("probe", memory_profile.PLAIN, ("32",), False) and reference["images_per_s"] == 1000
+    env = {"gpu": "Some GPU", "command": "python src/memory_profile.py"}
+    memory_profile.report(args, rows, 1, env, reference)
+    out = capsys.readouterr().out
+    assert "reference: plain PyTorch on the whole GPU at micro-batch 32: 1000.0 images/s" in out
+    line = next(line for line in out.splitlines() if line.startswith("ZeRO-2 + offload optimizer"))
+    assert line.split()[-3:] == ["48", "48.00", "0.05"]
+    saved = json.loads((tmp_path / "memory_resnet18_some_gpu_x1.json").read_text())
+    assert saved["reference"] == reference and saved["results"][1]["ratio_to_reference"] == pytest.approx(0.048)
