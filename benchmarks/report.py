@@ -203,18 +203,24 @@ def max_batch():
         ["configuration", *columns], rows)
 
 
+def params(result):
+    return next(row["params"] for row in result["results"] if "params" in row)
+
+
 def capacity(folder):
     """The ladder under one GPU size: every memory_profile.py --find_max_batch JSON in `folder`, models by size."""
     results = sorted(((file, load(f"{folder}/{file.name}")) for file in (RESULTS / folder).glob("memory_*_x1.json")),
-                     key=lambda item: item[1]["results"][0]["params"])
+                     key=lambda item: params(item[1]))
     if not results:
         return f"(no results in benchmarks/results/{folder})\n"
     out = "".join(source(result, f"{folder}/{file.name}") for file, result in results)
-    models = [f"{r['settings']['model']} ({r['results'][0]['params'] / 1e6:,.0f} M)" for _, r in results]
+    models = [f"{r['settings']['model']} ({params(r) / 1e6:,.0f} M)" for _, r in results]
     configs = list(dict.fromkeys(row["config"] for _, r in results for row in r["results"]))
     rows_of = [{row["config"]: row for row in r["results"]} for _, r in results]
 
     def speed(row):
+        if "error" in row:
+            return "failed"
         if not row["max_micro_batch"]:
             return "0"
         ratio = f" ({row['ratio_to_reference']:.2f}x)" if row.get("ratio_to_reference") else ""
@@ -222,6 +228,8 @@ def capacity(folder):
             else f"**{row['max_micro_batch']}**"
 
     def states(row):
+        if "error" in row:
+            return "failed"
         measured = "OOM" if row["out_of_memory"] else f"{row['model_states_gib']:.1f}"
         estimate = row["deepspeed_estimate_gpu_gib"]
         return f"{measured} / {row['paper_formula_gib']:.1f} / {'–' if estimate is None else f'{estimate:.1f}'}"

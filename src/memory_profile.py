@@ -415,8 +415,13 @@ def largest_batches(args, sizes):
     rows = []
     for name in args.configs:
         started = time.perf_counter()
-        largest, best, tries = max_batch.search(
-            lambda state: child(args, "search", name, json.dumps(state)), args.max_batch_limit)
+        try:
+            largest, best, tries = max_batch.search(
+                lambda state: child(args, "search", name, json.dumps(state)), args.max_batch_limit)
+        except RuntimeError as err:  # the other configurations are still worth measuring
+            print(f"  {name}: {err}", flush=True)
+            rows.append({"config": name, "flags": CONFIGS[name], "error": str(err)[-3000:]})
+            continue
         row = {"config": name, "flags": CONFIGS[name],
                **figures(config_of(args, name, max(1, largest), 1, torch.device("cuda"), sizes[0]), sizes, 1),
                "max_micro_batch": largest, "out_of_memory": largest == 0,
@@ -439,7 +444,11 @@ def largest_batches(args, sizes):
 def reference_speed(args):
     """Plain PyTorch on the whole GPU at --batch_size: the speed the configurations on a smaller one are
     compared with (None when it does not fit there either)."""
-    tries, _ = child(args, "probe", PLAIN, str(args.batch_size), capped=False)
+    try:
+        tries, _ = child(args, "probe", PLAIN, str(args.batch_size), capped=False)
+    except RuntimeError as err:
+        print(f"  reference: {err}", flush=True)
+        return {"config": PLAIN, "batch": args.batch_size, "images_per_s": None, "error": str(err)[-3000:]}
     return {"config": PLAIN, "batch": args.batch_size, "gpu_memory_gib": None,
             "images_per_s": tries[0].get("images_per_s") if tries and tries[0]["fits"] else None}
 
@@ -463,7 +472,7 @@ def report(args, rows, world_size, env, reference=None):
     (args.output_dir / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
     plot(rows, args, world_size, env, args.output_dir / f"{stem}.png")
 
-    params = rows[0]["params"] if rows else 0
+    params = next((row["params"] for row in rows if "params" in row), 0)
     at = (f"the largest micro-batch of each under {args.gpu_memory_gib:g} GiB" if args.find_max_batch and args.gpu_memory_gib
           else "the largest micro-batch of each" if args.find_max_batch else f"micro-batch {args.batch_size}")
     print(f"\n{args.model} ({params / 1e6:.1f} M params), {at}, {args.image_size} px, {world_size} rank(s) on "
@@ -478,6 +487,9 @@ def report(args, rows, world_size, env, reference=None):
     print(f"{'configuration':<50}" + "".join(f"{title:>{width}}" for title, _, width in columns)
           + (f"{'max batch':>10}{'images/s':>10}{'ratio':>7}" if searched else ""))
     for row in rows:
+        if "error" in row:
+            print(f"{row['config']:<50}FAILED: {row['error'].strip().splitlines()[-1][:100]}")
+            continue
         shown = [fmt(row.get(key)) for _, key, _ in columns]
         print(f"{row['config']:<50}" + "".join(f"{value:>{width}}" for value, (_, _, width) in zip(shown, columns))
               + (f"{row['max_micro_batch']:>10}{fmt(row.get('images_per_s')):>10}{fmt(row.get('ratio_to_reference')):>7}"
