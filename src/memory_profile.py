@@ -93,8 +93,9 @@ def get_args_parser():
     parser.add_argument("--max_batch_limit", type=int, default=max_batch.LIMIT, metavar="N",
                         help="with --find_max_batch: stop searching at this micro-batch (default %(default)s)")
     parser.add_argument("--global_batch", type=int, default=None, metavar="N",
-                        help="with --find_max_batch: also time each configuration at its largest micro-batch with "
-                             "gradient accumulation to at least N images per optimizer step")
+                        help="with --find_max_batch: also time each configuration that offloads the optimizer at its "
+                             "largest micro-batch with gradient accumulation to at least N images per optimizer step "
+                             "(what amortises the optimizer step on the CPU)")
     parser.add_argument("--gpu_memory_gib", type=float, default=None,
                         help="let PyTorch use only this much GPU memory, as on a smaller GPU")
     parser.add_argument("--output_dir", type=Path, default=Path("memory_profile"))
@@ -339,6 +340,7 @@ def timed_try(engine, config, micro_batch, args, device, counters, timed_steps, 
     return {"batch": micro_batch, "fits": True, "accumulation": accumulation,
             "images_per_s": micro_batch * accumulation * timed_steps / seconds if seconds else None,
             "model_states_gib": None if allocated is None else allocated / GIB,
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if counters.cuda else 0,
             "peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if counters.cuda else 0, **peaks}
 
 
@@ -377,7 +379,8 @@ def search_process(args, device, sizes, budget):
             timed_steps = args.steps if micro_batch > 2 else 0
             attempt = timed_try(engine, config, micro_batch, args, device, counters, timed_steps)
             say("TRY", attempt)
-            low, peaks = micro_batch, [*peaks, [micro_batch, attempt["peak_reserved_bytes"]]]
+            low = micro_batch
+            peaks = [*peaks, [micro_batch, attempt["peak_allocated_bytes"], attempt["peak_reserved_bytes"]]]
             micro_batch = max_batch.next_batch(low, high, peaks, budget, limit)
     except (torch.OutOfMemoryError, RuntimeError) as err:
         if not is_out_of_memory(err):
@@ -431,7 +434,7 @@ def largest_batches(args, sizes):
         if largest and not row["images_per_s"]:  # found at an untimed micro-batch
             timed, _ = child(args, "probe", name, str(largest))
             row["images_per_s"] = timed[0].get("images_per_s") if timed and timed[0]["fits"] else None
-        if args.global_batch and largest:
+        if args.global_batch and largest and offloads_optimizer(name):
             accumulation = math.ceil(args.global_batch / largest)
             timed, _ = child(args, "probe", name, str(largest), "--accumulation", str(accumulation))
             row["global_batch"] = largest * accumulation
@@ -439,6 +442,10 @@ def largest_batches(args, sizes):
         row["seconds"] = time.perf_counter() - started
         rows.append(row)
     return rows
+
+
+def offloads_optimizer(name):
+    return "--offload_optimizer" in (CONFIGS[name] or [])
 
 
 def reference_speed(args):
