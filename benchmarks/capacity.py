@@ -12,6 +12,7 @@ last: the ones docs/memory.md shows, which benchmarks/report.py generates from t
     python benchmarks/capacity.py --models vit_l_16 --gib 8 --global_batch 512   # offload with accumulation
 """
 import argparse
+import json
 import subprocess
 import sys
 import time
@@ -38,6 +39,9 @@ def get_args_parser():
                         help="also time each configuration with gradient accumulation to this global batch")
     parser.add_argument("--steps", type=int, default=3, help="timed steps at each micro-batch tried")
     parser.add_argument("--output_dir", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--update", action="store_true",
+                        help="go on from each model's earlier JSON: measure only the configurations it lacks "
+                             "(memory_profile.py --update), as after a run that was cut short")
     return parser
 
 
@@ -49,11 +53,19 @@ def main(argv=None):
     args = get_args_parser().parse_args(argv)
     for gib in args.gib:
         for model in args.models:
+            configs = args.configs
+            if args.update:
+                done = {row["config"] for path in (args.output_dir / folder(gib)).glob(f"memory_{model}_*_x1.json")
+                        for row in json.loads(path.read_text())["results"]}
+                configs = [name for name in configs if name not in done]
+                if not configs:
+                    continue
             command = [sys.executable, str(ROOT / "src" / "memory_profile.py"), "--model", model, "--bf16",
                        "--find_max_batch", "--gpu_memory_gib", f"{gib:g}", "--batch_size", str(LADDER.get(model, 32)),
-                       "--steps", str(args.steps), "--configs", *args.configs,
+                       "--steps", str(args.steps), "--configs", *configs,
                        "--output_dir", str(args.output_dir / folder(gib)),
-                       *(["--global_batch", str(args.global_batch)] if args.global_batch else [])]
+                       *(["--global_batch", str(args.global_batch)] if args.global_batch else []),
+                       *(["--update"] if args.update else [])]
             started = time.perf_counter()
             print(f"== {model} under {gib:g} GiB", flush=True)
             status = subprocess.run(command).returncode

@@ -99,6 +99,9 @@ def get_args_parser():
     parser.add_argument("--gpu_memory_gib", type=float, default=None,
                         help="let PyTorch use only this much GPU memory, as on a smaller GPU")
     parser.add_argument("--output_dir", type=Path, default=Path("memory_profile"))
+    parser.add_argument("--update", action="store_true",
+                        help="add to the JSON of an earlier run of the same model, GPU and settings: its other "
+                             "configurations (and its reference) are kept")
     parser.add_argument("--probe", nargs=2, metavar=("CONFIG", "BATCH"), help=argparse.SUPPRESS)  # one timed try
     parser.add_argument("--accumulation", type=int, default=1, help=argparse.SUPPRESS)  # of a --probe
     parser.add_argument("--search", nargs=2, metavar=("CONFIG", "STATE"), help=argparse.SUPPRESS)  # search process
@@ -372,13 +375,15 @@ def search_process(args, device, sizes, budget):
     micro_batch = max_batch.next_batch(low, high, peaks, budget, limit)
     config = config_of(args, name, micro_batch, 1, device, sizes[0])
     counters = MemoryCounters(device)
+    started = time.perf_counter()
     try:
         engine = new_engine(args, name, config, device, 1)
+        engine_s = time.perf_counter() - started  # what each search process costs before its first try
         while micro_batch is not None:
             # 1 and 2 only start the line the sizes are predicted from: untimed (a search ending there times it apart)
             timed_steps = args.steps if micro_batch > 2 else 0
             attempt = timed_try(engine, config, micro_batch, args, device, counters, timed_steps)
-            say("TRY", attempt)
+            say("TRY", {**attempt, "engine_s": engine_s, "process_s": time.perf_counter() - started})
             low = micro_batch
             peaks = [*peaks, [micro_batch, attempt["peak_allocated_bytes"], attempt["peak_reserved_bytes"]]]
             micro_batch = max_batch.next_batch(low, high, peaks, budget, limit)
@@ -413,8 +418,9 @@ def child(args, mode, name, *values, capped=True):
     return tries, result.returncode == 0
 
 
-def largest_batches(args, sizes):
-    """With --find_max_batch: one row per configuration with its largest micro-batch and the figures there."""
+def largest_batches(args, sizes, on_row=lambda rows: None):
+    """With --find_max_batch: one row per configuration with its largest micro-batch and the figures there;
+    on_row(rows so far) after each."""
     rows = []
     for name in args.configs:
         started = time.perf_counter()
@@ -424,6 +430,7 @@ def largest_batches(args, sizes):
         except RuntimeError as err:  # the other configurations are still worth measuring
             print(f"  {name}: {err}", flush=True)
             rows.append({"config": name, "flags": CONFIGS[name], "error": str(err)[-3000:]})
+            on_row(rows)
             continue
         row = {"config": name, "flags": CONFIGS[name],
                **figures(config_of(args, name, max(1, largest), 1, torch.device("cuda"), sizes[0]), sizes, 1),
@@ -441,6 +448,7 @@ def largest_batches(args, sizes):
             row["global_batch_images_per_s"] = timed[0].get("images_per_s") if timed and timed[0]["fits"] else None
         row["seconds"] = time.perf_counter() - started
         rows.append(row)
+        on_row(rows)
     return rows
 
 
@@ -464,20 +472,54 @@ def fmt(value):
     return "-" if value is None else f"{value:.2f}"
 
 
-@rank_zero_only
-def report(args, rows, world_size, env, reference=None):
-    """Print the table and write the JSON and the bar chart; returns the JSON path."""
-    slug = machine_slug(env)
-    stem = f"memory_{args.model}_{slug}_x{world_size}"
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "local_rank"}
+def results_path(args, env, world_size):
+    return args.output_dir / f"memory_{args.model}_{machine_slug(env)}_x{world_size}.json"
+
+
+def earlier_results(args, env, world_size):
+    """With --update: (rows, reference, commands) of the JSON this run adds to; refused if another GPU or
+    other versions or settings measured it."""
+    path = results_path(args, env, world_size)
+    if not args.update or not path.exists():
+        return [], None, []
+    earlier = json.loads(path.read_text())
+    differs = [key for key in ("gpu", "torch", "torchvision", "deepspeed", "cuda")
+               if earlier["environment"].get(key) != env.get(key)]
+    differs += [f"--{key}" for key in ("num_classes", "image_size", "fp16", "bf16", "precision_mode", "find_max_batch",
+                                       "gpu_memory_gib", "steps") if earlier["settings"].get(key) != getattr(args, key)]
+    if differs:
+        raise UsageError(f"--update: {path} was measured with another {', '.join(differs)}; write to another "
+                         "--output_dir")
+    return earlier["results"], earlier.get("reference"), earlier["environment"].get("commands", [])
+
+
+def write_results(args, rows, world_size, env, reference=None):
+    """The JSON and the bar chart of `rows` (with --update, merged into the earlier JSON's: this run's rows
+    replace the configurations it measured again); returns (all rows, the reference)."""
+    earlier_rows, earlier_reference, commands = earlier_results(args, env, world_size)
+    measured = {row["config"] for row in rows}
+    rows = sorted([row for row in earlier_rows if row["config"] not in measured] + rows,
+                  key=lambda row: list(CONFIGS).index(row["config"]))
+    reference = reference or earlier_reference
     for row in rows:
         if reference and reference.get("images_per_s") and row.get("images_per_s"):
             row["ratio_to_reference"] = row["images_per_s"] / reference["images_per_s"]
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "local_rank"}
+    env = {**env, "commands": [*commands, env["command"]] if env["command"] not in commands else commands}
     data = {"environment": env, "settings": settings, "world_size": world_size, "results": rows,
             **({"reference": reference} if reference else {})}
-    (args.output_dir / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")
-    plot(rows, args, world_size, env, args.output_dir / f"{stem}.png")
+    path = results_path(args, env, world_size)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    plot(rows, args, world_size, env, path.with_suffix(".png"))
+    return rows, reference
+
+
+@rank_zero_only
+def report(args, rows, world_size, env, reference=None):
+    """Write the JSON and the bar chart, and print the table; returns the JSON path."""
+    rows, reference = write_results(args, rows, world_size, env, reference)
+    stem = results_path(args, env, world_size).with_suffix("")
 
     params = next((row["params"] for row in rows if "params" in row), 0)
     at = (f"the largest micro-batch of each under {args.gpu_memory_gib:g} GiB" if args.find_max_batch and args.gpu_memory_gib
@@ -501,8 +543,8 @@ def report(args, rows, world_size, env, reference=None):
         print(f"{row['config']:<50}" + "".join(f"{value:>{width}}" for value, (_, _, width) in zip(shown, columns))
               + (f"{row['max_micro_batch']:>10}{fmt(row.get('images_per_s')):>10}{fmt(row.get('ratio_to_reference')):>7}"
                  if searched else ""))
-    print(f"results: {args.output_dir / stem}.json and .png")
-    return args.output_dir / f"{stem}.json"
+    print(f"results: {stem}.json and .png")
+    return stem.with_suffix(".json")
 
 
 def plot(rows, args, world_size, env, path):
@@ -587,8 +629,10 @@ def main(argv=None):
         return probe(args, device, sizes) if args.probe else search_process(args, device, sizes, budget)
     env = environment(shlex.join(["python", *sys.argv]))
     if args.find_max_batch:  # every try runs in a child process: this one keeps no GPU memory
-        rows = largest_batches(args, sizes)
-        reference = reference_speed(args) if args.gpu_memory_gib else None
+        _, reference, _ = earlier_results(args, env, 1)
+        if args.gpu_memory_gib and not (reference and reference["batch"] == args.batch_size):
+            reference = reference_speed(args)
+        rows = largest_batches(args, sizes, lambda rows: write_results(args, rows, 1, env, reference))
         report(args, rows, 1, env, reference)
         return 0
     _, world_size = init_distributed()

@@ -209,4 +209,18 @@ def test_every_configuration_gets_its_largest_batch_its_speed_and_the_reference(
     line = next(line for line in out.splitlines() if line.startswith("ZeRO-2 + offload optimizer"))
     assert line.split()[-3:] == ["48", "48.00", "0.05"]
     saved = json.loads((tmp_path / "memory_resnet18_some_gpu_x1.json").read_text())
-    assert saved["reference"] == reference and saved["results"][1]["ratio_to_reference"] == pytest.approx(0.048)
+    by_name = {row["config"]: row for row in saved["results"]}
+    assert [row["config"] for row in saved["results"]] == [c for c in memory_profile.CONFIGS if c in limits]
+    assert saved["reference"] == reference and by_name["ZeRO-2 + offload optimizer"]["ratio_to_reference"] == 0.048
+
+    # --update: a later run of one configuration replaces its row and keeps the others and the reference
+    args.update, args.configs = True, ["ZeRO-3"]
+    limits["ZeRO-3"] = 7
+    memory_profile.report(args, memory_profile.largest_batches(args, (PSI, PSI)), 1,
+                          {**env, "command": "python src/memory_profile.py --update"})
+    saved = json.loads((tmp_path / "memory_resnet18_some_gpu_x1.json").read_text())
+    assert [row["max_micro_batch"] for row in saved["results"]] == [0, 2, 7, 48] and saved["reference"] == reference
+    assert saved["environment"]["commands"] == ["python src/memory_profile.py", "python src/memory_profile.py --update"]
+    args.gpu_memory_gib = 24
+    with pytest.raises(memory_profile.UsageError, match="measured with another --gpu_memory_gib"):
+        memory_profile.report(args, [], 1, env)
