@@ -1,8 +1,6 @@
 """What every benchmark shares: the machine and versions behind a measurement, the command as a user
 would type it, and the earlier results an --update run adds to."""
 import json
-import os
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -14,16 +12,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from reproducibility import environment as run_environment  # noqa: E402
+from reproducibility import environment as run_environment, shown  # noqa: E402,F401 (shown: for the benchmarks)
 
 # The keys of the environment that must match for measurements to share one JSON.
 MACHINE = ("gpu", "torch", "torchvision", "deepspeed", "cuda")
-
-
-def shown(command):
-    """The command as a user would type it in the repository root."""
-    return shlex.join("python" if part == sys.executable else os.path.relpath(part, ROOT)
-                      if part.startswith(str(ROOT)) else part for part in command)
 
 
 def environment():

@@ -246,10 +246,11 @@ def capacity(folder):
     out += table(["configuration", *models], [
         [config, *[states(rows[config]) if config in rows else "–" for rows in rows_of]] for config in configs])
     accumulated = [[model, row["config"], f"{row['max_micro_batch']} × {row['global_batch'] // row['max_micro_batch']}"
-                    f" = {row['global_batch']}", f"{row['global_batch_images_per_s']:,.0f}",
+                    f" = {row['global_batch']}", *([f"{row['global_batch_images_per_s']:,.0f}",
                     f"**{row['global_batch_images_per_s'] / r['reference']['images_per_s']:.2f}**"]
+                                                   if row["global_batch_images_per_s"] else ["out of memory", ""])]
                    for model, rows, (_, r) in zip(models, rows_of, results) for row in rows.values()
-                   if row.get("global_batch_images_per_s")]
+                   if "global_batch" in row]
     if accumulated:
         out += "\nAt the largest micro-batch with gradient accumulation (one optimizer step per global batch):\n\n"
         out += table(["model", "configuration", "micro-batch × steps = global batch", "images/s", "ratio"], accumulated)
@@ -269,6 +270,7 @@ TABLES = {
     "augmentation": augmentation,
     "data-path-accuracy": data_path_accuracy,
     "max-batch": max_batch,
+    "capacity-8gib": lambda: capacity("capacity_8gib"),
 }
 
 

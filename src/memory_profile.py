@@ -31,7 +31,6 @@ import json
 import math
 import os
 import re
-import shlex
 import subprocess
 import sys
 import time
@@ -48,7 +47,7 @@ from ds_config import build_ds_config, precision
 from failures import UsageError
 from model import build_model, construction_args, shape_model
 from options import parse_args, run_cli
-from reproducibility import environment, machine_slug
+from reproducibility import environment, machine_slug, shown
 from training import input_dtype
 
 PLAIN = "plain PyTorch"
@@ -504,7 +503,7 @@ def write_results(args, rows, world_size, env, reference=None):
     for row in rows:
         if reference and reference.get("images_per_s") and row.get("images_per_s"):
             row["ratio_to_reference"] = row["images_per_s"] / reference["images_per_s"]
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "local_rank"}
+    settings = {k: shown([str(v)]) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "local_rank"}
     env = {**env, "commands": [*commands, env["command"]] if env["command"] not in commands else commands}
     data = {"environment": env, "settings": settings, "world_size": world_size, "results": rows,
             **({"reference": reference} if reference else {})}
@@ -627,7 +626,7 @@ def main(argv=None):
             torch.backends.cudnn.benchmark = True
         init_distributed()
         return probe(args, device, sizes) if args.probe else search_process(args, device, sizes, budget)
-    env = environment(shlex.join(["python", *sys.argv]))
+    env = environment(shown([sys.executable, *sys.argv]))
     if args.find_max_batch:  # every try runs in a child process: this one keeps no GPU memory
         _, reference, _ = earlier_results(args, env, 1)
         if args.gpu_memory_gib and not (reference and reference["batch"] == args.batch_size):

@@ -4,6 +4,7 @@ import os
 import platform
 import random
 import re
+import shlex
 import subprocess
 import sys
 
@@ -52,16 +53,24 @@ def environment(command):
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "command": command}
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def shown(command):
+    """The command as a user would type it in the repository root: no paths of the machine it ran on."""
+    return shlex.join("python" if part == sys.executable else os.path.relpath(part, ROOT)
+                      if part.startswith(ROOT) else part for part in command)
+
+
 def source_commit():
     """The git commit of the code that runs: $TRAINER_COMMIT where the copy has no .git (a GPU machine's
     copy of the working tree), else git's HEAD, with "+changes" when the tree differs from it."""
     if os.environ.get("TRAINER_COMMIT"):
         return os.environ["TRAINER_COMMIT"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
                               text=True, check=True).stdout.strip()
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                  capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
