@@ -109,6 +109,13 @@ def lock(folder, flag):
     _held.append(f)
 
 
+def release():
+    """Give the folders back: the run in them is over (its process may go on, to start another)."""
+    for f in _held:
+        f.close()
+    _held.clear()
+
+
 def check_unlocked(folder, flag):
     """Stop when a run holds `folder`'s lock now; creates nothing (the launcher's early check)."""
     path = Path(folder) / LOCK_FILE

@@ -238,6 +238,7 @@ def main(argv=None):
         total = datetime.timedelta(seconds=round(clock.since_start()))
         say(f"Best val acc {best['val_acc']:.4f} at epoch {best['epoch']}; total time {total}; "
             f"history in {history.path}, checkpoints in {args.checkpoint_dir}")
+    run_folders.release()
     shut_down()  # together: a rank leaving gloo while rank 0 still writes can abort in the backend's teardown
     return 0
 

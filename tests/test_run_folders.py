@@ -86,6 +86,18 @@ def test_a_second_run_waits_for_no_lock_the_dead_one_held(tmp_path):
         run_folders._held.pop().close()
 
 
+def test_a_finished_run_gives_its_folders_back_to_the_next_in_the_same_process(tmp_path):
+    lock(tmp_path, "--checkpoint_dir")
+    try:  # a lock is held by its open file, not its process: a second run here is refused as any other
+        with pytest.raises(UsageError, match=f"in use by pid {os.getpid()}"):
+            lock(tmp_path, "--checkpoint_dir")
+    finally:
+        run_folders.release()
+    lock(tmp_path, "--checkpoint_dir")  # as train_deepspeed.main() run again on the same folders does
+    run_folders.release()
+    check_unlocked(tmp_path, "--checkpoint_dir")
+
+
 def test_tidy_completes_or_undoes_a_cut_swap_and_removes_staging(tmp_path):
     publish(tmp_path, "best_model", 1)
     publish(tmp_path, ".old-best_model", 1)  # cut after the second rename: the new one is published

@@ -1,0 +1,80 @@
+"""ZeRO-3 with parameters and optimizer state offloaded to the CPU, on 2 ranks (gloo): a transformer and a CNN
+train, resume from a checkpoint to exactly where an uninterrupted run gets, and export the model they validated."""
+import json
+import math
+
+import pytest
+
+import evaluate
+import export_model
+from conftest import TINY_CLASSES, data_args, join_process_group, spawn_ranks
+from prepare_data import make_sample_dataset
+
+pytestmark = pytest.mark.slow  # it starts two training processes
+
+# model -> (--image_size, precision flags): a ViT at 2 x 2 patches in DeepSpeed's bf16; the default CNN (batch norm)
+# in fp32, where its export must give the trainer's validation loss to the last digits
+MODELS = {"vit_b_16": (32, ["--bf16"]), "resnet18": (32, [])}
+BF16_AGAINST_FP32 = 2e-3  # the trainer validates the bf16 model, evaluate.py the fp32 export
+TRAIN_PER_CLASS, VAL_PER_CLASS = 4, 2  # 12 images: 3 steps of 2 x 2 an epoch
+METRICS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
+
+
+def train_and_resume(rank, port, results, data, workdir):
+    """On each of 2 ranks, for each model: 2 epochs in one run, then the second again from its epoch_1."""
+    import gc
+
+    import torch
+
+    import train_deepspeed
+    from distributed import barrier
+
+    torch.set_num_threads(1)  # two ranks share the machine's cores
+    join_process_group(rank, port, world_size=2)
+    # The ranks finish each run together (a rank leaving early would look for the next run's checkpoint while
+    # rank 0 still writes it), and the group serves every run here: spawn_ranks leaves it at the end.
+    train_deepspeed.shut_down = barrier
+    for name, (size, precision) in MODELS.items():
+        epoch_1 = workdir / name / "whole/checkpoints/epoch_1"
+        for folder, extra in (("whole", ["--save_every", "1"]), ("resumed", ["--resume", str(epoch_1)])):
+            results[(name, folder, rank)] = train_deepspeed.main(data_args(data) + [
+                "--model", name, "--image_size", str(size), "--zero_stage", "3", "--offload_param",
+                "--offload_optimizer", *precision, "--epochs", "2", "--batch_size", "2", "--warmup_epochs", "0",
+                "--num_workers", "0", "--checkpoint_dir", str(workdir / name / folder / "checkpoints"),
+                "--log_dir", str(workdir / name / folder / "logs"), *extra])
+            gc.unfreeze()  # the trainer froze what it built; the next run needs the memory
+            gc.collect()
+
+
+def test_zero3_with_offload_trains_resumes_and_exports_a_transformer_and_a_cnn_on_two_ranks(tmp_path):
+    data = tmp_path / "data"
+    make_sample_dataset(data, num_classes=TINY_CLASSES, train_per_class=TRAIN_PER_CLASS, val_per_class=VAL_PER_CLASS,
+                        image_size=32, seed=0)
+    results = spawn_ranks(train_and_resume, 2, data, tmp_path)
+    assert set(results.values()) == {0} and len(results) == len(MODELS) * 2 * 2
+    for name, (_, precision) in MODELS.items():
+        whole, resumed = (json.loads((tmp_path / name / run / "logs/training_history.json").read_text())
+                          for run in ("whole", "resumed"))
+        config = resumed["config"]
+        zero = config["deepspeed"]["zero_optimization"]
+        assert config["world_size"] == 2 and config["zero_stage"] == 3, name
+        assert config["precision"] == ("bf16" if precision else "fp32"), name
+        assert zero["offload_param"]["device"] == zero["offload_optimizer"]["device"] == "cpu", name
+        # Weights, Adam's moments (offloaded), the schedule and the data order all come back: the resumed run's
+        # second epoch is the uninterrupted run's, to the last digit.
+        assert [{k: e[k] for k in METRICS} for e in resumed["epochs"]] == \
+            [{k: e[k] for k in METRICS} for e in whole["epochs"]], name
+        last = resumed["epochs"][-1]
+        assert abs(last["val_loss"] - math.log(TINY_CLASSES)) > 1e-3, name  # it learnt: another model would differ
+        # The export, gathered from both ranks' offloaded partitions, is the model the trainer validated
+        # (here, outside the ranks' process group: evaluation sums its metrics over any group it is in).
+        exported = tmp_path / f"{name}.safetensors"
+        export_model.main([str(tmp_path / name / "resumed/checkpoints/last"), "--output", str(exported)])
+        evaluate.main(["--model", str(exported), "--data_dir", str(data / "val"), "--output_dir",
+                       str(tmp_path / name / "eval"), "--num_workers", "0"])
+        report = json.loads((tmp_path / name / "eval/report.json").read_text())
+        tolerance = BF16_AGAINST_FP32 if precision else 1e-5
+        assert report["loss"] == pytest.approx(last["val_loss"], rel=tolerance), name
+        previous = resumed["epochs"][-2]["val_loss"]  # what an export of the weights before would give
+        assert abs(previous - last["val_loss"]) > 10 * tolerance * last["val_loss"], name
+        assert report["top1"] == pytest.approx(last["val_acc"]), name
