@@ -27,6 +27,7 @@ import json
 import os
 import shutil
 import time
+import zipfile
 from pathlib import Path
 
 from data_check import listed
@@ -261,6 +262,15 @@ def check_resumable(folder, world_size, zero_stage, settings):
     if differs:
         raise UsageError(f"cannot resume from {folder}: it was saved with " + "; ".join(differs)
                          + ". Resume with the run's own flags, or start a new run (--overwrite, or other folders)")
+    for path in sorted(Path(folder, info["tag"]).glob("*.pt")):
+        # torch.save's files are zip archives, whose directory is at the end: one cut short (a full disk, a copy
+        # stopped) stops here, before any rank starts, instead of in DeepSpeed's load on every rank
+        try:
+            zipfile.ZipFile(path).close()
+        except (zipfile.BadZipFile, OSError) as err:
+            raise UsageError(f"cannot resume from {folder}: {path.name} is cut short or not a torch file ({err}); "
+                             "resume from another checkpoint (--resume PATH: last, best, epoch_N) or start a new "
+                             "run") from None
     return info
 
 

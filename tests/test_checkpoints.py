@@ -1,6 +1,7 @@
 """Checkpoint publishing and lookup, on folders laid out as DeepSpeed writes them (no engine needed)."""
 import argparse
 import json
+import zipfile
 
 import pytest
 
@@ -11,18 +12,24 @@ from failures import UsageError
 
 def fake_checkpoint(folder, epoch, tag, world_size=1, zero_stage=2, payload="weights"):
     (folder / tag).mkdir(parents=True)
-    (folder / tag / "mp_rank_00_model_states.pt").write_text(payload)
+    with zipfile.ZipFile(folder / tag / "mp_rank_00_model_states.pt", "w") as archive:  # torch.save's form
+        archive.writestr("payload", payload)
     (folder / "latest").write_text(tag)
     (folder / EXTRA_INFO).write_text(json.dumps({"epoch": epoch, "tag": tag, "world_size": world_size,
                                                  "zero_stage": zero_stage}))
     return folder
 
 
+def payload_of(path):
+    with zipfile.ZipFile(path) as archive:
+        return archive.read("payload").decode()
+
+
 def test_publish_replaces_and_a_crash_between_renames_leaves_a_readable_copy(tmp_path):
     final = fake_checkpoint(tmp_path / "last", 1, "last", payload="old")
     ready = fake_checkpoint(tmp_path / ".ready-last", 2, "last", payload="new")
     _publish(ready, final)
-    assert (final / "last/mp_rank_00_model_states.pt").read_text() == "new"
+    assert payload_of(final / "last/mp_rank_00_model_states.pt") == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last"]
     # A crash after `last` was moved aside and before the new one was moved in:
     final.rename(tmp_path / ".old-last")
@@ -38,7 +45,7 @@ def test_copy_as_renames_the_tag_and_shares_the_files(tmp_path):
     _copy_as(staged, tmp_path / "best_model", "best")
     assert (tmp_path / "best_model/latest").read_text() == "best"
     copied = tmp_path / "best_model/best/mp_rank_00_model_states.pt"
-    assert copied.read_text() == "weights"
+    assert payload_of(copied) == "weights"
     assert copied.stat().st_ino == (staged / "staged/mp_rank_00_model_states.pt").stat().st_ino  # hard link
     assert not (tmp_path / "best_model" / EXTRA_INFO).exists()  # written per published name
 

@@ -183,6 +183,9 @@ MORE_HALVES = (("maxvit_t", "resnext50_32x4d"), ("vgg11", "wide_resnet50_2", "al
 BF16_STEPPED = ("mobilenet_v3_small", "efficientnet_b0", "swin_t", "convnext_tiny", "swin_v2_t")
 
 
+# ZeRO-1 runs the same DeepSpeed optimizer as ZeRO-2 (which partitions the gradients as well): the session's
+# zero1 run (conftest's TRAINED_RUNS) covers it, not every family.
+STAGES = (0, 2, 3)
 # 4 train and 2 validation images per class: one step of 12 (a quarter of the compute of the shared tiny
 # dataset's epoch, which for ViT-B/16 was a quarter of a run).
 FAMILY_TRAIN_IMAGES, FAMILY_VAL_IMAGES = 4 * TINY_CLASSES, 2 * TINY_CLASSES
@@ -191,7 +194,7 @@ FAMILY_TRAIN_IMAGES, FAMILY_VAL_IMAGES = 4 * TINY_CLASSES, 2 * TINY_CLASSES
 def train_export_evaluate_predict(process, _, results, data, workdir, halves, sizes):
     """For each model of halves[process] (sizes: its --image_size): a run of the trainer at each ZeRO stage in
     fp32, its export, evaluate and predict on it; then bf16_steps. The trainer's main() in this process: a
-    launcher run each would add seconds of startup to each of the 60 runs."""
+    launcher run each would add seconds of startup to each of the 45 runs."""
     import contextlib
     import gc
     import io
@@ -213,7 +216,7 @@ def train_export_evaluate_predict(process, _, results, data, workdir, halves, si
     engine.apply_zero_leaf_module_config = lambda model, config: leaves.append(apply_leaves(model, config)) or leaves[-1]
     for name in halves[process]:
         size = sizes[name]
-        for stage in range(4):
+        for stage in STAGES:
             work = workdir / f"{name}-{stage}"
             exported = work / ("model.pt" if stage % 2 else "model.safetensors")
             code = train_deepspeed.main(data_args(data) + [
@@ -243,14 +246,14 @@ def train_export_evaluate_predict(process, _, results, data, workdir, halves, si
     pytest.param(MORE_HALVES, MORE_FAMILIES, marks=pytest.mark.skipif(not os.environ.get("ALL_FAMILIES"),
                                                                       reason="ALL_FAMILIES=1 runs these"))],
     ids=["families", "more families"])
-def test_every_family_trains_exports_evaluates_and_predicts_at_every_zero_stage(tmp_path, halves, sizes):
+def test_every_family_trains_exports_evaluates_and_predicts_at_zero_0_2_and_3(tmp_path, halves, sizes):
     assert sorted(sum(halves, ())) == sorted(sizes)
     data = tmp_path / "data"
     make_sample_dataset(data, num_classes=TINY_CLASSES, train_per_class=FAMILY_TRAIN_IMAGES // TINY_CLASSES,
                         val_per_class=FAMILY_VAL_IMAGES // TINY_CLASSES, image_size=32, seed=0)
     results = spawn_ranks(train_export_evaluate_predict, 2, data, tmp_path, halves, sizes)
     for name in sizes:
-        for stage in range(4):
+        for stage in STAGES:
             result = results[(name, stage)]
             history, report = result["history"], result["report"]
             last = history["epochs"][-1]
@@ -263,12 +266,12 @@ def test_every_family_trains_exports_evaluates_and_predicts_at_every_zero_stage(
             assert report["top1"] == pytest.approx(last["val_acc"]), (name, stage)
             classes = [Path(p["image"]).parent.name == p["predictions"][0]["class"] for p in result["predictions"]]
             assert len(classes) == FAMILY_VAL_IMAGES and sum(classes) / len(classes) == pytest.approx(report["top1"])
-        # ZeRO-3 gathers the family's repeated blocks whole (leaf modules) and trains the model ZeRO-1 and 2 do.
+        # ZeRO-3 gathers the family's repeated blocks whole (leaf modules) and trains the model ZeRO-2 does.
         # (ZeRO-0 as well, but for EfficientNet, whose first forward differs in the 6th digit on flattened
         # weights, CPU kernels being picked by alignment, and one Adam step at lr 0.05 magnifies that.)
         assert results[(name, 3)]["leaf_modules"] > 0 and results[(name, 0)]["leaf_modules"] == 0, name
-        losses = [results[(name, stage)]["history"]["epochs"][-1]["val_loss"] for stage in (1, 2, 3)]
-        assert losses == pytest.approx([losses[0]] * 3, rel=1e-5), name
+        losses = [results[(name, stage)]["history"]["epochs"][-1]["val_loss"] for stage in (2, 3)]
+        assert losses[1] == pytest.approx(losses[0], rel=1e-5), name
     for name in (name for name in BF16_STEPPED if name in sizes):
         bf16 = results[(name, "bf16")]
         assert all(map(math.isfinite, bf16["losses"])) and bf16["moved"], name
