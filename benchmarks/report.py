@@ -254,7 +254,21 @@ def capacity(folder):
     if accumulated:
         out += "\nAt the largest micro-batch with gradient accumulation (one optimizer step per global batch):\n\n"
         out += table(["model", "configuration", "micro-batch × steps = global batch", "images/s", "ratio"], accumulated)
-    return out
+    return out + half_weights_gain(rows_of)
+
+
+def half_weights_gain(rows_of):
+    """One line: what DeepSpeed's half-precision weights gave the offload configurations over fp32 weights."""
+    pairs = [(rows[name], rows[f"{name}, half weights"]) for rows in rows_of for name in rows
+             if f"{name}, half weights" in rows and rows[name].get("images_per_s")
+             and rows[f"{name}, half weights"].get("images_per_s")]
+    if not pairs:
+        return ""
+    batch = [half["max_micro_batch"] / fp32["max_micro_batch"] for fp32, half in pairs]
+    speed = [half["images_per_s"] / fp32["images_per_s"] for fp32, half in pairs]
+    return (f"\nHalf-precision weights against fp32 weights, the same offload, over the {len(pairs)} pairs above: "
+            f"{min(batch):.1f}-{max(batch):.1f} times the micro-batch, {min(speed):.1f}-{max(speed):.1f} times the "
+            f"images/s.\n")
 
 
 TABLES = {
