@@ -350,48 +350,46 @@ def say(tag, value):
     print(f"{tag} {json.dumps(value)}", flush=True)
 
 
-def probe(args, device, sizes):
-    """--probe NAME BATCH: one timed try in this process; status OUT_OF_MEMORY if it does not fit."""
-    name, micro_batch = args.probe[0], int(args.probe[1])
-    config = config_of(args, name, micro_batch, 1, device, sizes[0], args.accumulation)
+def tries(args, device, sizes, name, first, following, accumulation=1):
+    """Build `name`'s engine once, then try micro-batch `first` and the ones following(batch, try) gives
+    until None, each said on a TRY line; status OUT_OF_MEMORY at the first that runs out of memory."""
+    micro_batch, started = first, time.perf_counter()
+    config = config_of(args, name, micro_batch, 1, device, sizes[0], accumulation)
+    counters = MemoryCounters(device)
     try:
         engine = new_engine(args, name, config, device, 1)
-        say("TRY", timed_try(engine, config, micro_batch, args, device, MemoryCounters(device), args.steps,
-                             args.accumulation))
+        engine_s = time.perf_counter() - started  # what each of these processes costs before its first try
+        while micro_batch is not None:
+            # 1 and 2 only start the line a search predicts from: untimed (a search ending there times it apart)
+            timed_steps = args.steps if micro_batch > 2 or not args.search else 0
+            attempt = timed_try(engine, config, micro_batch, args, device, counters, timed_steps, accumulation)
+            say("TRY", {**attempt, "engine_s": engine_s, "process_s": time.perf_counter() - started})
+            micro_batch = following(micro_batch, attempt)
     except (torch.OutOfMemoryError, RuntimeError) as err:
         if not is_out_of_memory(err):
             raise
         say("TRY", {"batch": micro_batch, "fits": False})
         return OUT_OF_MEMORY
     return 0
+
+
+def probe(args, device, sizes):
+    """--probe NAME BATCH: one timed try (of --accumulation micro-batches a step) in this process."""
+    return tries(args, device, sizes, args.probe[0], int(args.probe[1]), lambda batch, attempt: None, args.accumulation)
 
 
 def search_process(args, device, sizes, budget):
-    """--search NAME STATE: build the engine once, then try micro-batches upwards from STATE (see
-    max_batch.next_batch) until one runs out of memory (status OUT_OF_MEMORY) or the search is done."""
-    name, state = args.search[0], json.loads(args.search[1])
-    low, high, peaks, limit = state["low"], state["high"], state["peaks"], state["limit"]
-    micro_batch = max_batch.next_batch(low, high, peaks, budget, limit)
-    config = config_of(args, name, micro_batch, 1, device, sizes[0])
-    counters = MemoryCounters(device)
-    started = time.perf_counter()
-    try:
-        engine = new_engine(args, name, config, device, 1)
-        engine_s = time.perf_counter() - started  # what each search process costs before its first try
-        while micro_batch is not None:
-            # 1 and 2 only start the line the sizes are predicted from: untimed (a search ending there times it apart)
-            timed_steps = args.steps if micro_batch > 2 else 0
-            attempt = timed_try(engine, config, micro_batch, args, device, counters, timed_steps)
-            say("TRY", {**attempt, "engine_s": engine_s, "process_s": time.perf_counter() - started})
-            low = micro_batch
-            peaks = [*peaks, [micro_batch, attempt["peak_allocated_bytes"], attempt["peak_reserved_bytes"]]]
-            micro_batch = max_batch.next_batch(low, high, peaks, budget, limit)
-    except (torch.OutOfMemoryError, RuntimeError) as err:
-        if not is_out_of_memory(err):
-            raise
-        say("TRY", {"batch": micro_batch, "fits": False})
-        return OUT_OF_MEMORY
-    return 0
+    """--search NAME STATE: try micro-batches upwards from STATE (see max_batch.next_batch) until one runs out
+    of memory or the search is done."""
+    state = json.loads(args.search[1])
+    peaks = list(state["peaks"])
+
+    def following(batch, attempt):
+        peaks.append([batch, attempt["peak_allocated_bytes"], attempt["peak_reserved_bytes"]])
+        return max_batch.next_batch(batch, state["high"], peaks, budget, state["limit"])
+
+    first = max_batch.next_batch(state["low"], state["high"], peaks, budget, state["limit"])
+    return tries(args, device, sizes, args.search[0], first, following)
 
 
 def child(args, mode, name, *values, capped=True):
@@ -436,7 +434,8 @@ def largest_batches(args, sizes, on_row=lambda rows: None):
                "max_micro_batch": largest, "out_of_memory": largest == 0,
                **{key: (best or {}).get(key) for key in ("images_per_s", "model_states_gib", "peak_allocated_gib",
                                                          "peak_reserved_gib", "host_peak_rss_gib")},
-               "tries": [{k: t.get(k) for k in ("batch", "fits", "peak_reserved_gib", "images_per_s")} for t in tries]}
+               "tries": [{k: t.get(k) for k in ("batch", "fits", "peak_reserved_gib", "images_per_s", "engine_s")}
+                         for t in tries]}
         if largest and not row["images_per_s"]:  # found at an untimed micro-batch
             timed, _ = child(args, "probe", name, str(largest))
             row["images_per_s"] = timed[0].get("images_per_s") if timed and timed[0]["fits"] else None
