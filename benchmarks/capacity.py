@@ -36,7 +36,8 @@ def get_args_parser():
     parser.add_argument("--gib", nargs="+", type=float, default=[8, 24], help="GPU sizes to hold PyTorch to")
     parser.add_argument("--configs", nargs="+", default=CONFIGS, metavar="NAME", help="memory_profile.py's names")
     parser.add_argument("--global_batch", type=int, default=None,
-                        help="also time each configuration with gradient accumulation to this global batch")
+                        help="also time each configuration that offloads the optimizer with gradient accumulation to "
+                             "this global batch")
     parser.add_argument("--steps", type=int, default=3, help="timed steps at each micro-batch tried")
     parser.add_argument("--output_dir", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--update", action="store_true",

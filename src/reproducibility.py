@@ -11,6 +11,8 @@ import sys
 import numpy as np
 import torch
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def seed_everything(seed):
     random.seed(seed)
@@ -51,9 +53,6 @@ def environment(command):
             "cuda": torch.version.cuda if cuda else None, "pycache_prefix": sys.pycache_prefix,
             "commit": source_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "command": command}
-
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def shown(command):
