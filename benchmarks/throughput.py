@@ -25,8 +25,11 @@ so one JSON can come from several shorter runs; every ratio is still taken again
 measured in the same run as the measurement (`reference_images_per_s`), and `commands` lists the runs.
 """
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import re
 import statistics
 import subprocess
@@ -65,6 +68,12 @@ SYNTHETIC = {
     "step: zero2 bf16 clip_grad 1": (["--zero_stage", "2", "--bf16", "--clip_grad", "1"], BF16_REF, None),
     "step: zero2 bf16 compile": (["--zero_stage", "2", "--bf16", "--compile"], BF16_REF, None),
     "step: zero2 bf16 offload_optimizer": (["--zero_stage", "2", "--bf16", "--offload_optimizer"], BF16_REF, None),
+    "step: zero2 bf16 offload_optimizer, DeepSpeed's methods": (["--zero_stage", "2", "--bf16", "--offload_optimizer"],
+                                                                 BF16_REF, None),
+    "step: zero2 bf16 half_weights offload_optimizer": (["--zero_stage", "2", "--bf16", "--precision_mode", "half_weights",
+                                                         "--offload_optimizer"], BF16_REF, None),
+    "step: zero2 bf16 half_weights offload_optimizer, DeepSpeed's methods": (
+        ["--zero_stage", "2", "--bf16", "--precision_mode", "half_weights", "--offload_optimizer"], BF16_REF, None),
 }
 # name -> (trainer flags, reference, goal ratio); JPEG folder -> augmentation -> DeepSpeed step
 REAL = {
@@ -75,6 +84,8 @@ REAL = {
     "epoch: zero3 bf16, data on GPU": (["--zero_stage", "3", "--bf16", "--data_on_device", "on"], BF16_REF, 0.6),
     "epoch: zero2 bf16 offload_optimizer, data on GPU": (["--zero_stage", "2", "--bf16", "--offload_optimizer",
                                                           "--data_on_device", "on"], BF16_REF, 0.5),
+    "epoch: zero2 bf16 offload_optimizer, data on GPU, DeepSpeed's methods": (
+        ["--zero_stage", "2", "--bf16", "--offload_optimizer", "--data_on_device", "on"], BF16_REF, 0.5),
     "epoch: zero2 bf16, DataLoader": (["--zero_stage", "2", "--bf16", "--data_on_device", "off"], BF16_REF, None),
     "epoch: zero2 bf16 compile, data on GPU": (["--zero_stage", "2", "--bf16", "--compile", "--data_on_device", "on"],
                                                BF16_REF, 0.9),
@@ -82,7 +93,11 @@ REAL = {
 # minutes of compiling, or measured for benchmarks/scaling.py only
 SKIPPED_BY_DEFAULT = {"torch bf16 channels_last compile", "step: zero2 bf16 compile", "step: zero2 bf16 offload_optimizer",
                       "epoch: zero2 bf16 compile, data on GPU",
-                      "epoch: zero0 bf16, data on GPU", "epoch: zero1 bf16, data on GPU"}
+                      "epoch: zero0 bf16, data on GPU", "epoch: zero1 bf16, data on GPU",
+                      *(name for name in [*SYNTHETIC, *REAL] if "offload" in name and name.startswith("step") or
+                        name.endswith("DeepSpeed's methods"))}
+# without src/deepspeed_overrides.py's replacements (TRAINER_DEEPSPEED_OVERRIDES=0), to measure what they gain
+DEEPSPEED_OWN_METHODS = {name for name in [*SYNTHETIC, *REAL] if name.endswith("DeepSpeed's methods")}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -151,6 +166,7 @@ def trainer_case(flags, args, device, profile=None):
     cProfile.Profile `profile`, the same steps again under it (not in the figures)."""
     import deepspeed
 
+    import deepspeed_overrides
     import train_deepspeed
     from distributed import init_distributed
     from ds_config import build_ds_config, load_base_config, precision
@@ -167,6 +183,7 @@ def trainer_case(flags, args, device, profile=None):
     model = build_model(args.model, args.num_classes, args.image_size)
     config = build_ds_config(train_args, world_size, images_per_epoch, base=load_base_config(train_args.deepspeed_config),
                              device_type=device.type, num_params=sum(p.numel() for p in model.parameters()))
+    deepspeed_overrides.install()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     if train_args.compile:
         engine.compile()
@@ -209,11 +226,11 @@ def run_case(kind, name, args):
     return run_case_of(__file__, kind, name, args)
 
 
-def run_case_of(script, kind, name, args, extra=()):
+def run_case_of(script, kind, name, args):
     """One measurement, `script --case`, in a child process (torchrun's, one per GPU, for several GPUs; the
     real-data runs start their own); returns its result dict or {"error": ...}."""
     def start(port):
-        command = [sys.executable, script, "--case", json.dumps([kind, name]), *passed_settings(args), *extra]
+        command = [sys.executable, script, "--case", json.dumps([kind, name]), *passed_settings(args)]
         if args.num_gpus > 1 and kind != "real":
             command[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(args.num_gpus),
                             "--master_port", str(port)]
@@ -230,12 +247,28 @@ def run_case_of(script, kind, name, args, extra=()):
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def write_profile(profile, path):
+    """A cProfile.Profile's top 40 functions by their own time, as text."""
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
+    path.write_text(text.getvalue())
+
+
+def slug_of(name):
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
 def child(kind, name, args):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke test only
+    if name in DEEPSPEED_OWN_METHODS:
+        os.environ["TRAINER_DEEPSPEED_OVERRIDES"] = "0"
     if kind == "reference":
         result = reference_case(REFERENCES[name], args, device)
     elif kind == "synthetic":
-        result = trainer_case(SYNTHETIC[name][0], args, device)
+        profile = cProfile.Profile() if args.profile else None  # the host's time in --steps more steps
+        result = trainer_case(SYNTHETIC[name][0], args, device, profile)
+        if profile is not None and int(os.environ.get("RANK", "0")) == 0:
+            write_profile(profile, args.output_dir / f"profile_{args.model}_{slug_of(name)}.txt")
     else:
         with tempfile.TemporaryDirectory() as tmp:
             result = real_case(REAL[name][0], args, Path(tmp))
@@ -254,7 +287,8 @@ def passed_settings(args):
             "--num_classes", str(args.num_classes),
             "--steps", str(args.steps), "--warmup_steps", str(args.warmup_steps), "--epochs", str(args.epochs),
             "--num_workers", str(args.num_workers), "--data", str(args.data), "--num_gpus", str(args.num_gpus),
-            "--case_timeout", str(args.case_timeout)]
+            "--case_timeout", str(args.case_timeout), "--output_dir", str(args.output_dir),
+            *(["--profile"] if args.profile else [])]
 
 
 def get_args_parser():
@@ -279,6 +313,9 @@ def get_args_parser():
                         help="keep the JSON's results of the measurements not run this time")
     parser.add_argument("--case_timeout", type=int, default=240, help="seconds before one measurement is given up")
     parser.add_argument("--output_dir", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--profile", action="store_true",
+                        help="also write each trainer step measurement's host profile of --steps more steps (cProfile, "
+                             "top 40 by own time) to profile_<model>_<measurement>.txt beside the JSON")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     return parser
 
@@ -341,10 +378,11 @@ def main():
 
     print(f"\n{env['gpu'] or 'CPU'} | torch {env['torch']} | DeepSpeed {env['deepspeed']} | CUDA {env['cuda']} | "
           f"{args.model}, micro-batch {args.batch_size}, {args.image_size} px")
-    print(f"{'measurement':<46}{'images/s':>9}{'ratio':>7}{'goal':>6}{'peak GiB':>9}  notes")
+    width = max(46, *(len(name) + 1 for name in results))
+    print(f"{'measurement':<{width}}{'images/s':>9}{'ratio':>7}{'goal':>6}{'peak GiB':>9}  notes")
     for name, r in results.items():
         if "error" in r:
-            print(failed(name, r, 46))
+            print(failed(name, r, width))
             continue
         notes = []
         if "data_wait_share" in r:
@@ -353,7 +391,7 @@ def main():
             notes.append(f"vs {r['reference']}")
         if len(commands) > 1:
             notes.append(f"run {r.get('run', 0) + 1} of {len(commands)}")
-        print(f"{name:<46}{r['images_per_s']:>9.0f}{fmt(r.get('ratio_to_reference')):>7}{fmt(r.get('goal_ratio')):>6}"
+        print(f"{name:<{width}}{r['images_per_s']:>9.0f}{fmt(r.get('ratio_to_reference')):>7}{fmt(r.get('goal_ratio')):>6}"
               f"{fmt(r['peak_gpu_memory_gib']):>9}  {'; '.join(notes)}")
     print(f"results: {shown([str(path)])}")
 

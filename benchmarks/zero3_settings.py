@@ -15,11 +15,8 @@ in a process of its own (throughput.py's trainer case), the plain loop in anothe
 Prints a table last; writes benchmarks/results/zero3_settings_<model>_<gpu>.json.
 """
 import cProfile
-import io
 import json
 import os
-import pstats
-import re
 import sys
 import tempfile
 import time
@@ -76,10 +73,7 @@ def child(name, args):
             base.write_text(json.dumps({"zero_optimization": zero}))
             result = throughput.trainer_case([*flags, "--deepspeed_config", str(base)], args, device, profile)
         if profile is not None:
-            text = io.StringIO()
-            pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
-            slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
-            (args.output_dir / f"zero3_profile_{args.model}_{slug}.txt").write_text(text.getvalue())
+            throughput.write_profile(profile, args.output_dir / f"zero3_profile_{args.model}_{throughput.slug_of(name)}.txt")
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -89,9 +83,6 @@ def get_args_parser():
     parser.set_defaults(output_dir=ROOT / "benchmarks" / "results")
     parser.add_argument("--variants", nargs="+", metavar="NAME", help="only these (default: all)")
     parser.add_argument("--repeat", type=int, default=1, help="measure each variant this many times (the median)")
-    parser.add_argument("--profile", action="store_true",
-                        help="also write each variant's host profile of --steps more steps (cProfile, top 40 by own time) to "
-                             "--output_dir")
     return parser
 
 
@@ -107,13 +98,12 @@ def main():
     path = args.output_dir / f"zero3_settings_{args.model}_{machine_slug(env)}.json"
     args.output_dir.mkdir(parents=True, exist_ok=True)
     results = {}
-    extra = ["--output_dir", str(args.output_dir), *(["--profile"] if args.profile else [])]
     settings = {k: os.path.relpath(v, ROOT) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "case"}
     runs = {name: [] for name in names}
     for _ in range(args.repeat):  # round by round, so that a slower spell of the machine hits every variant
         for name in names:
             started = time.perf_counter()
-            runs[name].append({**throughput.run_case_of(__file__, "variant", name, args, extra),
+            runs[name].append({**throughput.run_case_of(__file__, "variant", name, args),
                                "wall_s": round(time.perf_counter() - started, 1)})
             results[name] = summary(runs[name])
             if name != REFERENCE:

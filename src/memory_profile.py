@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import deepspeed_overrides
 import max_batch
 import train_deepspeed
 from data import batch_memory_format
@@ -258,6 +259,7 @@ def new_engine(args, name, config, device, world_size):
         return PlainEngine(args, device, world_size)
     import deepspeed
 
+    deepspeed_overrides.install()
     model = build_model(args.model, args.num_classes, args.image_size)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine

@@ -18,6 +18,7 @@ import torch  # noqa: E402
 
 from checkpoints import CheckpointSaver, check_resumable, find_checkpoint, load, run_settings, saved_stage  # noqa: E402
 from data import build_loaders, load_datasets  # noqa: E402
+import deepspeed_overrides  # noqa: E402
 from device_data import build_device_loaders, choose_device_data, train_square_size  # noqa: E402
 from distributed import exit_now, init_distributed, local_device, rank_zero_only, shut_down  # noqa: E402
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_with_deepspeed,  # noqa: E402
@@ -98,6 +99,7 @@ def main(argv=None):
 
     import deepspeed
 
+    deepspeed_overrides.install()
     if args.sync_bn and not synchronize_batch_norm(model):
         say(f"--sync_bn: {model_name} has no batch norm, so there is nothing to synchronise")
     # Out of memory from here on (the engine's buffers, the dataset on the GPU) ends with the next flags to try.

@@ -1,0 +1,104 @@
+"""The trainer's replacements of DeepSpeed's ZeRO-1/2 offload methods (src/deepspeed_overrides.py): they stand
+only over the DeepSpeed source they were checked against, and train to DeepSpeed's own results, overflow
+skips included."""
+import pytest
+
+import deepspeed_overrides
+from conftest import join_process_group, spawn_ranks
+
+STEPS, ACCUMULATION = 3, 2
+
+
+def test_the_replaced_deepspeed_methods_are_the_ones_the_overrides_were_checked_against():
+    # A DeepSpeed release that changed one of them fails here: read the new source, then update the
+    # replacement and its hash in CHECKED_SOURCES (or drop it, if DeepSpeed no longer syncs per parameter).
+    assert deepspeed_overrides.changed_sources() == []
+
+
+def test_the_overflow_flag_stays_on_the_device_until_the_step_reads_it():
+    import types
+
+    import torch
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    assert deepspeed_overrides.install()
+    try:
+        track = DeepSpeedZeroOptimizer.update_offload_overflow_tracker
+        optimizer = types.SimpleNamespace(check_grad_overflow=True, local_overflow=False)
+        for grad in (torch.ones(3), None, torch.tensor([1.0, float("inf")]), torch.ones(2)):
+            track(optimizer, grad)
+        assert torch.is_tensor(optimizer.local_overflow) and bool(optimizer.local_overflow)
+        optimizer.local_overflow = False
+        track(optimizer, torch.tensor([float("nan")]))
+        assert bool(optimizer.local_overflow)
+        unchecked = types.SimpleNamespace(check_grad_overflow=False, local_overflow=False)
+        track(unchecked, torch.tensor([float("inf")]))  # nothing reads it without the check: no work at all
+        assert unchecked.local_overflow is False
+    finally:
+        deepspeed_overrides.uninstall()
+
+
+def train(precision, poison_step):
+    """A tiny model through ZeRO-2 + optimizer offload with gradient accumulation and clipping; the weights
+    after each step, the global gradient norms and which steps DeepSpeed skipped."""
+    import deepspeed
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ACCUMULATION,
+              "gradient_clipping": 0.5, "optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
+              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+              **({} if precision == "fp32" else {precision: {"enabled": True}})}
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    generator = torch.Generator().manual_seed(engine.global_rank)
+    weights, norms, skipped = [], [], []
+    for step in range(STEPS):
+        for _ in range(ACCUMULATION):
+            inputs = torch.randn(4, 8, generator=generator).to(engine.device, next(engine.parameters()).dtype)
+            labels = torch.randint(0, 3, (4,), generator=generator).to(engine.device)
+            loss = torch.nn.functional.cross_entropy(engine(inputs).float(), labels)
+            if step == poison_step:
+                loss = loss * float("inf")
+            engine.backward(loss)
+            engine.step()
+        skipped.append(bool(engine.optimizer.overflow))
+        norm = engine.get_global_grad_norm()
+        norms.append(None if norm is None else float(norm))
+        weights.append([p.detach().float().cpu().clone() for p in engine.module.parameters()])
+    engine.destroy()
+    return {"weights": weights, "norms": norms, "skipped": skipped}
+
+
+def both_ways(rank, port, results, cases):
+    import torch
+
+    torch.set_num_threads(1)
+    join_process_group(rank, port, world_size=2)
+    for case in cases:
+        for overridden in (False, True):
+            if overridden:
+                assert deepspeed_overrides.install()
+            else:
+                deepspeed_overrides.uninstall()
+            results[(case, overridden, rank)] = train(*case)
+    deepspeed_overrides.uninstall()
+
+
+@pytest.mark.slow  # two processes
+def test_offload_with_the_overrides_trains_exactly_as_deepspeed_does_on_two_ranks():
+    # fp32 (DeepSpeed skips no overflow check there: its tracker is off) and bf16 weights (check on), once
+    # with an infinite loss on the second step: both ways must skip that step and only that one.
+    cases = [("fp32", None), ("bf16", None), ("bf16", 1)]
+    results = spawn_ranks(both_ways, 2, cases)
+    import torch
+
+    for precision, poison in cases:
+        for rank in range(2):
+            theirs, ours = results[((precision, poison), False, rank)], results[((precision, poison), True, rank)]
+            assert ours["skipped"] == theirs["skipped"] == [step == poison for step in range(STEPS)]
+            assert ours["norms"] == pytest.approx(theirs["norms"], rel=1e-6), (precision, poison)
+            for step, (mine, reference) in enumerate(zip(ours["weights"], theirs["weights"])):
+                assert all(torch.equal(a, b) for a, b in zip(mine, reference)), (precision, poison, step)
+            if poison is None:  # it trained: the weights moved every step
+                assert not torch.equal(ours["weights"][0][0], ours["weights"][-1][0])
