@@ -65,7 +65,7 @@ def install():
         self.local_overflow = found if self.local_overflow is False else self.local_overflow | found
 
     def has_overflow(self, partition_gradients=True):
-        if torch.is_tensor(self.local_overflow):
+        if self.cpu_offload and torch.is_tensor(self.local_overflow):  # without offload there is none
             self.local_overflow = bool(self.local_overflow)  # the step's one host read
         return originals["has_overflow"](self, partition_gradients)
 

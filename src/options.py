@@ -4,6 +4,7 @@ import gc
 import math
 import os
 import sys
+import traceback
 
 from failures import CliError, UsageError
 
@@ -174,16 +175,19 @@ def check_values(args):
 
 
 def run_cli(main, argv=None):
-    """Run main(argv); a CliError becomes one line on stderr and its exit status (UsageError: 2)."""
+    """Run main(argv); a CliError becomes one line on stderr and its exit status (UsageError: 2), any other
+    exception its traceback and status 1."""
     try:
         return main(argv)
     except CliError as err:
-        message, status = str(err), err.exit_status
+        message, status = f"error: {err}", err.exit_status
         quiet = err.every_rank and os.environ.get("RANK", "0") != "0"
+    except Exception:  # a bug: its traceback, printed here so that the frames can go before the exit
+        message, status, quiet = traceback.format_exc().rstrip(), 1, False
     # Out of the except block the traceback is gone; collecting the frames it held shuts their DataLoader
     # workers down now. Left to the exit handlers, which stop workers with SIGTERM, a run stopped mid-epoch
-    # would wait forever for workers that ignore it (see data.ignore_stop_signals).
+    # or crashed would wait forever for workers that ignore it (see data.ignore_stop_signals).
     gc.collect()
     if not quiet:
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        print(message, file=sys.stderr, flush=True)
     sys.exit(status)

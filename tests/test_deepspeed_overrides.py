@@ -1,4 +1,4 @@
-"""The trainer's replacements of DeepSpeed's ZeRO-1/2 offload methods (src/deepspeed_overrides.py): they stand
+"""The trainer's replacements of DeepSpeed's ZeRO-1/2 methods (src/deepspeed_overrides.py): they stand
 only over the DeepSpeed source they were checked against, and train to DeepSpeed's own results, overflow
 skips included."""
 import pytest
@@ -38,9 +38,9 @@ def test_the_overflow_flag_stays_on_the_device_until_the_step_reads_it():
         deepspeed_overrides.uninstall()
 
 
-def train(precision, poison_step):
-    """A tiny model through ZeRO-2 + optimizer offload with gradient accumulation and clipping; the weights
-    after each step, the global gradient norms and which steps DeepSpeed skipped."""
+def train(stage, offload, precision, poison_step):
+    """A tiny model through ZeRO-1/2 with gradient accumulation and clipping; the weights after each step,
+    the global gradient norms and which steps DeepSpeed skipped."""
     import deepspeed
     import torch
 
@@ -48,7 +48,7 @@ def train(precision, poison_step):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ACCUMULATION,
               "gradient_clipping": 0.5, "optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
-              "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+              "zero_optimization": {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})},
               **({} if precision == "fp32" else {precision: {"enabled": True}})}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     generator = torch.Generator().manual_seed(engine.global_rank)
@@ -87,18 +87,20 @@ def both_ways(rank, port, results, cases):
 
 @pytest.mark.slow  # two processes
 def test_offload_with_the_overrides_trains_exactly_as_deepspeed_does_on_two_ranks():
-    # fp32 (DeepSpeed skips no overflow check there: its tracker is off) and bf16 weights (check on), once
-    # with an infinite loss on the second step: both ways must skip that step and only that one.
-    cases = [("fp32", None), ("bf16", None), ("bf16", 1)]
+    # ZeRO-2 + offload with fp32 (DeepSpeed skips no overflow check there: its tracker is off) and bf16
+    # weights (check on), once with an infinite loss on the second step: both ways must skip that step and
+    # only that one. ZeRO-1 without offload goes through the replaced has_overflow without the tracker.
+    cases = [(2, True, "fp32", None), (2, True, "bf16", None), (2, True, "bf16", 1), (1, False, "bf16", 1)]
     results = spawn_ranks(both_ways, 2, cases)
     import torch
 
-    for precision, poison in cases:
+    for case in cases:
+        poison = case[-1]
         for rank in range(2):
-            theirs, ours = results[((precision, poison), False, rank)], results[((precision, poison), True, rank)]
+            theirs, ours = results[(case, False, rank)], results[(case, True, rank)]
             assert ours["skipped"] == theirs["skipped"] == [step == poison for step in range(STEPS)]
-            assert ours["norms"] == pytest.approx(theirs["norms"], rel=1e-6), (precision, poison)
+            assert ours["norms"] == pytest.approx(theirs["norms"], rel=1e-6), case
             for step, (mine, reference) in enumerate(zip(ours["weights"], theirs["weights"])):
-                assert all(torch.equal(a, b) for a, b in zip(mine, reference)), (precision, poison, step)
+                assert all(torch.equal(a, b) for a, b in zip(mine, reference)), (case, step)
             if poison is None:  # it trained: the weights moved every step
                 assert not torch.equal(ours["weights"][0][0], ours["weights"][-1][0])

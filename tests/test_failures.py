@@ -8,11 +8,12 @@ import resource
 import shutil
 import signal
 import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import assert_usage_error, data_args, launch
+from conftest import ROOT, assert_usage_error, data_args, launch
 from ds_config import build_ds_config
 from failures import out_of_memory_advice
 from options import add_training_args, parse_args
@@ -164,3 +165,23 @@ def test_out_of_memory_in_any_form_becomes_the_advice(error):
     with pytest.raises(RuntimeError, match="something else"):  # other errors keep their traceback
         with advise_on_out_of_memory(config_of("--batch_size", "64", "--bf16"), data_on_device=False):
             raise RuntimeError("something else")
+
+
+def test_a_crash_with_data_workers_running_exits_with_its_traceback(tmp_path):
+    """An exception that is not the trainer's own (a bug, in DeepSpeed or here) while DataLoader workers run:
+    the process prints its traceback and exits 1. The workers ignore SIGTERM, which Python's exit handlers
+    stop them with, so left to those the process would wait for them forever."""
+    script = tmp_path / "crash.py"
+    script.write_text(
+        "import torch\n"
+        "from data import ignore_stop_signals\n"
+        "from options import run_cli\n"
+        "def main(argv):\n"
+        "    batches = iter(torch.utils.data.DataLoader(range(64), num_workers=2, worker_init_fn=ignore_stop_signals))\n"
+        "    next(batches)\n"
+        "    raise AttributeError('no such thing')\n"
+        "run_cli(main)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "Traceback" in result.stderr and result.stderr.rstrip().endswith("AttributeError: no such thing")
