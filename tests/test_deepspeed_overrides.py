@@ -46,8 +46,10 @@ def train(stage, offload, precision, poison_step):
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    # torch's AdamW on the CPU, as the trainer picks on a CPU-only machine: DeepSpeed's CPUAdam would cost a
+    # one-minute compile, and the replaced methods do not touch the optimizer
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ACCUMULATION,
-              "gradient_clipping": 0.5, "optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
+              "gradient_clipping": 0.5, "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "torch_adam": True}},
               "zero_optimization": {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})},
               **({} if precision == "fp32" else {precision: {"enabled": True}})}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
