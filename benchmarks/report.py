@@ -280,6 +280,7 @@ TABLES = {
         "resnet50", "vit_b_16", "convnext_tiny", "swin_v2_t", "efficientnet_b0")),
     "zero3-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{model}_nvidia_h200.json")
                                           for model in ("resnet18", "vit_l_16")),
+    "deepspeed-overrides": lambda: throughput("throughput_nvidia_h100_80gb_hbm3.json"),
     "fp16-offload": fp16_offload,
     "augmentation": augmentation,
     "data-path-accuracy": data_path_accuracy,

@@ -248,10 +248,14 @@ def run_case_of(script, kind, name, args):
 
 
 def write_profile(profile, path):
-    """A cProfile.Profile's top 40 functions by their own time, as text."""
+    """A cProfile.Profile's top 40 functions by their own time, as text; file names relative to the import
+    path (deepspeed/..., torch/...), not to where this machine installed them."""
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
-    path.write_text(text.getvalue())
+    text = text.getvalue()
+    for folder in sorted({entry for entry in sys.path if entry}, key=len, reverse=True):
+        text = text.replace(folder.rstrip("/") + "/", "")
+    path.write_text(text)
 
 
 def slug_of(name):
