@@ -21,7 +21,7 @@ from pathlib import Path  # noqa: E402
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from checkpoints import check_resumable, find_checkpoint, run_settings, saved_stage  # noqa: E402
+from checkpoints import check_resumable, find_checkpoint, run_settings, saved_precision, saved_stage  # noqa: E402
 from data_check import check_data  # noqa: E402
 from distributed import free_port  # noqa: E402
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_with_deepspeed,  # noqa: E402
@@ -221,7 +221,7 @@ def main(argv=None):
     resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
     config = build_ds_config(args, world_size, num_train_images, base=load_base_config(args.deepspeed_config),
                              device_type=device_type, num_params=num_params,
-                             resumed_stage=saved_stage(resume_from))
+                             resumed_stage=saved_stage(resume_from), resumed_precision=saved_precision(resume_from))
     check_device_support(config, device_type)
     check_monitor_support(config)
     if args.deepspeed_config:

@@ -214,6 +214,15 @@ def saved_stage(folder):
     return read_info(folder)["zero_stage"] if folder is not None else None
 
 
+def saved_precision(folder):
+    """The precision a checkpoint was saved with (ds_config.precision's name: what --precision_mode auto
+    resumes with), or None."""
+    if folder is None:
+        return None
+    info = read_info(folder)
+    return info.get("settings", {}).get("precision", info.get("precision"))
+
+
 # What a resumed run must share with the run it continues (the data it learns, the model's input, and what
 # the saved optimizer and scheduler state were built for), with the flag that sets each. --epochs may change.
 SETTINGS_FLAGS = {"model": "--model", "class_names": "the classes of --train_dir", "image_size": "--image_size",

@@ -111,8 +111,11 @@ def get_args_parser():
 
 def trainer_config(args, flags, micro_batch, world_size, device, num_params, accumulation=1):
     precision_flags = [flag for flag in ("fp16", "bf16") if getattr(args, flag)]
+    # The offload rows come in pairs, fp32 and half weights: on a GPU "auto" would make both half weights
+    # for a large model (ds_config.HALF_WEIGHTS_OFFLOAD_PARAMS), so the first of each pair stays autocast.
+    mode = "autocast" if args.precision_mode == "auto" and device.type == "cuda" else args.precision_mode
     argv = ["--model", args.model, "--batch_size", str(micro_batch), "--epochs", "1",
-            "--gradient_accumulation_steps", str(accumulation), "--precision_mode", args.precision_mode,
+            "--gradient_accumulation_steps", str(accumulation), "--precision_mode", mode,
             *[f"--{flag}" for flag in precision_flags], *flags]
     train_args = parse_args(train_deepspeed.get_args_parser, argv)
     return build_ds_config(train_args, world_size, micro_batch * accumulation * world_size * (args.steps + 2),

@@ -91,7 +91,8 @@ def add_training_args(parser):
     ds.add_argument("--precision_mode", choices=["auto", "autocast", "half_weights"], default="auto",
                     help="how --fp16/--bf16 run: autocast keeps fp32 weights and computes under torch.autocast "
                          "(DeepSpeed's torch_autocast, the fast path on GPU); half_weights uses DeepSpeed's "
-                         "fp16/bf16 modes (half-precision weights, fp32 master copy); auto: autocast on GPU, "
+                         "fp16/bf16 modes (half-precision weights, fp32 master copy); auto: autocast on GPU "
+                         "but half_weights for --bf16 with offload and 200 M parameters or more (faster there), "
                          "half_weights on CPU")
     ds.add_argument("--offload_optimizer", action=argparse.BooleanOptionalAction, default=False,
                     help="keep optimizer state on the CPU (ZeRO 1-3)")

@@ -16,7 +16,8 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from checkpoints import CheckpointSaver, check_resumable, find_checkpoint, load, run_settings, saved_stage  # noqa: E402
+from checkpoints import (CheckpointSaver, check_resumable, find_checkpoint, load, run_settings,  # noqa: E402
+                         saved_precision, saved_stage)
 from data import build_loaders, load_datasets  # noqa: E402
 import deepspeed_overrides  # noqa: E402
 from device_data import build_device_loaders, choose_device_data, train_square_size  # noqa: E402
@@ -77,7 +78,8 @@ def main(argv=None):
     model_name = saved_name(args.model)
     num_params = sum(p.numel() for p in model.parameters())
     ds_config = build_ds_config(args, world_size, len(train_set), base=base_config, device_type=device_type,
-                                num_params=num_params, resumed_stage=saved_stage(resume_from))
+                                num_params=num_params, resumed_stage=saved_stage(resume_from),
+                                resumed_precision=saved_precision(resume_from))
     check_device_support(ds_config, device_type)
     check_monitor_support(ds_config)
     if args.deepspeed_config:

@@ -14,8 +14,8 @@ def make_args(*argv):
     return parse_args(lambda: add_training_args(argparse.ArgumentParser()), list(argv))
 
 
-def build(*argv, world_size=1, images=1000, base=None, device_type="cpu"):
-    return build_ds_config(make_args(*argv), world_size, images, base=base, device_type=device_type)
+def build(*argv, world_size=1, images=1000, base=None, device_type="cpu", **kwargs):
+    return build_ds_config(make_args(*argv), world_size, images, base=base, device_type=device_type, **kwargs)
 
 
 def test_explicit_flags_are_recorded():
@@ -234,6 +234,38 @@ def test_half_precision_runs_under_torch_autocast_on_gpu(flag, dtype):
     assert precision(build(flag, "--precision_mode", "half_weights", device_type="cuda")) == flag[2:]
     assert precision(build("--bf16")) == "bf16"
     assert precision(build("--bf16", "--precision_mode", "autocast")) == "autocast-bf16"
+
+
+VIT_B_16, VIT_L_16 = 86_000_000, 303_000_000
+
+
+def test_bf16_with_offload_keeps_half_precision_weights_for_models_of_200m_parameters_and_more():
+    # Measured faster there (capacity_8gib); below, and without offload, autocast's fp32 weights on a GPU.
+    def form(*argv, num_params=VIT_L_16, **kwargs):
+        return precision(build(*argv, device_type="cuda", num_params=num_params, **kwargs))
+
+    assert form("--bf16", "--offload_optimizer") == "bf16"
+    assert form("--bf16", "--zero_stage", "3", "--offload_optimizer", "--offload_param", num_params=631_000_000) == "bf16"
+    assert form("--bf16", "--offload_optimizer", base={"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}) == "bf16"
+    assert form("--bf16", "--offload_optimizer", num_params=VIT_B_16) == "autocast-bf16"
+    assert form("--bf16", "--offload_optimizer", num_params=None) == "autocast-bf16"
+    assert form("--bf16", "--zero_stage", "2") == "autocast-bf16"
+    assert form("--fp16", "--offload_optimizer") == "autocast-fp16"  # measured for bf16 only
+    assert form("--bf16", "--offload_optimizer", "--precision_mode", "autocast") == "autocast-bf16"
+    assert form("--bf16", "--no-offload_optimizer", base={"zero_optimization": {"offload_optimizer": {"device": "cpu"}}}) \
+        == "autocast-bf16"
+
+
+def test_auto_precision_mode_resumes_in_the_checkpoints_form_of_the_same_half():
+    def form(*argv, device_type="cuda", num_params=VIT_B_16, **kwargs):
+        return precision(build(*argv, device_type=device_type, num_params=num_params, **kwargs))
+
+    assert form("--bf16", resumed_precision="bf16") == "bf16"  # saved on a CPU, resumed on a GPU
+    assert form("--bf16", device_type="cpu", resumed_precision="autocast-bf16") == "autocast-bf16"
+    assert form("--bf16", "--offload_optimizer", num_params=VIT_L_16, resumed_precision="autocast-bf16") == "autocast-bf16"
+    assert form("--bf16", resumed_precision="fp16") == "autocast-bf16"  # another half: the flags decide
+    assert form("--bf16", resumed_precision="fp32") == "autocast-bf16"
+    assert form("--bf16", "--precision_mode", "autocast", resumed_precision="bf16") == "autocast-bf16"
 
 
 def test_base_precision_form_is_kept_unless_a_flag_changes_it():

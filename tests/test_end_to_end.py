@@ -11,6 +11,7 @@ from torchvision.datasets import ImageFolder
 
 from conftest import (ROOT, TINY_CLASSES, TINY_VAL_IMAGES, TINY_VAL_PER_CLASS, TRAINED_EPOCHS, TRAINED_RUNS,
                       assert_usage_error, assert_usage_error_in_process, data_args, launch, run)
+from checkpoints import saved_precision
 from data import build_transform
 from model import ResNet18Animals90
 
@@ -43,6 +44,8 @@ def test_training_run_writes_history_and_checkpoints(name, trained, tiny_data):
     assert config["world_size"] == (2 if "2ranks" in name else 1)
     assert config["zero_stage"] == int(TRAINED_RUNS[name][1])
     assert config["precision"] == ("bf16" if "bf16" in name else "fp32")
+    # what --precision_mode auto resumes with
+    assert saved_precision(workdir / "checkpoints_deepspeed/last") == config["precision"]
     assert config["sync_bn"] == ("--sync_bn" in TRAINED_RUNS[name])
     ds = config["deepspeed"]
     assert ds["train_batch_size"] == 4 * ds["gradient_accumulation_steps"] * config["world_size"]
