@@ -68,8 +68,8 @@ def load_rgb(path):
 class ImageFiles(Dataset):
     """torchvision ImageFolder's interface (samples, targets, classes, class_to_idx) over checked files."""
 
-    def __init__(self, samples, classes, transform=None):
-        self.samples, self.classes, self.transform = samples, list(classes), transform
+    def __init__(self, samples, classes, transform=None, root=None):
+        self.samples, self.classes, self.transform, self.root = samples, list(classes), transform, root
         self.targets = [label for _, label in samples]
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
 
@@ -108,7 +108,7 @@ def load_datasets(train_dir, val_dir, image_size, preprocessing=None):
 
     def dataset(scan, train):
         return ImageFiles(labelled_samples(scan, check.classes), check.classes,
-                          build_transform(image_size, train, preprocessing))
+                          build_transform(image_size, train, preprocessing), root=scan.root)
 
     return dataset(check.train, train=True), dataset(check.val, train=False), check
 

@@ -279,12 +279,16 @@ class DataCheck:
                       f"the next run decodes every image again", file=sys.stderr)
 
 
+def cache_base():
+    """$TRAINER_CACHE_DIR, by default ~/.cache/deepspeed-image-trainer."""
+    return Path(os.environ.get(CACHE_DIR_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / APP)
+
+
 def cache_path(root):
     """Where the per-file results of the folder `root` are kept: one file per folder (its absolute path
-    hashed) under $TRAINER_CACHE_DIR, by default ~/.cache/deepspeed-image-trainer."""
-    base = os.environ.get(CACHE_DIR_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / APP
+    hashed) under cache_base()."""
     digest = hashlib.sha256(os.path.abspath(root).encode()).hexdigest()[:16]
-    return Path(base) / "data_check" / f"{Path(root).name or 'root'}-{digest}.json"
+    return cache_base() / "data_check" / f"{Path(root).name or 'root'}-{digest}.json"
 
 
 def load_cache(root):

@@ -19,7 +19,10 @@ uninterrupted run would have used.
 """
 import io
 import math
+import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -27,6 +30,7 @@ from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg, read_file
 from torchvision.transforms import functional as TF
 
+import image_cache
 from data import DEFAULT_PREPROCESSING, EpochSampler, batch_memory_format, epoch_seed, load_rgb
 from data_check import EXIF_ORIENTATION
 
@@ -52,21 +56,46 @@ def dataset_bytes(num_train, num_val, image_size, train_size=None):
     return 3 * (num_train * train_square_size(image_size, train_size) ** 2 + num_val * image_size ** 2)
 
 
-def choose_device_data(mode, device, num_train, num_val, image_size, train_size=None, num_params=0):
-    """(use the device path?, why) for --data_on_device auto|on|off. Decided before the engine exists (the
+TIERS = {"on": "device", "cache": "cache", "off": "workers"}  # --data_on_device -> where batches come from
+
+
+def choose_device_data(mode, device, num_train, num_val, image_size, train_size=None, num_params=0,
+                       cache_root=None):
+    """(tier, why) for --data_on_device auto|on|cache|off: "device" (the decoded dataset in the device's
+    memory), "cache" (memory-mapped from the decoded-image cache under `cache_root`, each batch copied to
+    the device) or "workers" (DataLoader workers decode every epoch). Decided before the engine exists (the
     dataset decodes while DeepSpeed sets up), so the model's states, at most 16 bytes a parameter for
     AdamW with fp32 weights, are counted as taken."""
-    needed = (dataset_bytes(num_train, num_val, image_size, train_size)
-              + crop_weights_bytes(train_square_size(image_size, train_size), image_size))
     if mode != "auto":
-        return mode == "on", f"--data_on_device {mode}"
+        return TIERS[mode], f"--data_on_device {mode}"
     if device.type != "cuda":
-        return False, "auto: the device is a CPU"
+        return "workers", "auto: the device is a CPU"
+    data = dataset_bytes(num_train, num_val, image_size, train_size)
+    needed = data + crop_weights_bytes(train_square_size(image_size, train_size), image_size)
     free = torch.cuda.mem_get_info(device)[0] - MODEL_STATE_BYTES_PER_PARAMETER * num_params
-    if needed > FREE_MEMORY_SHARE * free:
-        return False, (f"auto: the decoded dataset and crop weights ({needed / 2**30:.2f} GiB) need more than "
-                       f"{FREE_MEMORY_SHARE:.0%} of the GPU's free {free / 2**30:.1f} GiB")
-    return True, f"auto: the decoded dataset and crop weights ({needed / 2**30:.2f} GiB) fit on the GPU"
+    return auto_tier(data, needed, free, cache_root)
+
+
+def auto_tier(data, needed, free, cache_root):
+    """choose_device_data's auto choice for a GPU with `free` bytes and a dataset of `data` bytes decoded
+    (`needed` with the crop weights)."""
+    if needed <= FREE_MEMORY_SHARE * free:
+        return "device", f"auto: the decoded dataset and crop weights ({needed / 2**30:.2f} GiB) fit on the GPU"
+    too_large = (f"auto: the decoded dataset and crop weights ({needed / 2**30:.2f} GiB) need more than "
+                 f"{FREE_MEMORY_SHARE:.0%} of the GPU's free {free / 2**30:.1f} GiB")
+    if cache_root is None:
+        return "workers", f"{too_large}, and --cache_dir is off"
+    disk = shutil.disk_usage(existing_parent(cache_root)).free
+    if data > disk:
+        return "workers", f"{too_large}, and the cache's disk has {disk / 2**30:.1f} GiB free"
+    return "cache", f"{too_large}: decoded once into the cache {cache_root}"
+
+
+def existing_parent(path):
+    path = Path(path).absolute()
+    while not path.exists():
+        path = path.parent
+    return path
 
 
 # EXIF orientation -> the (C, H, W) tensor op that makes the image upright, as PIL's ImageOps.exif_transpose.
@@ -129,6 +158,22 @@ def decode_dataset(paths, resize, crop, device, records=None):
         for offset, image in enumerate(decode_chunk(paths[start:start + DECODE_CHUNK], device, records)):
             out[start + offset] = resize_and_crop(image, resize, crop)
     return out
+
+
+def decode_split(paths, resize, crop, device, records=None, cache_root=None, source=None):
+    """(images, decoded): one split as uint8 (N, 3, crop, crop) and whether this call decoded it. Without a
+    cache, decoded onto `device`; with one, mapped from its entry in host memory, which is filled first
+    (decoding on `device`) when no earlier run left it."""
+    if cache_root is None:
+        return decode_dataset(paths, resize, crop, device, records), True
+
+    def fill(f):
+        for start in range(0, len(paths), DECODE_CHUNK):
+            chunk = decode_chunk(paths[start:start + DECODE_CHUNK], device, records)
+            f.write(torch.stack([resize_and_crop(image, resize, crop) for image in chunk]).cpu().numpy().tobytes())
+
+    decoder = "nvjpeg" if device.type == "cuda" else "cpu"  # their pixels may differ by a level here and there
+    return image_cache.load_or_fill(paths, resize, crop, decoder, cache_root, fill, records, source)
 
 
 def random_resized_crops(count, side, generator):
@@ -211,18 +256,22 @@ class Normalize:
 
 
 class DeviceTrainLoader:
-    """Training batches of one rank, cut from the resident uint8 squares (same interface as data.TrainLoader)."""
+    """Training batches of one rank, cut from uint8 squares (same interface as data.TrainLoader): resident on
+    `device`, or in host memory (`images` and `labels` there: the cache tier), gathered a batch ahead in a
+    thread and copied over."""
 
     def __init__(self, images, labels, micro_batch_size, image_size, rank, world_size, seed, dtype,
-                 preprocessing=None):
+                 preprocessing=None, device=None, host=False):
         self.images, self.labels = images, labels
+        self.device = device or images.device
+        self.host = host or images.device != self.device
         self.sampler = EpochSampler(range(len(labels)), num_replicas=world_size, rank=rank, shuffle=True,
                                     seed=seed, drop_last=True)
         self.seed, self.rank, self.micro_batch_size, self.image_size = seed, rank, micro_batch_size, image_size
         self.batches_per_epoch = self.sampler.num_samples // micro_batch_size
-        self.normalize = Normalize(images.device, dtype, preprocessing)
-        self.crops = ResizedCrops(images.shape[-1], image_size, images.device,
-                                  torch.float16 if images.device.type == "cuda" else torch.float32)
+        self.normalize = Normalize(self.device, dtype, preprocessing)
+        self.crops = ResizedCrops(images.shape[-1], image_size, self.device,
+                                  torch.float16 if self.device.type == "cuda" else torch.float32)
 
     def epoch_boxes(self, epoch, start_batch=0):
         """(indices, boxes) of the epoch's batches from `start_batch` on; boxes (B, 5): top, left, height,
@@ -232,25 +281,51 @@ class DeviceTrainLoader:
         order = torch.tensor(list(self.sampler))
         generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.rank, epoch))
         boxes = torch.stack(random_resized_crops(len(order), self.images.shape[-1], generator), dim=1).long()
-        order, boxes = order.to(self.images.device), boxes.to(self.images.device)
+        order, boxes = order.to(self.images.device), boxes.to(self.device)
         return ((order[start:start + self.micro_batch_size], boxes[start:start + self.micro_batch_size])
                 for start in range(start_batch * self.micro_batch_size,
                                    self.batches_per_epoch * self.micro_batch_size, self.micro_batch_size))
 
     def epoch(self, epoch, start_batch=0):
-        return (self.batch(indices, boxes) for indices, boxes in self.epoch_boxes(epoch, start_batch))
+        batches = self.epoch_boxes(epoch, start_batch)
+        if self.host:
+            return self._gathered_ahead(batches)
+        return (self.batch(self.images[indices], indices, boxes) for indices, boxes in batches)
 
-    def batch(self, indices, boxes):
-        return self.normalize(self.crops(self.images[indices], *boxes.unbind(1))), self.labels[indices]
+    def batch(self, images, indices, boxes):
+        return self.normalize(self.crops(images, *boxes.unbind(1))), self.labels[indices].to(self.device)
+
+    def _gathered_ahead(self, batches):
+        """Host batches: the next one's images are read from the mapped file (index_select, without the GIL)
+        into pinned memory while this one trains."""
+        with ThreadPoolExecutor(1) as reader:
+            pending = None
+            for indices, boxes in batches:
+                gathered = reader.submit(self.gather, indices)
+                if pending is not None:
+                    yield self._arrived(*pending)
+                pending = gathered, indices, boxes
+            if pending is not None:
+                yield self._arrived(*pending)
+
+    def gather(self, indices):
+        out = torch.empty((len(indices), *self.images.shape[1:]), dtype=torch.uint8,
+                          pin_memory=self.device.type == "cuda")
+        return torch.index_select(self.images, 0, indices, out=out)
+
+    def _arrived(self, gathered, indices, boxes):
+        return self.batch(gathered.result().to(self.device, non_blocking=True), indices, boxes)
 
 
 class DeviceValLoader:
-    """Validation batches of one rank's shard (images rank, rank + world_size, ...), resident on the device."""
+    """Validation batches of one rank's shard (images rank, rank + world_size, ...), resident on `device` or
+    copied there from host memory batch by batch."""
 
-    def __init__(self, images, labels, micro_batch_size, rank, world_size, dtype, preprocessing=None):
+    def __init__(self, images, labels, micro_batch_size, rank, world_size, dtype, preprocessing=None, device=None):
         self.images, self.labels = images[rank::world_size], labels[rank::world_size]
         self.micro_batch_size = micro_batch_size
-        self.normalize = Normalize(images.device, dtype, preprocessing)
+        self.device = device or images.device
+        self.normalize = Normalize(self.device, dtype, preprocessing)
 
     def __len__(self):
         return math.ceil(len(self.labels) / self.micro_batch_size)
@@ -258,24 +333,34 @@ class DeviceValLoader:
     def __iter__(self):
         for start in range(0, len(self.labels), self.micro_batch_size):
             end = start + self.micro_batch_size
-            yield self.normalize(self.images[start:end]), self.labels[start:end]
+            yield self.normalize(self.images[start:end].to(self.device)), self.labels[start:end].to(self.device)
 
 
 def build_device_loaders(train_set, val_set, micro_batch_size, image_size, rank, world_size, seed, device, dtype,
-                         train_size=None, records=None, preprocessing=None):
-    """Decode both ImageFolders onto `device` (training squares of `train_size` pixels, default the validation
-    resize; `records`: the data check's, see decode_chunk); return (train_loader, val_loader, seconds spent
-    decoding)."""
+                         train_size=None, records=None, preprocessing=None, tier="device", cache_root=None):
+    """Both ImageFolders decoded, or read from the decoded-image cache under `cache_root` (None: no cache),
+    as training squares of `train_size` pixels (default the validation resize; `records`: the data check's,
+    see decode_chunk), kept on `device` (tier "device") or in host memory (tier "cache"); returns
+    (train_loader, val_loader, a line saying what was decoded or read, and how long it took)."""
     start = time.perf_counter()
-    train_paths, train_labels = zip(*train_set.samples)
-    val_paths, val_labels = zip(*val_set.samples)
+    (train_paths, train_labels), (val_paths, val_labels) = zip(*train_set.samples), zip(*val_set.samples)
     train_size = train_square_size(image_size, train_size, preprocessing)
-    train_images = decode_dataset(train_paths, train_size, train_size, device, records)
-    val_images = decode_dataset(val_paths, resize_size(image_size, preprocessing), image_size, device, records)
-    train_loader = DeviceTrainLoader(train_images, torch.tensor(train_labels, device=device), micro_batch_size,
-                                     image_size, rank, world_size, seed, dtype, preprocessing)
-    val_loader = DeviceValLoader(val_images, torch.tensor(val_labels, device=device), micro_batch_size, rank,
-                                 world_size, dtype, preprocessing)
+    train_images, train_decoded = decode_split(train_paths, train_size, train_size, device, records, cache_root,
+                                               getattr(train_set, "root", None))
+    val_images, val_decoded = decode_split(val_paths, resize_size(image_size, preprocessing), image_size, device,
+                                           records, cache_root, getattr(val_set, "root", None))
+    home = device if tier == "device" else torch.device("cpu")
+    train_images, val_images = train_images.to(home), val_images.to(home)
+    train_loader = DeviceTrainLoader(train_images, torch.tensor(train_labels, device=home), micro_batch_size,
+                                     image_size, rank, world_size, seed, dtype, preprocessing, device,
+                                     host=tier == "cache")
+    val_loader = DeviceValLoader(val_images, torch.tensor(val_labels, device=home), micro_batch_size, rank,
+                                 world_size, dtype, preprocessing, device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return train_loader, val_loader, time.perf_counter() - start
+    decoded = len(train_paths) * train_decoded + len(val_paths) * val_decoded
+    read = len(train_paths) + len(val_paths) - decoded
+    done = ([f"decoded {decoded} images"] if decoded else []) + (
+        [f"read {read} decoded by an earlier run from the cache"] if read else [])
+    where = f" (cache: {cache_root})" if cache_root is not None else ""
+    return train_loader, val_loader, f"{', '.join(done)} in {time.perf_counter() - start:.1f} s{where}"

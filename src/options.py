@@ -36,10 +36,16 @@ def add_training_args(parser):
     data.add_argument("--val_dir", default="data/val", help="ImageFolder root of the validation set")
     data.add_argument("--image_size", type=int, default=224, help="side of the square crops fed to the model")
     data.add_argument("--num_workers", type=int, default=2, help="DataLoader worker processes per rank")
-    data.add_argument("--data_on_device", choices=["auto", "on", "off"], default="auto",
+    data.add_argument("--data_on_device", choices=["auto", "on", "cache", "off"], default="auto",
                       help="on: decode every image once, keep the dataset as uint8 on the training device "
-                           "and crop/flip/normalise there per batch; off: DataLoader workers decode and "
-                           "augment every epoch; auto: on for a GPU with room for it, off on CPU")
+                           "and crop/flip/normalise there per batch; cache: the same, but the decoded dataset "
+                           "stays in the decoded-image cache on disk (memory-mapped) and each batch is copied "
+                           "over; off: DataLoader workers decode and augment every epoch; auto: on for a GPU "
+                           "with room for it, else cache where the cache's disk has room, off on CPU")
+    data.add_argument("--cache_dir", default=None, metavar="DIR",
+                      help="where decoded images are kept between runs, so that a dataset is decoded once "
+                           "(default: decoded/ under $TRAINER_CACHE_DIR or ~/.cache/deepspeed-image-trainer; "
+                           "delete it at any time); off: decode at every start and keep nothing")
     data.add_argument("--device_train_size", type=int, default=None, metavar="PX",
                       help="with the dataset on the device: side of the stored training squares that crops are "
                            "cut from (default: image_size / 0.875, 256 for 224); larger keeps more of the detail "
@@ -157,6 +163,8 @@ def check_values(args):
             raise UsageError(f"--{name} must not be negative, got {getattr(args, name)}")
     if args.learning_rate <= 0:
         raise UsageError(f"--learning_rate must be positive, got {args.learning_rate}")
+    if args.data_on_device == "cache" and args.cache_dir == "off":
+        raise UsageError("--data_on_device cache needs the decoded-image cache: drop --cache_dir off")
     if args.device_train_size is not None and args.device_train_size < 1:
         raise UsageError(f"--device_train_size must be at least 1, got {args.device_train_size}")
     if not 0 <= args.label_smoothing < 1:

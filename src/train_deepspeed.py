@@ -21,6 +21,7 @@ from checkpoints import (CheckpointSaver, check_resumable, find_checkpoint, load
 from data import build_loaders, load_datasets  # noqa: E402
 import deepspeed_overrides  # noqa: E402
 from device_data import build_device_loaders, choose_device_data, train_square_size  # noqa: E402
+from image_cache import cache_root  # noqa: E402
 from distributed import exit_now, init_distributed, local_device, rank_zero_only, shut_down  # noqa: E402
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_with_deepspeed,  # noqa: E402
                        load_base_config, lr_schedule, precision)
@@ -95,8 +96,10 @@ def main(argv=None):
     accumulation = ds_config["gradient_accumulation_steps"]
     dtype = input_dtype(precision(ds_config))
     device = local_device()
-    on_device, why = choose_device_data(args.data_on_device, device, len(train_set), len(val_set),
-                                        args.image_size, args.device_train_size, num_params)
+    cache = cache_root(args.cache_dir)
+    tier, why = choose_device_data(args.data_on_device, device, len(train_set), len(val_set), args.image_size,
+                                   args.device_train_size, num_params, cache)
+    on_device = tier != "workers"
     clock.lap("setup")
 
     import deepspeed
@@ -105,11 +108,11 @@ def main(argv=None):
     if args.sync_bn and not synchronize_batch_norm(model):
         say(f"--sync_bn: {model_name} has no batch norm, so there is nothing to synchronise")
     # Out of memory from here on (the engine's buffers, the dataset on the GPU) ends with the next flags to try.
-    with advise_on_out_of_memory(ds_config, on_device), ThreadPoolExecutor(1) as decoder:
+    with advise_on_out_of_memory(ds_config, tier == "device"), ThreadPoolExecutor(1) as decoder:
         if on_device:  # decodes on the GPU while DeepSpeed sets up (one of them waits on the host most of the time)
             decoding = decoder.submit(build_device_loaders, train_set, val_set, micro_batch, args.image_size, rank,
                                       world_size, args.seed, device, dtype, args.device_train_size, data_check.records,
-                                      inputs)
+                                      inputs, tier, cache)
         # Head and body in parameter groups of their own only when fine-tuning controls ask for them.
         fine_tuning = args.backbone_lr_scale != 1 or args.freeze_backbone_epochs > 0
         parameters = parameter_groups(model, len(train_set.classes)) if fine_tuning else model.parameters()
@@ -120,8 +123,9 @@ def main(argv=None):
             engine.compile()
         clock.lap("engine")
         if on_device:
-            train_loader, val_loader, decode_s = decoding.result()
-            say(f"Data on {device_type} ({why}): decoded {len(train_set) + len(val_set)} images in {decode_s:.1f} s")
+            train_loader, val_loader, done = decoding.result()
+            place = device_type if tier == "device" else f"{device_type}, batches from host memory"
+            say(f"Data on {place} ({why}): {done}")
         else:
             train_loader, val_loader = build_loaders(train_set, val_set, micro_batch, args.num_workers, rank,
                                                      world_size, args.seed, pin_memory=device_type == "cuda")
@@ -137,7 +141,7 @@ def main(argv=None):
         "train_images": len(train_set), "val_images": len(val_set),
         "epochs": args.epochs, "world_size": world_size, "device": device_type,
         "precision": precision(ds_config), "zero_stage": zero_stage, "seed": args.seed,
-        "sync_bn": args.sync_bn, "data_on_device": on_device,
+        "sync_bn": args.sync_bn, "data_on_device": on_device, "data_tier": tier,
         "checkpoint_writes": "background" if device_type == "cuda" else "inline",
         "device_train_size": train_square_size(args.image_size, args.device_train_size, inputs) if on_device else None,
         "data_check": data_check.summary(),
@@ -184,7 +188,7 @@ def main(argv=None):
         return {"next_epoch": next_epoch, "next_step": next_step, "next_sample": next_step * samples_per_micro_batch,
                 "carried": carried, "history": history.data, "rng": rng_state()}
 
-    with StopOnSignal(engine.device, world_size) as stop, advise_on_out_of_memory(ds_config, on_device):
+    with StopOnSignal(engine.device, world_size) as stop, advise_on_out_of_memory(ds_config, tier == "device"):
         for epoch in range(start_epoch, args.epochs + 1):
             epoch_started = time.perf_counter()
             if body_lr is not None:

@@ -10,8 +10,8 @@ from torchvision.transforms import functional as TF
 
 from conftest import TINY_CLASSES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, data_args, launch
 from data import build_transform, load_datasets
-from device_data import (DeviceTrainLoader, DeviceValLoader, build_device_loaders, choose_device_data,
-                         ResizedCrops, crop_weights_bytes, dataset_bytes, random_resized_crops)
+from device_data import (DeviceTrainLoader, DeviceValLoader, ResizedCrops, auto_tier, build_device_loaders,
+                         choose_device_data, crop_weights_bytes, dataset_bytes, random_resized_crops)
 from model import ResNet18Animals90
 
 CPU = torch.device("cpu")
@@ -101,10 +101,21 @@ def test_ranks_share_out_the_epoch_and_the_validation_set():
     assert [len(labels) for labels in epoch_labels] == [20, 20]
 
 
-def test_choice_of_data_path():
-    assert choose_device_data("auto", CPU, 100, 10, 224) == (False, "auto: the device is a CPU")
-    assert choose_device_data("on", CPU, 100, 10, 224)[0] is True
-    assert choose_device_data("off", CPU, 100, 10, 224)[0] is False
+def test_choice_of_data_path(tmp_path):
+    assert choose_device_data("auto", CPU, 100, 10, 224) == ("workers", "auto: the device is a CPU")
+    assert choose_device_data("on", CPU, 100, 10, 224)[0] == "device"
+    assert choose_device_data("cache", CPU, 100, 10, 224)[0] == "cache"
+    assert choose_device_data("off", CPU, 100, 10, 224)[0] == "workers"
+    # On a GPU: the GPU for a dataset within a quarter of its free memory, else the cache where its disk has
+    # room (the cache folder need not exist yet), else DataLoader workers.
+    cache = tmp_path / "not/yet"
+    assert auto_tier(2**30, 2**30, 8 * 2**30, cache)[0] == "device"
+    tier, why = auto_tier(4 * 2**30, 4 * 2**30, 8 * 2**30, cache)
+    assert tier == "cache" and why.endswith(f"need more than 25% of the GPU's free 8.0 GiB: decoded once into the "
+                                            f"cache {cache}")
+    tier, why = auto_tier(4 * 2**30, 4 * 2**30, 8 * 2**30, None)
+    assert tier == "workers" and why.endswith("of the GPU's free 8.0 GiB, and --cache_dir is off")
+    assert auto_tier(2**60, 2**60, 8 * 2**30, cache)[0] == "workers"
     # training squares of the validation resize by default (256 for 224), or of --device_train_size
     assert dataset_bytes(100, 10, 224) == 3 * (100 * 256**2 + 10 * 224**2)
     assert dataset_bytes(100, 10, 224, train_size=384) == 3 * (100 * 384**2 + 10 * 224**2)

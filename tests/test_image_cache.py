@@ -1,0 +1,147 @@
+"""The decoded-image cache (src/image_cache.py): the pixels the device path decodes, read back by later runs
+without decoding, a new entry for changed files, nothing half-written used, one fill for runs at once."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, data_args, launch
+from data import load_datasets
+from device_data import build_device_loaders, decode_dataset
+from image_cache import load_or_fill
+
+CPU = torch.device("cpu")
+
+
+def loaders(data, cache, tier="device", sets=None):
+    train_set, val_set, _ = sets or load_datasets(data / "train", data / "val", 24)
+    return build_device_loaders(train_set, val_set, 4, 24, 0, 1, 0, CPU, torch.float32, 40, tier=tier,
+                                cache_root=cache)
+
+
+def entries(cache):
+    return sorted(p.name for p in cache.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def test_the_cache_holds_the_decoded_pixels_and_a_second_run_decodes_nothing(tiny_data, tmp_path):
+    cache, sets = tmp_path / "cache", load_datasets(tiny_data / "train", tiny_data / "val", 24)
+    train, val, done = loaders(tiny_data, cache, sets=sets)
+    assert done.startswith(f"decoded {TINY_TRAIN_IMAGES + TINY_VAL_IMAGES} images in ")
+    assert done.endswith(f"(cache: {cache})")
+    assert len(entries(cache)) == 2  # the training squares and the validation crops
+    paths = [path for path, _ in sets[0].samples]
+    assert torch.equal(train.images, decode_dataset(paths, 40, 40, CPU))  # the device path's own pixels
+    uncached = loaders(tiny_data, None)[1]
+    assert torch.equal(val.images, uncached.images)
+
+    # A file rewritten with its size and time kept is still the cached one: proof that nothing is decoded.
+    first = paths[0]
+    stat, original = os.stat(first), open(first, "rb").read()
+    with open(first, "wb") as f:
+        f.write(bytes(len(original)))
+    os.utime(first, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    try:
+        again, _, done = loaders(tiny_data, cache, sets=sets)
+        assert done.startswith(f"read {TINY_TRAIN_IMAGES + TINY_VAL_IMAGES} decoded by an earlier run from the cache")
+        assert torch.equal(again.images, train.images)
+    finally:
+        with open(first, "wb") as f:
+            f.write(original)
+        os.utime(first, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_a_changed_file_makes_a_new_entry_and_the_old_one_goes(tiny_data, tmp_path):
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    shutil.copytree(tiny_data, data)
+    loaders(data, cache)
+    before = entries(cache)
+    changed = sorted((data / "train").rglob("*.*"))[3]
+    os.utime(changed, ns=(0, os.stat(changed).st_mtime_ns + 1_000_000_000))
+    _, _, done = loaders(data, cache)
+    assert done.startswith(f"decoded {TINY_TRAIN_IMAGES} images, read {TINY_VAL_IMAGES} decoded by an earlier run")
+    after = entries(cache)
+    assert len(after) == 2 and len(set(after) & set(before)) == 1  # the validation entry stays
+
+
+FILL = """
+import os, signal, sys, torch
+sys.path.insert(0, {src!r})
+from image_cache import load_or_fill
+paths, cache, mode = {paths!r}, {cache!r}, sys.argv[1]
+
+def fill(f):
+    for i, _ in enumerate(paths):
+        f.write(bytes([i % 256]) * 3 * 4 * 4)
+        if mode == "kill" and i == 1:
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+images, filled = load_or_fill(paths, 4, 4, "cpu", cache, fill)
+print(filled, images[:, 0, 0, 0].tolist())
+"""
+
+
+def fill_script(tmp_path, paths):
+    script = tmp_path / "fill.py"
+    script.write_text(FILL.format(src=str(ROOT / "src"), paths=[str(p) for p in paths], cache=str(tmp_path / "cache")))
+    return script
+
+
+def test_a_fill_killed_half_way_is_never_used_and_the_next_fill_replaces_it(tmp_path):
+    paths = [tmp_path / f"{i}.jpg" for i in range(4)]
+    for path in paths:
+        path.write_bytes(b"x")
+    script = fill_script(tmp_path, paths)
+    killed = subprocess.run([sys.executable, str(script), "kill"], capture_output=True, text=True, timeout=60)
+    assert killed.returncode == -signal.SIGKILL
+    assert entries(tmp_path / "cache") == [] and list((tmp_path / "cache").glob("*.partial"))
+    images, filled = load_or_fill([str(p) for p in paths], 4, 4, "cpu", tmp_path / "cache",
+                                  lambda f: f.write(b"".join(bytes([i]) * 48 for i in range(4))))
+    assert filled and images[:, 0, 0, 0].tolist() == [0, 1, 2, 3]
+    assert not list((tmp_path / "cache").glob("*.partial"))
+
+
+@pytest.mark.skipif(os.name != "posix", reason="runs take turns on an fcntl lock")
+def test_runs_filling_one_entry_at_once_fill_it_once(tmp_path):
+    paths = [tmp_path / f"{i}.jpg" for i in range(4)]
+    for path in paths:
+        path.write_bytes(b"x")
+    script = fill_script(tmp_path, paths)
+    runs = [subprocess.Popen([sys.executable, str(script), "fill"], stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    outputs = sorted(run.communicate(timeout=60)[0].strip() for run in runs)
+    assert outputs == ["False [0, 1, 2, 3]"] * 2 + ["True [0, 1, 2, 3]"]
+    assert len(entries(tmp_path / "cache")) == 1 and not list((tmp_path / "cache").glob("*.partial"))
+
+
+def test_batches_from_host_memory_are_the_device_paths_and_resume_mid_epoch(tiny_data, tmp_path):
+    cache = tmp_path / "cache"
+    resident, resident_val, _ = loaders(tiny_data, cache)
+    host, host_val, _ = loaders(tiny_data, cache, tier="cache")
+    assert host.host and not resident.host
+    whole = list(host.epoch(2))
+    assert len(whole) == host.batches_per_epoch
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(whole, resident.epoch(2)))
+    resumed = list(host.epoch(2, start_batch=5))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(whole[5:], resumed))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(host_val, resident_val))
+
+
+@pytest.mark.slow
+def test_two_ranks_train_from_a_cache_an_earlier_run_filled_without_decoding(tiny_data, tmp_path):
+    cache = tmp_path / "cache"
+    train_set, val_set, _ = load_datasets(tiny_data / "train", tiny_data / "val", 32)
+    build_device_loaders(train_set, val_set, 4, 32, 0, 1, 0, CPU, torch.float32, cache_root=cache)  # the earlier run
+    filled = entries(cache)
+    result = launch(data_args(tiny_data) + ["--epochs", "1", "--batch_size", "4", "--image_size", "32", "--num_gpus",
+                                            "2", "--data_on_device", "cache", "--cache_dir", str(cache)], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (f"Data on cpu, batches from host memory (--data_on_device cache): read "
+            f"{TINY_TRAIN_IMAGES + TINY_VAL_IMAGES} decoded by an earlier run from the cache") in result.stdout
+    assert entries(cache) == filled
+    history = json.loads((tmp_path / "logs/training_history.json").read_text())
+    assert history["config"]["data_tier"] == "cache" and history["epochs"][0]["val_images"] == TINY_VAL_IMAGES
