@@ -20,6 +20,7 @@ uninterrupted run would have used.
 import io
 import math
 import shutil
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -173,7 +174,12 @@ def decode_split(paths, resize, crop, device, records=None, cache_root=None, sou
             f.write(torch.stack([resize_and_crop(image, resize, crop) for image in chunk]).cpu().numpy().tobytes())
 
     decoder = "nvjpeg" if device.type == "cuda" else "cpu"  # their pixels may differ by a level here and there
-    return image_cache.load_or_fill(paths, resize, crop, decoder, cache_root, fill, records, source)
+    try:
+        return image_cache.load_or_fill(paths, resize, crop, decoder, cache_root, fill, records, source)
+    except OSError as err:  # a full disk, a read-only folder: the run goes on as without a cache
+        print(f"warning: cannot use the decoded-image cache {cache_root} ({err.strerror or err}); decoding without "
+              f"it (--cache_dir picks another folder)", file=sys.stderr, flush=True)
+        return decode_dataset(paths, resize, crop, device, records), True
 
 
 def random_resized_crops(count, side, generator):

@@ -128,7 +128,8 @@ def test_choice_of_data_path(tmp_path):
 def test_training_with_the_dataset_on_the_device(tiny_data, tmp_path):
     result = launch(data_args(tiny_data) + ["--epochs", "2", "--batch_size", "4", "--image_size", "32",
                                             "--save_every", "1", "--data_on_device", "on",
-                                            "--device_train_size", "40"], tmp_path)
+                                            "--device_train_size", "40", "--cache_dir", str(tmp_path / "cache")],
+                    tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"Data on cpu (--data_on_device on): decoded {TINY_TRAIN_IMAGES + TINY_VAL_IMAGES} images" in result.stdout
     history = json.loads((tmp_path / "logs/training_history.json").read_text())
