@@ -9,11 +9,11 @@ of its own:
   --num_workers workers, autocast bf16, channels_last): what a user writes by hand;
 - the trainer through launch_deepspeed.py, ZeRO-2 bf16: the cache tier twice in a cache folder of its own
   (the first run on the dataset decodes it into the cache, the second reads it: nothing decoded), the
-  dataset on the GPU, and DataLoader workers.
+  dataset on the GPU, and DataLoader workers; and the cache tier at ZeRO-0, the default on one GPU.
 
-Once per run, the plain bf16 channels_last loop on one GPU-resident synthetic batch (throughput.py's
-reference): the ceiling, which no data pipeline can pass. images/s is the training loop's, the median over
-the epochs after the first. The cache tier's goals: 0.85x the synthetic loop and 4x plain DataLoader.
+Once per run, and recorded with each size it ran with, the plain bf16 channels_last loop on one
+GPU-resident synthetic batch (throughput.py's reference): the ceiling, which no data pipeline can pass.
+images/s is the training loop's, the median over the epochs after the first. The cache tier's goals: 0.85x the synthetic loop and 4x plain DataLoader.
 Writes benchmarks/results/data_tiers_<gpu>.json after every measurement and prints a table last.
 
     python benchmarks/data_tiers.py --sizes 5400 54000 --data /tmp/tiers
@@ -44,9 +44,11 @@ from reproducibility import machine_slug  # noqa: E402
 
 SYNTHETIC = "plain synthetic"
 PLAIN = "plain DataLoader"
-# measurement -> the trainer's --data_on_device (each in order; the cache's second run reads what the first wrote)
-TRAINER = {"trainer, cache, first run": "cache", "trainer, cache, second run": "cache",
-           "trainer, data on GPU": "on", "trainer, DataLoader": "off"}
+# measurement -> the trainer's --data_on_device and --zero_stage, in order: the cache's second run reads what the
+# first wrote, and so do the runs after it (the GPU tier's decode is the cache's)
+TRAINER = {"trainer, cache, first run": ("cache", 2), "trainer, cache, second run": ("cache", 2),
+           "trainer, data on GPU": ("on", 2), "trainer, DataLoader": ("off", 2),
+           "trainer, cache, ZeRO-0 (the one-GPU default)": ("cache", 0)}
 GOALS = {"trainer, cache, second run": (0.85, 4.0)}  # (x synthetic, x plain DataLoader) from the data-at-scale issue
 NUM_CLASSES = 90
 
@@ -106,10 +108,10 @@ def plain_case(data, args):
             "startup_s": run["startup_s"]}
 
 
-def trainer_case(data, tier, cache_dir, args):
+def trainer_case(data, tier, zero_stage, cache_dir, args):
     flags = ["--num_gpus", "1", "--train_dir", str(data / "train"), "--val_dir", str(data / "val"),
              "--epochs", str(args.epochs), "--batch_size", str(args.batch_size), "--image_size", str(args.image_size),
-             "--zero_stage", "2", "--bf16", "--data_on_device", tier, "--cache_dir", str(cache_dir),
+             "--zero_stage", str(zero_stage), "--bf16", "--data_on_device", tier, "--cache_dir", str(cache_dir),
              "--num_workers", str(args.num_workers), "--save_every", "0", "--save_last_every", "0"]
     run = run_trainer(flags, keep_output=True)
     if "error" in run:
@@ -150,13 +152,16 @@ def get_args_parser():
     return parser
 
 
-def ratios(result, synthetic):
+def ratios(result):
+    """Each trainer run's images/s over the plain synthetic and plain DataLoader loops of the same size."""
+    synthetic = result.get(SYNTHETIC, {}).get("images_per_s")
     plain = result.get(PLAIN, {}).get("images_per_s")
     for name in TRAINER:
         run = result.get(name, {})
         if "images_per_s" in run:
             run["x_synthetic"] = run["images_per_s"] / synthetic if synthetic else None
             run["x_plain_dataloader"] = run["images_per_s"] / plain if plain else None
+            run["goals"] = GOALS.get(name)
 
 
 def main():
@@ -173,42 +178,39 @@ def main():
         path.write_text(json.dumps({"environment": env, "settings": settings, "commands": commands,
                                     "results": results}, indent=2) + "\n")
 
-    if SYNTHETIC in chosen:
-        results[SYNTHETIC] = {**synthetic_case(args), "run": len(commands) - 1}
-        save()
-    synthetic = results.get(SYNTHETIC, {}).get("images_per_s")
+    synthetic = {**synthetic_case(args), "run": len(commands) - 1} if SYNTHETIC in chosen else None
     for size in args.sizes:
         folder = args.data / str(size)
         result = results.setdefault(str(size), {})
         result["dataset"] = draw_dataset(folder / "images", size)
         print(f"{size} images: {json.dumps(result['dataset'])}", flush=True)
+        if synthetic is not None:
+            result[SYNTHETIC] = synthetic
         os.environ["TRAINER_CACHE_DIR"] = str(folder / "cache")  # the data check's records too: a first run
         for name in [PLAIN, *TRAINER]:
             if name not in chosen:
                 continue
             result[name] = {**(plain_case(folder / "images", args) if name == PLAIN else
-                               trainer_case(folder / "images", TRAINER[name], folder / "cache" / "decoded", args)),
+                               trainer_case(folder / "images", *TRAINER[name], folder / "cache" / "decoded", args)),
                             "run": len(commands) - 1}
             print(f"{size} {name}: {json.dumps(result[name])[:400]}", flush=True)
-            ratios(result, synthetic)
+            ratios(result)
             save()
 
     print(f"\n{env['gpu'] or 'CPU'} | torch {env['torch']} | DeepSpeed {env['deepspeed']} | "
           f"resnet18, micro-batch {args.batch_size}, {args.image_size} px, bf16")
-    print(f"{SYNTHETIC}: {fmt(synthetic)} images/s")
-    print(f"{'images':>8}  {'measurement':<28}{'images/s':>9}{'x synth':>8}{'x plain':>8}{'wall s':>8}  notes")
+    width = max(len(name) for name in TRAINER) + 2
+    print(f"{'images':>8}  {'measurement':<{width}}{'images/s':>9}{'x synth':>8}{'x plain':>8}{'wall s':>8}  notes")
     for size, result in results.items():
-        if size == SYNTHETIC:
-            continue
-        for name in [PLAIN, *TRAINER]:
+        for name in [SYNTHETIC, PLAIN, *TRAINER]:
             run = result.get(name)
             if run is None:
                 continue
             if "error" in run:
-                print(f"{size:>8}  {name:<28}FAILED: {run['error'].strip().splitlines()[-1][:80]}")
+                print(f"{size:>8}  {name:<{width}}FAILED: {run['error'].strip().splitlines()[-1][:80]}")
                 continue
-            print(f"{size:>8}  {name:<28}{run['images_per_s']:>9.0f}{fmt(run.get('x_synthetic')):>8}"
-                  f"{fmt(run.get('x_plain_dataloader')):>8}{run['wall_s']:>8.1f}  {run.get('data_line') or ''}")
+            print(f"{size:>8}  {name:<{width}}{run['images_per_s']:>9.0f}{fmt(run.get('x_synthetic')):>8}"
+                  f"{fmt(run.get('x_plain_dataloader')):>8}{fmt(run.get('wall_s')):>8}  {run.get('data_line') or ''}")
     print(f"results: {shown([str(path)])}")
 
 
