@@ -174,7 +174,8 @@ def main():
     chosen = set(args.only or [SYNTHETIC, PLAIN, *TRAINER])
 
     def save():
-        settings = {k: os.path.relpath(v, ROOT) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        settings = {k: (os.path.relpath(v, ROOT) if v.is_relative_to(ROOT) else str(v)) if isinstance(v, Path) else v
+                    for k, v in vars(args).items()}
         path.write_text(json.dumps({"environment": env, "settings": settings, "commands": commands,
                                     "results": results}, indent=2) + "\n")
 
