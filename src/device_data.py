@@ -17,6 +17,7 @@ Shuffling and sharding come from the same EpochSampler as the DataLoader path, a
 and flips from (seed, rank, epoch) alone, so a run resumed mid-epoch continues with the very batches an
 uninterrupted run would have used.
 """
+import collections
 import io
 import math
 import shutil
@@ -41,6 +42,10 @@ CROP_RATIO = (3 / 4, 4 / 3)
 CROP_TRIES = 10  # as torchvision's RandomResizedCrop
 FREE_MEMORY_SHARE = 0.25  # auto mode uses the GPU for data when it needs at most this share of free memory
 MODEL_STATE_BYTES_PER_PARAMETER = 16  # fp32 weights, gradients and AdamW's two moments
+# The reading thread takes the GIL between its ops, which a Python-heavy step (ZeRO-2's gradient hooks) holds
+# for up to sys.getswitchinterval() at a time; one batch ahead left ResNet18 at ZeRO-2 waiting (H100: 16% of
+# the epoch), so reads start this many batches ahead (pinned memory: this many batches more).
+HOST_BATCHES_AHEAD = 3
 
 
 def resize_size(image_size, preprocessing=None):
@@ -302,17 +307,16 @@ class DeviceTrainLoader:
         return self.normalize(self.crops(images, *boxes.unbind(1))), self.labels[indices].to(self.device)
 
     def _gathered_ahead(self, batches):
-        """Host batches: the next one's images are read from the mapped file (index_select, without the GIL)
-        into pinned memory while this one trains."""
+        """Host batches: the next HOST_BATCHES_AHEAD batches' images are read from the mapped file
+        (index_select, without the GIL) into pinned memory while this one trains."""
         with ThreadPoolExecutor(1) as reader:
-            pending = None
+            pending = collections.deque()
             for indices, boxes in batches:
-                gathered = reader.submit(self.gather, indices)
-                if pending is not None:
-                    yield self._arrived(*pending)
-                pending = gathered, indices, boxes
-            if pending is not None:
-                yield self._arrived(*pending)
+                pending.append((reader.submit(self.gather, indices), indices, boxes))
+                if len(pending) > HOST_BATCHES_AHEAD:
+                    yield self._arrived(*pending.popleft())
+            while pending:
+                yield self._arrived(*pending.popleft())
 
     def gather(self, indices):
         out = torch.empty((len(indices), *self.images.shape[1:]), dtype=torch.uint8,
