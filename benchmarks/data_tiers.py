@@ -21,6 +21,7 @@ Writes benchmarks/results/data_tiers_<gpu>.json after every measurement and prin
 """
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -94,9 +95,13 @@ def later_epochs(epochs, key):
     return statistics.median(epoch[key] for epoch in (epochs[1:] or epochs))
 
 
-def plain_case(data, args):
+def epochs(train_images, args):
+    return max(args.epochs, 1 + math.ceil(args.min_images / train_images))
+
+
+def plain_case(data, train_images, args):
     command = [sys.executable, str(ROOT / "benchmarks" / "plain_loop.py"), "--data", str(data),
-               "--epochs", str(args.epochs), "--batch_size", str(args.batch_size), "--image_size",
+               "--epochs", str(epochs(train_images, args)), "--batch_size", str(args.batch_size), "--image_size",
                str(args.image_size), "--precision", "bf16", "--num_workers", str(args.num_workers)]
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True)
@@ -108,9 +113,9 @@ def plain_case(data, args):
             "startup_s": run["startup_s"]}
 
 
-def trainer_case(data, tier, zero_stage, cache_dir, args):
+def trainer_case(data, train_images, tier, zero_stage, cache_dir, args):
     flags = ["--num_gpus", "1", "--train_dir", str(data / "train"), "--val_dir", str(data / "val"),
-             "--epochs", str(args.epochs), "--batch_size", str(args.batch_size), "--image_size", str(args.image_size),
+             "--epochs", str(epochs(train_images, args)), "--batch_size", str(args.batch_size), "--image_size", str(args.image_size),
              "--zero_stage", str(zero_stage), "--bf16", "--data_on_device", tier, "--cache_dir", str(cache_dir),
              "--num_workers", str(args.num_workers), "--save_every", "0", "--save_last_every", "0"]
     run = run_trainer(flags, keep_output=True)
@@ -141,7 +146,11 @@ def get_args_parser():
                         help="folder for the drawn datasets (one subfolder per size) and their caches")
     parser.add_argument("--batch_size", type=int, default=256, help="micro-batch, for every loop")
     parser.add_argument("--image_size", type=int, default=224)
-    parser.add_argument("--epochs", type=int, default=3, help="epochs per run (the first is not counted)")
+    parser.add_argument("--epochs", type=int, default=3,
+                        help="epochs per run (the first is not counted), more where a run would count fewer than "
+                             "--min_images training images")
+    parser.add_argument("--min_images", type=int, default=40000,
+                        help="training images a run counts at least (16-step epochs of 5,400 images vary by 20%%)")
     parser.add_argument("--num_workers", type=int, default=max(1, (os.cpu_count() or 2) - 2),
                         help="DataLoader workers of the plain loop and the trainer's DataLoader tier")
     parser.add_argument("--only", nargs="+", metavar="NAME", choices=[SYNTHETIC, PLAIN, *TRAINER],
@@ -191,8 +200,10 @@ def main():
         for name in [PLAIN, *TRAINER]:
             if name not in chosen:
                 continue
-            result[name] = {**(plain_case(folder / "images", args) if name == PLAIN else
-                               trainer_case(folder / "images", *TRAINER[name], folder / "cache" / "decoded", args)),
+            train_images = result["dataset"]["train_images"]
+            result[name] = {**(plain_case(folder / "images", train_images, args) if name == PLAIN else
+                               trainer_case(folder / "images", train_images, *TRAINER[name], folder / "cache" / "decoded",
+                                            args)),
                             "run": len(commands) - 1}
             print(f"{size} {name}: {json.dumps(result[name])[:400]}", flush=True)
             ratios(result)
