@@ -95,13 +95,13 @@ def later_epochs(epochs, key):
     return statistics.median(epoch[key] for epoch in (epochs[1:] or epochs))
 
 
-def epochs(train_images, args):
+def epochs_for(train_images, args):
     return max(args.epochs, 1 + math.ceil(args.min_images / train_images))
 
 
 def plain_case(data, train_images, args):
     command = [sys.executable, str(ROOT / "benchmarks" / "plain_loop.py"), "--data", str(data),
-               "--epochs", str(epochs(train_images, args)), "--batch_size", str(args.batch_size), "--image_size",
+               "--epochs", str(epochs_for(train_images, args)), "--batch_size", str(args.batch_size), "--image_size",
                str(args.image_size), "--precision", "bf16", "--num_workers", str(args.num_workers)]
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True)
@@ -115,9 +115,9 @@ def plain_case(data, train_images, args):
 
 def trainer_case(data, train_images, tier, zero_stage, cache_dir, args):
     flags = ["--num_gpus", "1", "--train_dir", str(data / "train"), "--val_dir", str(data / "val"),
-             "--epochs", str(epochs(train_images, args)), "--batch_size", str(args.batch_size), "--image_size", str(args.image_size),
-             "--zero_stage", str(zero_stage), "--bf16", "--data_on_device", tier, "--cache_dir", str(cache_dir),
-             "--num_workers", str(args.num_workers), "--save_every", "0", "--save_last_every", "0"]
+             "--epochs", str(epochs_for(train_images, args)), "--batch_size", str(args.batch_size),
+             "--image_size", str(args.image_size), "--zero_stage", str(zero_stage), "--bf16", "--data_on_device", tier,
+             "--cache_dir", str(cache_dir), "--num_workers", str(args.num_workers), "--save_every", "0", "--save_last_every", "0"]
     run = run_trainer(flags, keep_output=True)
     if "error" in run:
         return run
