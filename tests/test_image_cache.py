@@ -18,9 +18,9 @@ from image_cache import load_or_fill
 CPU = torch.device("cpu")
 
 
-def loaders(data, cache, tier="device", sets=None):
+def loaders(data, cache, tier="device", sets=None, device=CPU):
     train_set, val_set, _ = sets or load_datasets(data / "train", data / "val", 24)
-    return build_device_loaders(train_set, val_set, 4, 24, 0, 1, 0, CPU, torch.float32, 40, tier=tier,
+    return build_device_loaders(train_set, val_set, 4, 24, 0, 1, 0, device, torch.float32, 40, tier=tier,
                                 cache_root=cache)
 
 
@@ -127,10 +127,13 @@ def test_runs_filling_one_entry_at_once_fill_it_once(tmp_path):
     assert len(entries(tmp_path / "cache")) == 1 and not list((tmp_path / "cache").glob("*.partial"))
 
 
-def test_batches_from_host_memory_are_the_device_paths_and_resume_mid_epoch(tiny_data, tmp_path):
+# On a GPU the host batches are copied on a stream of their own (run there with pytest -k host_memory).
+@pytest.mark.parametrize("device", [CPU, pytest.param(torch.device("cuda"), marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no GPU"))], ids=["cpu", "cuda"])
+def test_batches_from_host_memory_are_the_device_paths_and_resume_mid_epoch(tiny_data, tmp_path, device):
     cache = tmp_path / "cache"
-    resident, resident_val, _ = loaders(tiny_data, cache)
-    host, host_val, _ = loaders(tiny_data, cache, tier="cache")
+    resident, resident_val, _ = loaders(tiny_data, cache, device=device)
+    host, host_val, _ = loaders(tiny_data, cache, tier="cache", device=device)
     assert host.host and not resident.host
     whole = list(host.epoch(2))
     assert len(whole) == host.batches_per_epoch
