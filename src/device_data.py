@@ -275,6 +275,8 @@ class DeviceTrainLoader:
                  preprocessing=None, device=None, host=False):
         self.images, self.labels = images, labels
         self.device = device or images.device
+        if self.device.type == "cuda" and self.device.index is None:  # named, for the reading thread's set_device
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.host = host or images.device != self.device
         self.sampler = EpochSampler(range(len(labels)), num_replicas=world_size, rank=rank, shuffle=True,
                                     seed=seed, drop_last=True)
