@@ -129,6 +129,48 @@ def throughput(name):
         ["measurement", "images/s", "ratio", "peak GiB", "notes"], rows)
 
 
+def data_tiers(name):
+    result = load(name)
+    settings = result["settings"]
+    columns = ["plain DataLoader", "trainer, DataLoader", "trainer, data on GPU", "trainer, cache, first run",
+               "trainer, cache, second run", "trainer, cache, ZeRO-0 (the one-GPU default)"]
+
+    def cell(run):
+        if run is None:
+            return "–"
+        if "error" in run:
+            return "failed"
+        ratios = [f"{run[key]:.2f}x {label}" for key, label in (("x_synthetic", "synthetic"),
+                                                                 ("x_plain_dataloader", "plain DataLoader"))
+                  if run.get(key) is not None]
+        return f"{run['images_per_s']:,.0f}" + (f" (**{', '.join(ratios)}**)" if ratios else "")
+
+    rows, starts = [], []
+    for size, runs in sorted(result["results"].items(), key=lambda item: int(item[0])):
+        dataset = runs["dataset"]
+        rows.append([f"{int(size):,} ({dataset['jpeg_mib'] / 1024:.1f} GiB of JPEGs)",
+                     f"{runs.get('plain synthetic', {}).get('images_per_s', 0):,.0f}",
+                     *[cell(runs.get(name)) for name in columns]])
+        first, second = runs.get("trainer, cache, first run", {}), runs.get("trainer, cache, second run", {})
+        if "phases" in first and "phases" in second:
+            starts.append([f"{int(size):,}", *[f"{run['phases']['launcher_s']:.1f} s" for run in (first, second)],
+                           *[f"{run['phases']['data_s']:.1f} s" for run in (first, second)],
+                           *[f"{run['startup_s']:.1f} s" for run in (first, second)]])
+    out = source(result, name) + (
+        f"\nresnet18, ZeRO-2 bf16 (the last column ZeRO-0), micro-batch {settings['batch_size']}, "
+        f"{settings['image_size']} px crops; images/s of the training loop (the median of the epochs after the "
+        f"first) "
+        f"with its ratio to the plain synthetic loop and to the plain DataLoader loop of the same run:\n\n")
+    out += table(["images", "plain, synthetic batch on the GPU", *columns], rows)
+    if starts:
+        out += ("\nThe cache tier's first and second run on a dataset: the launcher (its data check decodes every "
+                "image at 1/8 scale on the first run), the decode into the cache (the second run reads it) and the "
+                "time to the first optimizer step:\n\n")
+        out += table(["images", "launcher, first", "launcher, second", "decode, first", "decode, second",
+                      "first step, first", "first step, second"], starts)
+    return out
+
+
 def zero3_settings(name):
     result = load(name)
     rows = ratio_rows(result, lambda r: ", ".join(f"{value:,.0f}" for value in r.get("runs_images_per_s", []) if value))
@@ -283,6 +325,7 @@ TABLES = {
     "deepspeed-overrides": lambda: throughput("throughput_nvidia_h100_80gb_hbm3.json"),
     "fp16-offload": fp16_offload,
     "augmentation": augmentation,
+    "data-tiers": lambda: data_tiers("data_tiers_nvidia_h100_80gb_hbm3.json"),
     "data-path-accuracy": data_path_accuracy,
     "max-batch": max_batch,
     "capacity-8gib": lambda: capacity("capacity_8gib"),
