@@ -266,6 +266,11 @@ class Normalize:
         return out.to(self.dtype, memory_format=self.memory_format)
 
 
+def named_device(device):
+    """`device`, a GPU named by its index ("cuda" alone is the current one): the reading thread sets it."""
+    return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" and device.index is None else device
+
+
 class DeviceTrainLoader:
     """Training batches of one rank, cut from uint8 squares (same interface as data.TrainLoader): resident on
     `device`, or in host memory (`images` and `labels` there: the cache tier), gathered a few batches ahead
@@ -274,9 +279,7 @@ class DeviceTrainLoader:
     def __init__(self, images, labels, micro_batch_size, image_size, rank, world_size, seed, dtype,
                  preprocessing=None, device=None, host=False):
         self.images, self.labels = images, labels
-        self.device = device or images.device
-        if self.device.type == "cuda" and self.device.index is None:  # named, for the reading thread's set_device
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = named_device(device or images.device)
         self.host = host or images.device != self.device
         self.sampler = EpochSampler(range(len(labels)), num_replicas=world_size, rank=rank, shuffle=True,
                                     seed=seed, drop_last=True)
@@ -285,7 +288,6 @@ class DeviceTrainLoader:
         self.normalize = Normalize(self.device, dtype, preprocessing)
         self.crops = ResizedCrops(images.shape[-1], image_size, self.device,
                                   torch.float16 if self.device.type == "cuda" else torch.float32)
-        self.copy_stream = None  # host batches' copies to a GPU
 
     def epoch_boxes(self, epoch, start_batch=0):
         """(indices, boxes) of the epoch's batches from `start_batch` on; boxes (B, 5): top, left, height,
@@ -310,65 +312,88 @@ class DeviceTrainLoader:
         return self.normalize(self.crops(images, *boxes.unbind(1))), labels
 
     def _gathered_ahead(self, batches):
-        """Host batches: the next HOST_BATCHES_AHEAD batches' images are read from the mapped file
-        (index_select, without the GIL) and sent to the device while this one trains."""
-        # the thread's CUDA calls (pinned memory included) on this rank's GPU, not on GPU 0
-        on_device = {"initializer": torch.cuda.set_device, "initargs": (self.device,)} if self.device.type == "cuda" else {}
-        with ThreadPoolExecutor(1, **on_device) as reader:
-            pending = collections.deque()
-            for indices, boxes in batches:
-                pending.append((reader.submit(self.gather, indices), boxes))
-                if len(pending) > HOST_BATCHES_AHEAD:
-                    yield self._arrived(*pending.popleft())
-            while pending:
-                yield self._arrived(*pending.popleft())
+        """Host batches: each batch's images and labels gathered from the mapped file (index_select, without
+        the GIL) and sent to the device a few batches ahead."""
+        def gather(batch):
+            indices = batch[0]
+            return [torch.index_select(source, 0, indices, out=empty_host((len(indices), *source.shape[1:]),
+                                                                          source.dtype, self.device))
+                    for source in (self.images, self.labels)]
 
-    def gather(self, indices):
-        """The images and labels of `indices` on the device (from the reading thread): on a GPU, gathered
-        into pinned memory and copied on a stream of their own, so the copy overlaps the step instead of
-        queueing before its kernels (50 MB a ResNet18 batch of 256: about a tenth of its step on an H100),
-        and the host never waits for the GPU (a copy from pageable memory would)."""
-        cuda = self.device.type == "cuda"
-        images, labels = (torch.index_select(source, 0, indices, out=torch.empty((len(indices), *source.shape[1:]),
-                                                                                 dtype=source.dtype, pin_memory=cuda))
-                          for source in (self.images, self.labels))
+        for (_, boxes), (images, labels) in sent_ahead(batches, gather, self.device):
+            yield self.batch(images, labels, boxes)
+
+
+def empty_host(shape, dtype, device):
+    """A host tensor to copy to `device` from: pinned for a GPU, so that the copy need not wait."""
+    return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
+
+
+def sent_ahead(items, read, device):
+    """(item, read(item)'s tensors on `device`) for each item, read HOST_BATCHES_AHEAD items ahead in a thread.
+    On a GPU read() fills pinned memory and the thread copies it on a stream of its own, so the copy overlaps
+    the step instead of queueing before its kernels (50 MB a ResNet18 batch of 256: about a tenth of its step
+    on an H100), and the host never waits for the GPU (a copy from pageable memory would)."""
+    cuda = device.type == "cuda"
+    copies = torch.cuda.Stream(device) if cuda else None
+
+    def read_and_send(item):
+        tensors = read(item)
         if not cuda:
-            return images, labels, None
-        if self.copy_stream is None:
-            self.copy_stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(self.copy_stream):
-            images, labels = images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+            return tensors, None
+        with torch.cuda.stream(copies):
+            tensors = [tensor.to(device, non_blocking=True) for tensor in tensors]
             copied = torch.cuda.Event()
-            copied.record(self.copy_stream)
-        return images, labels, copied
+            copied.record(copies)
+        return tensors, copied
 
-    def _arrived(self, gathered, boxes):
-        images, labels, copied = gathered.result()
+    def arrived(item, pending):
+        tensors, copied = pending.result()
         if copied is not None:
-            stream = torch.cuda.current_stream(self.device)
+            stream = torch.cuda.current_stream(device)
             stream.wait_event(copied)
-            for tensor in (images, labels):  # allocated on the copy stream, used (and freed) on this one
+            for tensor in tensors:  # allocated on the copy stream, used (and freed) on this one
                 tensor.record_stream(stream)
-        return self.batch(images, labels, boxes)
+        return item, tensors
+
+    # the thread's CUDA calls (pinned memory included) on this rank's GPU, not on GPU 0
+    on_device = {"initializer": torch.cuda.set_device, "initargs": (device,)} if cuda else {}
+    with ThreadPoolExecutor(1, **on_device) as reader:
+        pending = collections.deque()
+        for item in items:
+            pending.append((item, reader.submit(read_and_send, item)))
+            if len(pending) > HOST_BATCHES_AHEAD:
+                yield arrived(*pending.popleft())
+        while pending:
+            yield arrived(*pending.popleft())
 
 
 class DeviceValLoader:
     """Validation batches of one rank's shard (images rank, rank + world_size, ...), resident on `device` or
-    copied there from host memory batch by batch."""
+    in host memory (the cache tier), copied a few batches ahead."""
 
-    def __init__(self, images, labels, micro_batch_size, rank, world_size, dtype, preprocessing=None, device=None):
+    def __init__(self, images, labels, micro_batch_size, rank, world_size, dtype, preprocessing=None, device=None,
+                 host=False):
         self.images, self.labels = images[rank::world_size], labels[rank::world_size]
         self.micro_batch_size = micro_batch_size
-        self.device = device or images.device
+        self.device = named_device(device or images.device)
+        self.host = host or images.device != self.device
         self.normalize = Normalize(self.device, dtype, preprocessing)
 
     def __len__(self):
         return math.ceil(len(self.labels) / self.micro_batch_size)
 
     def __iter__(self):
-        for start in range(0, len(self.labels), self.micro_batch_size):
-            end = start + self.micro_batch_size
-            yield self.normalize(self.images[start:end].to(self.device)), self.labels[start:end].to(self.device)
+        size = self.micro_batch_size
+        parts = ((self.images[start:start + size], self.labels[start:start + size])
+                 for start in range(0, len(self.labels), size))
+        if self.host:  # the cache tier: copied over a few batches ahead
+            parts = (tensors for _, tensors in sent_ahead(parts, self.pinned, self.device))
+        for images, labels in parts:
+            yield self.normalize(images), labels
+
+    def pinned(self, part):
+        return [empty_host(tensor.shape, tensor.dtype, self.device).copy_(tensor) for tensor in part]
 
 
 def build_device_loaders(train_set, val_set, micro_batch_size, image_size, rank, world_size, seed, device, dtype,
@@ -390,7 +415,7 @@ def build_device_loaders(train_set, val_set, micro_batch_size, image_size, rank,
                                      image_size, rank, world_size, seed, dtype, preprocessing, device,
                                      host=tier == "cache")
     val_loader = DeviceValLoader(val_images, torch.tensor(val_labels, device=home), micro_batch_size, rank,
-                                 world_size, dtype, preprocessing, device)
+                                 world_size, dtype, preprocessing, device, host=tier == "cache")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     decoded = len(train_paths) * train_decoded + len(val_paths) * val_decoded

@@ -1,6 +1,7 @@
 """The decoded-image cache (src/image_cache.py): the pixels the device path decodes, read back by later runs
 without decoding, a new entry for changed files, nothing half-written used, one fill for runs at once."""
 import json
+import math
 import os
 import shutil
 import signal
@@ -140,7 +141,10 @@ def test_batches_from_host_memory_are_the_device_paths_and_resume_mid_epoch(tiny
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(whole, resident.epoch(2)))
     resumed = list(host.epoch(2, start_batch=5))
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(whole[5:], resumed))
-    assert all(torch.equal(a[0], b[0]) for a, b in zip(host_val, resident_val))
+    assert host_val.host and not resident_val.host  # copied over by a reading thread, as the training batches
+    host_val = list(host_val)
+    assert len(host_val) == len(resident_val) == math.ceil(TINY_VAL_IMAGES / 4)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(host_val, resident_val))
 
 
 @pytest.mark.slow
