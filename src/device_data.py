@@ -158,26 +158,32 @@ def resize_and_crop(image, resize, crop):
     return TF.center_crop(resized, crop).round_().clamp_(0, 255).to(torch.uint8)
 
 
-def decode_dataset(paths, resize, crop, device, records=None):
-    """All images as one uint8 (N, 3, crop, crop) tensor on `device`."""
-    out = torch.empty((len(paths), 3, crop, crop), dtype=torch.uint8, device=device)
+def decoded_chunks(paths, resize, crop, device, records=None):
+    """(start, uint8 (n, 3, crop, crop) tensor on `device`) for each DECODE_CHUNK of `paths`, in order."""
     for start in range(0, len(paths), DECODE_CHUNK):
-        for offset, image in enumerate(decode_chunk(paths[start:start + DECODE_CHUNK], device, records)):
-            out[start + offset] = resize_and_crop(image, resize, crop)
+        chunk = decode_chunk(paths[start:start + DECODE_CHUNK], device, records)
+        yield start, torch.stack([resize_and_crop(image, resize, crop) for image in chunk])
+
+
+def decode_dataset(paths, resize, crop, device, records=None, home=None):
+    """All images, decoded on `device`, as one uint8 (N, 3, crop, crop) tensor on `home` (default `device`)."""
+    out = torch.empty((len(paths), 3, crop, crop), dtype=torch.uint8, device=home or device)
+    for start, images in decoded_chunks(paths, resize, crop, device, records):
+        out[start:start + len(images)] = images
     return out
 
 
 def decode_split(paths, resize, crop, device, records=None, cache_root=None, source=None):
     """(images, decoded): one split as uint8 (N, 3, crop, crop) and whether this call decoded it. Without a
     cache, decoded onto `device`; with one, mapped from its entry in host memory, which is filled first
-    (decoding on `device`) when no earlier run left it."""
+    (decoding on `device`) when no earlier run left it, or decoded into host memory when the cache cannot
+    be written (the dataset may not fit the device)."""
     if cache_root is None:
         return decode_dataset(paths, resize, crop, device, records), True
 
     def fill(f):
-        for start in range(0, len(paths), DECODE_CHUNK):
-            chunk = decode_chunk(paths[start:start + DECODE_CHUNK], device, records)
-            f.write(torch.stack([resize_and_crop(image, resize, crop) for image in chunk]).cpu().numpy().tobytes())
+        for _, images in decoded_chunks(paths, resize, crop, device, records):
+            f.write(images.cpu().numpy().tobytes())
 
     decoder = "nvjpeg" if device.type == "cuda" else "cpu"  # their pixels may differ by a level here and there
     try:
@@ -185,7 +191,7 @@ def decode_split(paths, resize, crop, device, records=None, cache_root=None, sou
     except OSError as err:  # a full disk, a read-only folder: the run goes on as without a cache
         print(f"warning: cannot use the decoded-image cache {cache_root} ({err.strerror or err}); decoding without "
               f"it (--cache_dir picks another folder)", file=sys.stderr, flush=True)
-        return decode_dataset(paths, resize, crop, device, records), True
+        return decode_dataset(paths, resize, crop, device, records, home=torch.device("cpu")), True
 
 
 def random_resized_crops(count, side, generator):

@@ -56,10 +56,12 @@ def test_the_cache_holds_the_decoded_pixels_and_a_second_run_decodes_nothing(tin
         os.utime(first, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
 
-def test_a_cache_that_cannot_be_written_is_a_warning_and_the_run_decodes(tiny_data, tmp_path, capsys):
+@pytest.mark.parametrize("tier", ["device", "cache"])  # the cache tier's fallback decodes into host memory
+def test_a_cache_that_cannot_be_written_is_a_warning_and_the_run_decodes(tiny_data, tmp_path, capsys, tier):
     blocked = tmp_path / "a file"
     blocked.write_text("not a folder")
-    train, _, done = loaders(tiny_data, blocked / "cache")
+    train, _, done = loaders(tiny_data, blocked / "cache", tier=tier)
+    assert train.host == (tier == "cache") and train.images.device == CPU
     assert done.startswith(f"decoded {TINY_TRAIN_IMAGES + TINY_VAL_IMAGES} images")
     assert capsys.readouterr().err.startswith(f"warning: cannot use the decoded-image cache {blocked / 'cache'}")
     assert torch.equal(train.images, loaders(tiny_data, None)[0].images)
