@@ -173,13 +173,13 @@ def decode_dataset(paths, resize, crop, device, records=None, home=None):
     return out
 
 
-def decode_split(paths, resize, crop, device, records=None, cache_root=None, source=None):
+def decode_split(paths, resize, crop, device, records=None, cache_root=None, source=None, home=None):
     """(images, decoded): one split as uint8 (N, 3, crop, crop) and whether this call decoded it. Without a
-    cache, decoded onto `device`; with one, mapped from its entry in host memory, which is filled first
-    (decoding on `device`) when no earlier run left it, or decoded into host memory when the cache cannot
-    be written (the dataset may not fit the device)."""
+    cache, or when it cannot be written, decoded on `device` into `home`'s memory (default `device`'s); with
+    one, mapped from its entry in host memory, which is filled first (decoding on `device`) when no earlier
+    run left it."""
     if cache_root is None:
-        return decode_dataset(paths, resize, crop, device, records), True
+        return decode_dataset(paths, resize, crop, device, records, home), True
 
     def fill(f):
         for _, images in decoded_chunks(paths, resize, crop, device, records):
@@ -191,7 +191,7 @@ def decode_split(paths, resize, crop, device, records=None, cache_root=None, sou
     except OSError as err:  # a full disk, a read-only folder: the run goes on as without a cache
         print(f"warning: cannot use the decoded-image cache {cache_root} ({err.strerror or err}); decoding without "
               f"it (--cache_dir picks another folder)", file=sys.stderr, flush=True)
-        return decode_dataset(paths, resize, crop, device, records, home=torch.device("cpu")), True
+        return decode_dataset(paths, resize, crop, device, records, home), True
 
 
 def random_resized_crops(count, side, generator):
@@ -331,6 +331,17 @@ class DeviceTrainLoader:
             yield self.batch(images, labels, boxes)
 
 
+COPY_STREAMS = {}
+
+
+def copy_stream(device):
+    """The device's stream for host batches, one for the process: torch.cuda.Stream() takes the next of a
+    pool shared with NCCL and DeepSpeed, so one taken each epoch would sooner or later share theirs."""
+    if device not in COPY_STREAMS:
+        COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return COPY_STREAMS[device]
+
+
 def empty_host(shape, dtype, device):
     """A host tensor to copy to `device` from: pinned for a GPU, so that the copy need not wait."""
     return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
@@ -342,7 +353,7 @@ def sent_ahead(items, read, device):
     the step instead of queueing before its kernels (50 MB a ResNet18 batch of 256: about a tenth of its step
     on an H100), and the host never waits for the GPU (a copy from pageable memory would)."""
     cuda = device.type == "cuda"
-    copies = torch.cuda.Stream(device) if cuda else None
+    copies = copy_stream(device) if cuda else None
 
     def read_and_send(item):
         tensors = read(item)
@@ -412,11 +423,11 @@ def build_device_loaders(train_set, val_set, micro_batch_size, image_size, rank,
     start = time.perf_counter()
     (train_paths, train_labels), (val_paths, val_labels) = zip(*train_set.samples), zip(*val_set.samples)
     train_size = train_square_size(image_size, train_size, preprocessing)
+    home = device if tier == "device" else torch.device("cpu")  # the cache tier's dataset may not fit the device
     train_images, train_decoded = decode_split(train_paths, train_size, train_size, device, records, cache_root,
-                                               getattr(train_set, "root", None))
+                                               getattr(train_set, "root", None), home)
     val_images, val_decoded = decode_split(val_paths, resize_size(image_size, preprocessing), image_size, device,
-                                           records, cache_root, getattr(val_set, "root", None))
-    home = device if tier == "device" else torch.device("cpu")
+                                           records, cache_root, getattr(val_set, "root", None), home)
     train_images, val_images = train_images.to(home), val_images.to(home)
     train_loader = DeviceTrainLoader(train_images, torch.tensor(train_labels, device=home), micro_batch_size,
                                      image_size, rank, world_size, seed, dtype, preprocessing, device,
