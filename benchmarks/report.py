@@ -149,8 +149,7 @@ def data_tiers(name):
     for size, runs in sorted(result["results"].items(), key=lambda item: int(item[0])):
         dataset = runs["dataset"]
         rows.append([f"{int(size):,} ({dataset['jpeg_mib'] / 1024:.1f} GiB of JPEGs)",
-                     f"{runs.get('plain synthetic', {}).get('images_per_s', 0):,.0f}",
-                     *[cell(runs.get(name)) for name in columns]])
+                     *[cell(runs.get(name)) for name in ["plain synthetic", *columns]]])
         first, second = runs.get("trainer, cache, first run", {}), runs.get("trainer, cache, second run", {})
         if "phases" in first and "phases" in second:
             starts.append([f"{int(size):,}", *[f"{run['phases']['launcher_s']:.1f} s" for run in (first, second)],
@@ -159,8 +158,7 @@ def data_tiers(name):
     out = source(result, name) + (
         f"\nresnet18, ZeRO-2 bf16 (the last column ZeRO-0), micro-batch {settings['batch_size']}, "
         f"{settings['image_size']} px crops; images/s of the training loop (the median of the epochs after the "
-        f"first) "
-        f"with its ratio to the plain synthetic loop and to the plain DataLoader loop of the same run:\n\n")
+        f"first) with its ratio to the plain synthetic loop and to the plain DataLoader loop of the same run:\n\n")
     out += table(["images", "plain, synthetic batch on the GPU", *columns], rows)
     if starts:
         out += ("\nThe cache tier's first and second run on a dataset: the launcher (its data check decodes every "
