@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "src"))
 
 from checkpoints import check_resumable, find_checkpoint, run_settings, saved_precision, saved_stage  # noqa: E402
-from data_check import check_data  # noqa: E402
+from data_check import check_data, decodes_every_file  # noqa: E402
 from distributed import free_port  # noqa: E402
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_with_deepspeed,  # noqa: E402
                        load_base_config, num_parameters)
@@ -196,6 +196,9 @@ def main(argv=None):
     check_visible_gpus(num_gpus, multi_node=bool(args.hostfile))
     check_writable(args.checkpoint_dir, "--checkpoint_dir")
     check_writable(args.log_dir, "--log_dir")
+    import torch
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
     # Pre-flight: an unusable dataset stops here, before any process starts; the training script reads
     # the per-file results back from the cache instead of decoding every image again.
     if args.dry_run and not Path(args.train_dir).exists():
@@ -205,7 +208,7 @@ def main(argv=None):
         print(f"note: {args.train_dir} not found; the config below assumes Animals-90's {ANIMALS90_CLASSES} classes "
               f"and {ANIMALS90_TRAIN_IMAGES} training images", file=sys.stderr)
     else:
-        data_check = check_data(args.train_dir, args.val_dir)
+        data_check = check_data(args.train_dir, args.val_dir, decodes_every_file(args.data_on_device, device_type))
         class_names, num_train_images = data_check.classes, data_check.train.num_images
     num_params = num_parameters(len(class_names))
     if args.model != DEFAULT_MODEL or args.pretrained:  # the training script's checks, before any process starts
@@ -215,9 +218,6 @@ def main(argv=None):
         num_params = sum(p.numel() for p in shapes.parameters())
         if args.pretrained:  # downloads torchvision's weights once, here, rather than in every rank
             pretrained_state(shapes, args.model, args.pretrained, len(class_names), mmap=True)
-    import torch
-
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
     resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
     config = build_ds_config(args, world_size, num_train_images, base=load_base_config(args.deepspeed_config),
                              device_type=device_type, num_params=num_params,

@@ -161,8 +161,8 @@ def data_tiers(name):
         f"first) with its ratio to the plain synthetic loop and to the plain DataLoader loop of the same run:\n\n")
     out += table(["images", "plain, synthetic batch on the GPU", *columns], rows)
     if starts:
-        out += ("\nThe cache tier's first and second run on a dataset: the launcher (its data check decodes every "
-                "image at 1/8 scale on the first run), the decode into the cache (the second run reads it) and the "
+        out += ("\nThe cache tier's first and second run on a dataset: the launcher (its data check reads every "
+                "file's header on the first run), the decode into the cache (the second run reads it) and the "
                 "time to the first optimizer step:\n\n")
         out += table(["images", "launcher, first", "launcher, second", "decode, first", "decode, second",
                       "first step, first", "first step, second"], starts)

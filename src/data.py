@@ -102,9 +102,10 @@ def image_folder(root, transform=None, classes=None):
     return ImageFiles(labelled_samples(check.train, classes), classes, transform), check
 
 
-def load_datasets(train_dir, val_dir, image_size, preprocessing=None):
-    """(train set, val set, DataCheck): the checked images, validation labelled by the training classes' names."""
-    check = check_data(train_dir, val_dir)
+def load_datasets(train_dir, val_dir, image_size, preprocessing=None, decode=True):
+    """(train set, val set, DataCheck): the checked images (`decode`: see data_check.inspect_image), validation
+    labelled by the training classes' names."""
+    check = check_data(train_dir, val_dir, decode)
 
     def dataset(scan, train):
         return ImageFiles(labelled_samples(scan, check.classes), check.classes,

@@ -10,6 +10,10 @@
 Each file's result is cached under its size and mtime, one cache file per folder in the user's cache
 folder (`save_cache`), so the training script, started after the launcher has checked the data, and every
 later run on the same folders decode nothing again.
+
+A check that reads headers only (`decode=False`) serves runs whose data the trainer decodes anyway (data on
+the GPU, the decoded-image cache): that decode finds the files whose data is broken, so each image is decoded
+once (device_data.decode_split).
 """
 import hashlib
 import json
@@ -40,46 +44,56 @@ SCAN_THREADS = min(16, os.cpu_count() or 1)  # PIL decodes with the GIL released
 warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
 
 
-def inspect_image(path):
-    """{"error", "format", "mode", "width", "height", "orientation"} of one file, decoded in full.
+def inspect_image(path, decode=True):
+    """{"error", "format", "mode", "width", "height", "orientation", "decoded"} of one file, decoded in full
+    or, with `decode` False, its header alone (a twentieth of the time for a photo).
 
     A JPEG is decoded at 1/8 scale (`draft`): the DCT-scaled decode still reads every entropy-coded
     byte, so a truncated file fails here as it would in training, at a fraction of the cost.
     """
     if os.path.getsize(path) == 0:
-        return {"error": "empty file"}
+        return {"error": "empty file", "decoded": True}
     try:
         with Image.open(path) as image:
             record = {"error": None, "format": image.format, "mode": image.mode, "width": image.width,
-                      "height": image.height, "orientation": image.getexif().get(EXIF_ORIENTATION, 1)}
-            if image.format == "JPEG":
+                      "height": image.height, "orientation": image.getexif().get(EXIF_ORIENTATION, 1),
+                      "decoded": decode}
+            if decode and image.format == "JPEG":
                 image.draft(None, (max(1, image.width // 8), max(1, image.height // 8)))
-            image.load()
+            if decode:
+                image.load()
         return record
     except UnidentifiedImageError:
-        return {"error": "not an image PIL can read"}
+        return {"error": "not an image PIL can read", "decoded": True}
     except Exception as err:  # noqa: BLE001 - corrupt data raises OSError, SyntaxError, ValueError, struct.error, ...
-        return {"error": str(err).splitlines()[0] if str(err) else type(err).__name__}
+        return {"error": error_line(err), "decoded": True}
 
 
-def inspect_files(paths, cache):
-    """Records of `paths` (see inspect_image), decoding only files not in `cache` with the same size and mtime;
-    and how many were decoded."""
+def error_line(err):
+    """The first line of why a file cannot be read."""
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+def inspect_files(paths, cache, decode=True):
+    """Records of `paths` (see inspect_image), inspecting only files not in `cache` with the same size and mtime
+    (and, with `decode`, decoded there); and how many were inspected."""
     records, todo = {}, []
     for path in paths:
         try:
             stat = os.stat(path)
         except OSError as err:  # a broken link, a file deleted since it was listed
-            records[path] = {"error": err.strerror or str(err), "stat": None}
+            records[path] = {"error": err.strerror or str(err), "stat": None, "decoded": True}
             continue
         key = [stat.st_size, stat.st_mtime_ns]
         cached = cache.get(os.path.abspath(path))
-        if cached is not None and cached["stat"] == key:
+        # a record without "decoded" comes from a check that always decoded
+        if cached is not None and cached["stat"] == key and (cached.get("decoded", True) or not decode):
             records[path] = cached
         else:
             todo.append((path, key))
     with ThreadPoolExecutor(SCAN_THREADS) as pool:
-        for (path, key), record in zip(todo, pool.map(inspect_image, [path for path, _ in todo])):
+        for (path, key), record in zip(todo, pool.map(lambda path: inspect_image(path, decode),
+                                                      [path for path, _ in todo])):
             records[path] = {**record, "stat": key}
     return records, len(todo)
 
@@ -95,7 +109,7 @@ class FolderScan:
     hidden: list = field(default_factory=list)
     linked_away: list = field(default_factory=list)  # (folder reached through a link, why it is not read)
     records: dict = field(default_factory=dict)  # path -> inspect_image record
-    decoded: int = 0  # files decoded by this scan, not found in the cache
+    inspected: int = 0  # files inspected by this scan, not found in the cache
 
     @property
     def classes(self):
@@ -110,8 +124,8 @@ class FolderScan:
         return sum(len(paths) for paths in self.images.values())
 
 
-def scan_folder(root, cache=None):
-    """Find and decode every file under root/<class>/ (recursively, as ImageFolder does)."""
+def scan_folder(root, cache=None, decode=True):
+    """Find and inspect (see inspect_image) every file under root/<class>/ (recursively, as ImageFolder does)."""
     scan = FolderScan(Path(root))
     files = {}
     root_real = os.path.realpath(root)
@@ -135,7 +149,8 @@ def scan_folder(root, cache=None):
                 for name in sorted(n for n in names if not n.startswith(".")):
                     is_image = name.lower().endswith(IMG_EXTENSIONS)
                     (files[entry.name] if is_image else scan.other_files).append(os.path.join(folder, name))
-    scan.records, scan.decoded = inspect_files([path for paths in files.values() for path in paths], cache or {})
+    scan.records, scan.inspected = inspect_files([path for paths in files.values() for path in paths], cache or {},
+                                                 decode)
     for name, paths in files.items():
         scan.images[name] = [path for path in paths if scan.records[path]["error"] is None]
         scan.unreadable += [(path, scan.records[path]["error"]) for path in paths
@@ -190,9 +205,23 @@ class DataCheck:
         return {path: record for scan in self.scans for path, record in scan.records.items()}
 
     @property
+    def inspected(self):
+        """Files this check inspected, not found in the cache: when nonzero, save_cache spares the next check."""
+        return sum(scan.inspected for scan in self.scans)
+
+    @property
     def decoded(self):
-        """Files this check decoded, not found in the cache: when nonzero, save_cache spares the next check."""
-        return sum(scan.decoded for scan in self.scans)
+        """Whether every readable file was decoded (not only its header read) by this check or an earlier one."""
+        return all(record.get("decoded", True) for record in self.records.values())
+
+    def exclude(self, unreadable):
+        """Leave out the files {path: reason} that training found it cannot decode, as this check would have."""
+        for scan in self.scans:
+            found = {path: reason for path, reason in unreadable.items() if path in scan.records}
+            for path, reason in found.items():
+                scan.records[path] = {**scan.records[path], "error": reason, "decoded": True}
+            scan.images = {name: [path for path in paths if path not in found] for name, paths in scan.images.items()}
+            scan.unreadable += sorted(found.items())
 
     @property
     def skipped(self):
@@ -301,8 +330,9 @@ def load_cache(root):
         return {}
 
 
-def check_folders(train_dir, val_dir=None):
-    """Scan the folders and collect why they cannot be used (DataCheck.errors); raises nothing."""
+def check_folders(train_dir, val_dir=None, decode=True):
+    """Scan the folders (`decode`: see inspect_image) and collect why they cannot be used (DataCheck.errors);
+    raises nothing."""
     scans, errors = [], []
     for root in (train_dir, val_dir):
         if root is None:
@@ -311,7 +341,7 @@ def check_folders(train_dir, val_dir=None):
             errors.append(f"image folder not found: {root}")
             scans.append(FolderScan(Path(root)))
         else:
-            scan = scan_folder(root, load_cache(root))
+            scan = scan_folder(root, load_cache(root), decode)
             if not scan.class_folders:
                 errors.append(f"{root}: no class folders (expected {Path(root) / '<class>' / '<image>'})")
             elif not scan.num_images:
@@ -327,8 +357,16 @@ def check_folders(train_dir, val_dir=None):
     return check
 
 
-def check_data(train_dir, val_dir):
+def decodes_every_file(data_on_device, device_type):
+    """Whether the check must decode every file for a run with --data_on_device `data_on_device` on a
+    `device_type`: not when the trainer decodes the dataset itself (on the device or into the decoded-image
+    cache, which `auto` picks on a GPU unless the cache is off or its disk full: then the training script
+    decodes what the check did not, see DataCheck.decoded)."""
+    return data_on_device == "off" or (data_on_device == "auto" and device_type != "cuda")
+
+
+def check_data(train_dir, val_dir, decode=True):
     """check_folders for training, raising a UsageError when the data cannot be trained on."""
-    check = check_folders(train_dir, val_dir)
+    check = check_folders(train_dir, val_dir, decode)
     check.raise_if_unusable()
     return check

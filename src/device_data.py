@@ -34,7 +34,7 @@ from torchvision.transforms import functional as TF
 
 import image_cache
 from data import DEFAULT_PREPROCESSING, EpochSampler, batch_memory_format, epoch_seed, load_rgb
-from data_check import EXIF_ORIENTATION
+from data_check import EXIF_ORIENTATION, error_line
 
 DECODE_CHUNK = 256  # images decoded per nvJPEG call: bounds the memory the decode needs
 CROP_SCALE = (0.08, 1.0)
@@ -132,24 +132,41 @@ def checked_header(record):
 
 
 def decode_chunk(paths, device, records=None):
-    """Decode a list of files, upright, as uint8 (3, H, W) tensors on `device`: RGB and grey JPEGs with
-    torchvision (one batched nvJPEG call on a GPU), the rest (CMYK JPEGs, other formats) with the
-    DataLoader path's PIL loader, so that both paths give the same pixels. `records` (path -> the data
-    check's record) spares reading each header again."""
-    data = [read_file(str(path)) for path in paths]
-    headers = [checked_header(records[path]) if records and path in records else jpeg_header(d)
-               for path, d in zip(paths, data)]
+    """(images, unreadable): a list of files decoded, upright, as uint8 (3, H, W) tensors on `device`, None in
+    place of each file that does not decode, and {index: why} of those. RGB and grey JPEGs are decoded with
+    torchvision (one batched nvJPEG call on a GPU), the rest (CMYK JPEGs, other formats) with the DataLoader
+    path's PIL loader, so that both paths give the same pixels. `records` (path -> the data check's record)
+    spares reading each header again."""
+    images, unreadable, data, headers = [None] * len(paths), {}, [None] * len(paths), [None] * len(paths)
+    for i, path in enumerate(paths):
+        try:
+            data[i] = read_file(str(path))
+            headers[i] = checked_header(records[path]) if records and path in records else jpeg_header(data[i])
+        except Exception:  # noqa: BLE001 - a file gone since the check, a broken header: PIL says why below
+            data[i] = None
     jpegs = [i for i, header in enumerate(headers) if header is not None and header[0] in ("RGB", "L")]
-    decoded = {}
     if jpegs:
         try:
-            images = decode_jpeg([data[i] for i in jpegs], mode=ImageReadMode.RGB, device=device)
-            decoded = {i: EXIF_TRANSPOSES.get(headers[i][1], lambda image: image)(image)
-                       for i, image in zip(jpegs, images)}
-        except RuntimeError:  # a JPEG the decoder rejects: this chunk goes through PIL
-            pass
-    return [decoded[i] if i in decoded else torch.from_numpy(np.array(load_rgb(path))).permute(2, 0, 1).to(device)
-            for i, path in enumerate(paths)]
+            decoded = decode_jpeg([data[i] for i in jpegs], mode=ImageReadMode.RGB, device=device)
+        except RuntimeError:  # a JPEG the decoder rejects: each file alone, so that only that one goes through PIL
+            decoded = [decoded_or_none(data[i], device) for i in jpegs]
+        for i, image in zip(jpegs, decoded):
+            if image is not None:
+                images[i] = EXIF_TRANSPOSES.get(headers[i][1], lambda image: image)(image)
+    for i, path in enumerate(paths):
+        if images[i] is None:
+            try:
+                images[i] = torch.from_numpy(np.array(load_rgb(path))).permute(2, 0, 1).to(device)
+            except Exception as err:  # noqa: BLE001 - as the data check: corrupt data raises OSError, SyntaxError, ...
+                unreadable[i] = error_line(err)
+    return images, unreadable
+
+
+def decoded_or_none(data, device):
+    try:
+        return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+    except RuntimeError:
+        return None
 
 
 def resize_and_crop(image, resize, crop):
@@ -159,39 +176,56 @@ def resize_and_crop(image, resize, crop):
 
 
 def decoded_chunks(paths, resize, crop, device, records=None):
-    """(start, uint8 (n, 3, crop, crop) tensor on `device`) for each DECODE_CHUNK of `paths`, in order."""
+    """(start, uint8 (n, 3, crop, crop) tensor on `device`, {index in paths: why} of the files that do not
+    decode, zeros in their place) for each DECODE_CHUNK of `paths`, in order."""
     for start in range(0, len(paths), DECODE_CHUNK):
-        chunk = decode_chunk(paths[start:start + DECODE_CHUNK], device, records)
-        yield start, torch.stack([resize_and_crop(image, resize, crop) for image in chunk])
+        chunk, unreadable = decode_chunk(paths[start:start + DECODE_CHUNK], device, records)
+        blank = torch.zeros((3, crop, crop), dtype=torch.uint8, device=device)
+        yield start, torch.stack([blank if image is None else resize_and_crop(image, resize, crop) for image in chunk]), \
+            {start + i: why for i, why in unreadable.items()}
 
 
 def decode_dataset(paths, resize, crop, device, records=None, home=None):
-    """All images, decoded on `device`, as one uint8 (N, 3, crop, crop) tensor on `home` (default `device`)."""
+    """(images, unreadable): all images, decoded on `device`, as one uint8 (N, 3, crop, crop) tensor on `home`
+    (default `device`), and {index: why} of those that do not decode (zeros)."""
     out = torch.empty((len(paths), 3, crop, crop), dtype=torch.uint8, device=home or device)
-    for start, images in decoded_chunks(paths, resize, crop, device, records):
+    unreadable = {}
+    for start, images, failed in decoded_chunks(paths, resize, crop, device, records):
         out[start:start + len(images)] = images
-    return out
+        unreadable.update(failed)
+    return out, unreadable
 
 
 def decode_split(paths, resize, crop, device, records=None, cache_root=None, source=None, home=None):
-    """(images, decoded): one split as uint8 (N, 3, crop, crop) and whether this call decoded it. Without a
+    """(images, decoded, unreadable): one split as uint8 (N, 3, crop, crop), whether this call decoded it, and
+    {index: why} of the files that do not decode (the data check may have read their headers only). Without a
     cache, or when it cannot be written, decoded on `device` into `home`'s memory (default `device`'s); with
     one, mapped from its entry in host memory, which is filled first (decoding on `device`) when no earlier
     run left it."""
     if cache_root is None:
-        return decode_dataset(paths, resize, crop, device, records, home), True
+        return decoded_here(paths, resize, crop, device, records, home)
 
     def fill(f):
-        for _, images in decoded_chunks(paths, resize, crop, device, records):
+        unreadable = {}
+        for _, images, failed in decoded_chunks(paths, resize, crop, device, records):
             f.write(images.cpu().numpy().tobytes())
+            unreadable.update(failed)
+        return unreadable
 
     decoder = "nvjpeg" if device.type == "cuda" else "cpu"  # their pixels may differ by a level here and there
     try:
-        return image_cache.load_or_fill(paths, resize, crop, decoder, cache_root, fill, records, source)
+        images, unreadable, filled = image_cache.load_or_fill(paths, resize, crop, decoder, cache_root, fill,
+                                                              records, source)
+        return images, filled, unreadable
     except OSError as err:  # a full disk, a read-only folder: the run goes on as without a cache
         print(f"warning: cannot use the decoded-image cache {cache_root} ({err.strerror or err}); decoding without "
               f"it (--cache_dir picks another folder)", file=sys.stderr, flush=True)
-        return decode_dataset(paths, resize, crop, device, records, home), True
+        return decoded_here(paths, resize, crop, device, records, home)
+
+
+def decoded_here(paths, resize, crop, device, records, home):
+    images, unreadable = decode_dataset(paths, resize, crop, device, records, home)
+    return images, True, unreadable
 
 
 def random_resized_crops(count, side, generator):
@@ -284,11 +318,13 @@ class DeviceTrainLoader:
     in a thread and copied over."""
 
     def __init__(self, images, labels, micro_batch_size, image_size, rank, world_size, seed, dtype,
-                 preprocessing=None, device=None, host=False):
+                 preprocessing=None, device=None, host=False, indices=None):
         self.images, self.labels = images, labels
+        # the images it draws from (default all): those that decoded
+        self.indices = torch.arange(len(labels)) if indices is None else torch.as_tensor(indices)
         self.device = named_device(device or images.device)
         self.host = host or images.device != self.device
-        self.sampler = EpochSampler(range(len(labels)), num_replicas=world_size, rank=rank, shuffle=True,
+        self.sampler = EpochSampler(range(len(self.indices)), num_replicas=world_size, rank=rank, shuffle=True,
                                     seed=seed, drop_last=True)
         self.seed, self.rank, self.micro_batch_size, self.image_size = seed, rank, micro_batch_size, image_size
         self.batches_per_epoch = self.sampler.num_samples // micro_batch_size
@@ -301,7 +337,7 @@ class DeviceTrainLoader:
         width, flip of each image's crop, all drawn at the epoch's start from (seed, rank, epoch)."""
         self.sampler.set_epoch(epoch)
         self.sampler.start = 0
-        order = torch.tensor(list(self.sampler))
+        order = self.indices[torch.tensor(list(self.sampler), dtype=torch.long)]
         generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.rank, epoch))
         boxes = torch.stack(random_resized_crops(len(order), self.images.shape[-1], generator), dim=1).long()
         order, boxes = order.to(self.images.device), boxes.to(self.device)
@@ -319,16 +355,19 @@ class DeviceTrainLoader:
         return self.normalize(self.crops(images, *boxes.unbind(1))), labels
 
     def _gathered_ahead(self, batches):
-        """Host batches: each batch's images and labels gathered from the mapped file (index_select, without
-        the GIL) and sent to the device a few batches ahead."""
-        def gather(batch):
-            indices = batch[0]
-            return [torch.index_select(source, 0, indices, out=empty_host((len(indices), *source.shape[1:]),
-                                                                          source.dtype, self.device))
-                    for source in (self.images, self.labels)]
-
+        """Host batches: each batch's images and labels gathered from the mapped file and sent to the device a
+        few batches ahead."""
+        gather = lambda batch: gathered_host((self.images, self.labels), batch[0], self.device)  # noqa: E731
         for (_, boxes), (images, labels) in sent_ahead(batches, gather, self.device):
             yield self.batch(images, labels, boxes)
+
+
+def gathered_host(sources, indices, device):
+    """The rows `indices` of each host tensor of `sources`, gathered (index_select, without the GIL) into memory
+    that copies to `device` without waiting."""
+    return [torch.index_select(source, 0, indices, out=empty_host((len(indices), *source.shape[1:]), source.dtype,
+                                                                  device))
+            for source in sources]
 
 
 COPY_STREAMS = {}
@@ -387,31 +426,34 @@ def sent_ahead(items, read, device):
 
 
 class DeviceValLoader:
-    """Validation batches of one rank's shard (images rank, rank + world_size, ...), resident on `device` or
-    in host memory (the cache tier), copied a few batches ahead."""
+    """Validation batches of one rank's shard (images rank, rank + world_size, ... of `indices`, default all),
+    resident on `device` or in host memory (the cache tier), copied a few batches ahead."""
 
     def __init__(self, images, labels, micro_batch_size, rank, world_size, dtype, preprocessing=None, device=None,
-                 host=False):
-        self.images, self.labels = images[rank::world_size], labels[rank::world_size]
+                 host=False, indices=None):
+        indices = torch.arange(len(labels)) if indices is None else torch.as_tensor(indices)
+        self.positions = indices[rank::world_size].to(images.device)
+        self.images, self.labels = images, labels
         self.micro_batch_size = micro_batch_size
         self.device = named_device(device or images.device)
         self.host = host or images.device != self.device
         self.normalize = Normalize(self.device, dtype, preprocessing)
 
     def __len__(self):
-        return math.ceil(len(self.labels) / self.micro_batch_size)
+        return math.ceil(len(self.positions) / self.micro_batch_size)
 
     def __iter__(self):
         size = self.micro_batch_size
-        parts = ((self.images[start:start + size], self.labels[start:start + size])
-                 for start in range(0, len(self.labels), size))
+        batches = (self.positions[start:start + size] for start in range(0, len(self.positions), size))
         if self.host:  # the cache tier: copied over a few batches ahead
-            parts = (tensors for _, tensors in sent_ahead(parts, self.pinned, self.device))
+            sources = (self.images, self.labels)
+            parts = (tensors for _, tensors in sent_ahead(batches, lambda batch: gathered_host(sources, batch,
+                                                                                               self.device),
+                                                          self.device))
+        else:
+            parts = ((self.images[batch], self.labels[batch]) for batch in batches)
         for images, labels in parts:
             yield self.normalize(images), labels
-
-    def pinned(self, part):
-        return [empty_host(tensor.shape, tensor.dtype, self.device).copy_(tensor) for tensor in part]
 
 
 def build_device_loaders(train_set, val_set, micro_batch_size, image_size, rank, world_size, seed, device, dtype,
@@ -419,26 +461,31 @@ def build_device_loaders(train_set, val_set, micro_batch_size, image_size, rank,
     """Both ImageFolders decoded, or read from the decoded-image cache under `cache_root` (None: no cache),
     as training squares of `train_size` pixels (default the validation resize; `records`: the data check's,
     see decode_chunk), kept on `device` (tier "device") or in host memory (tier "cache"); returns
-    (train_loader, val_loader, a line saying what was decoded or read, and how long it took)."""
+    (train_loader, val_loader, a line saying what was decoded or read and how long it took, {path: why} of
+    the files left out because they do not decode)."""
     start = time.perf_counter()
-    (train_paths, train_labels), (val_paths, val_labels) = zip(*train_set.samples), zip(*val_set.samples)
     train_size = train_square_size(image_size, train_size, preprocessing)
     home = device if tier == "device" else torch.device("cpu")  # the cache tier's dataset may not fit the device
-    train_images, train_decoded = decode_split(train_paths, train_size, train_size, device, records, cache_root,
-                                               getattr(train_set, "root", None), home)
-    val_images, val_decoded = decode_split(val_paths, resize_size(image_size, preprocessing), image_size, device,
-                                           records, cache_root, getattr(val_set, "root", None), home)
-    train_images, val_images = train_images.to(home), val_images.to(home)
-    train_loader = DeviceTrainLoader(train_images, torch.tensor(train_labels, device=home), micro_batch_size,
-                                     image_size, rank, world_size, seed, dtype, preprocessing, device,
-                                     host=tier == "cache")
-    val_loader = DeviceValLoader(val_images, torch.tensor(val_labels, device=home), micro_batch_size, rank,
-                                 world_size, dtype, preprocessing, device, host=tier == "cache")
+    splits, unreadable, decoded = [], {}, 0
+    for dataset, resize, crop in ((train_set, train_size, train_size),
+                                  (val_set, resize_size(image_size, preprocessing), image_size)):
+        paths, labels = zip(*dataset.samples) if dataset.samples else ((), ())
+        images, split_decoded, failed = decode_split(list(paths), resize, crop, device, records, cache_root,
+                                                     getattr(dataset, "root", None), home)
+        unreadable.update({paths[index]: why for index, why in failed.items()})
+        decoded += len(paths) * split_decoded
+        kept = [index for index in range(len(paths)) if index not in failed]
+        splits.append((images.to(home), torch.tensor(labels, dtype=torch.long, device=home), kept))
+    (train_images, train_labels, train_kept), (val_images, val_labels, val_kept) = splits
+    host = tier == "cache"
+    train_loader = DeviceTrainLoader(train_images, train_labels, micro_batch_size, image_size, rank, world_size,
+                                     seed, dtype, preprocessing, device, host, train_kept)
+    val_loader = DeviceValLoader(val_images, val_labels, micro_batch_size, rank, world_size, dtype, preprocessing,
+                                 device, host, val_kept)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    decoded = len(train_paths) * train_decoded + len(val_paths) * val_decoded
-    read = len(train_paths) + len(val_paths) - decoded
+    read = len(train_set.samples) + len(val_set.samples) - decoded
     done = ([f"decoded {decoded} images"] if decoded else []) + (
         [f"read {read} decoded by an earlier run from the cache"] if read else [])
     where = f" (cache: {cache_root})" if cache_root is not None else ""
-    return train_loader, val_loader, f"{', '.join(done)} in {time.perf_counter() - start:.1f} s{where}"
+    return train_loader, val_loader, f"{', '.join(done)} in {time.perf_counter() - start:.1f} s{where}", unreadable

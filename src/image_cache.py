@@ -6,7 +6,8 @@ modification time, the resize and crop, the decoder and this format's version. A
 image changes the key, so the whole split is decoded again into a new entry, and the entry it replaces (the
 same folder with the same settings) is deleted. Entries are written into a temporary folder and renamed into
 place once complete: a run killed while filling leaves only the temporary folder, which the next fill of
-that key removes. Runs that need the same entry at once take turns on a lock file (fcntl, where there is
+that key removes. Files that do not decode are zeros in the file and named in the entry's meta.json, so that
+every run leaves them out without decoding them again. Runs that need the same entry at once take turns on a lock file (fcntl, where there is
 one): the first fills it, the others wait and read it. Elsewhere two runs may both fill it; the first
 rename wins and the other's copy is dropped.
 """
@@ -57,8 +58,9 @@ def entry_key(paths, resize, crop, decoder, records=None):
 
 
 def open_entry(folder, count, crop):
-    """The entry's images as a read-only-in-effect (N, 3, crop, crop) uint8 tensor mapped from its file, or
-    None when the entry is missing or not the one expected."""
+    """(images, unreadable): the entry's images as a read-only-in-effect (N, 3, crop, crop) uint8 tensor mapped
+    from its file and {index: why} of the files that did not decode (zeros there); None when the entry is
+    missing or not the one expected."""
     try:
         meta = json.loads((Path(folder) / META_FILE).read_text())
         path = Path(folder) / IMAGES_FILE
@@ -66,12 +68,14 @@ def open_entry(folder, count, crop):
         if (meta.get("version"), meta.get("count"), meta.get("crop")) != (VERSION, count, crop) \
                 or path.stat().st_size != size:
             return None
-    except (OSError, ValueError, AttributeError):
+        unreadable = {int(index): str(why) for index, why in meta.get("unreadable", [])}
+    except (OSError, ValueError, AttributeError, TypeError):
         return None
     if size == 0:
-        return torch.empty((0, 3, crop, crop), dtype=torch.uint8)
+        return torch.empty((0, 3, crop, crop), dtype=torch.uint8), unreadable
     # shared=False maps the file privately: pages are read on first touch, and nothing is written back
-    return torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8).view(count, 3, crop, crop)
+    images = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8).view(count, 3, crop, crop)
+    return images, unreadable
 
 
 @contextlib.contextmanager
@@ -90,31 +94,33 @@ def _lock(path):
 
 
 def load_or_fill(paths, resize, crop, decoder, root, fill, records=None, source=None):
-    """(images, filled): the (N, 3, crop, crop) uint8 images of `paths` mapped from the entry under `root`,
-    filling it first if there is none (`fill(f)` writes each image's bytes, in order, to the binary file f),
-    and whether this call filled it. `source` (the split's folder) names what an entry replaces."""
+    """(images, unreadable, filled): the (N, 3, crop, crop) uint8 images of `paths` mapped from the entry under
+    `root`, filling it first if there is none (`fill(f)` writes each image's bytes, in order, to the binary
+    file f, and returns {index: why} of the files it could not decode), those files, and whether this call
+    filled it. `source` (the split's folder) names what an entry replaces."""
     root = Path(root)
     key = entry_key(paths, resize, crop, decoder, records)
     entry = root / key
-    images = open_entry(entry, len(paths), crop)
-    if images is not None:
-        return images, False
+    found = open_entry(entry, len(paths), crop)
+    if found is not None:
+        return *found, False
     root.mkdir(parents=True, exist_ok=True)
     with _lock(root / f".{key}.lock"):
-        images = open_entry(entry, len(paths), crop)
-        if images is not None:  # another run filled it while this one waited
-            return images, False
+        found = open_entry(entry, len(paths), crop)
+        if found is not None:  # another run filled it while this one waited
+            return *found, False
         for stale in root.glob(f".{key}.*.partial"):  # left by a run killed while filling
             shutil.rmtree(stale, ignore_errors=True)
         partial = Path(tempfile.mkdtemp(dir=root, prefix=f".{key}.", suffix=".partial"))
         try:
             with open(partial / IMAGES_FILE, "wb") as f:
-                fill(f)
+                unreadable = fill(f)
                 f.flush()
                 os.fsync(f.fileno())
             write_json_atomic(partial / META_FILE, {
                 "version": VERSION, "count": len(paths), "resize": resize, "crop": crop, "decoder": decoder,
-                "source": os.path.abspath(source) if source else None})
+                "source": os.path.abspath(source) if source else None,
+                "unreadable": sorted([index, why] for index, why in (unreadable or {}).items())})
             shutil.rmtree(entry, ignore_errors=True)  # an entry open_entry refused (another version, cut short)
             try:
                 os.rename(partial, entry)
@@ -124,7 +130,7 @@ def load_or_fill(paths, resize, crop, decoder, root, fill, records=None, source=
         finally:
             shutil.rmtree(partial, ignore_errors=True)
         _remove_replaced(root, key, {"resize": resize, "crop": crop, "decoder": decoder}, source)
-    return open_entry(entry, len(paths), crop), True
+    return *open_entry(entry, len(paths), crop), True
 
 
 def _remove_replaced(root, key, settings, source):

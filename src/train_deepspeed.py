@@ -19,13 +19,14 @@ import torch  # noqa: E402
 from checkpoints import (CheckpointSaver, check_resumable, find_checkpoint, load, run_settings,  # noqa: E402
                          saved_precision, saved_stage)
 from data import build_loaders, load_datasets  # noqa: E402
+from data_check import decodes_every_file, listed  # noqa: E402
 import deepspeed_overrides  # noqa: E402
 from device_data import build_device_loaders, choose_device_data, train_square_size  # noqa: E402
 from image_cache import cache_root  # noqa: E402
 from distributed import exit_now, init_distributed, local_device, rank_zero_only, shut_down  # noqa: E402
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_with_deepspeed,  # noqa: E402
                        load_base_config, lr_schedule, precision)
-from failures import advise_on_out_of_memory, check_writable  # noqa: E402
+from failures import UsageError, advise_on_out_of_memory, check_writable  # noqa: E402
 from finetune import BodyLearningRate, parameter_groups  # noqa: E402
 from history import HISTORY_FILE, TrainingHistory, epoch_line  # noqa: E402
 from interrupt import StopOnSignal, die_with_parent_call  # noqa: E402
@@ -52,6 +53,16 @@ def say(message):
     print(message, flush=True)
 
 
+def recheck(args, inputs, classes):
+    """load_datasets with every file decoded, for the DataLoader tier; the classes must be those the model
+    was built for."""
+    train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size, inputs, True)
+    if train_set.classes != classes:
+        raise UsageError(f"{args.train_dir}: classes without a readable image once decoded: "
+                         f"{listed(sorted(set(classes) - set(train_set.classes)))} (see prepare_data.py --check)")
+    return train_set, val_set, data_check
+
+
 def main(argv=None):
     clock = StartupClock(PROCESS_STARTED)
     clock.lap("imports")
@@ -62,18 +73,15 @@ def main(argv=None):
     check_writable(args.log_dir, "--log_dir")
     base_config = load_base_config(args.deepspeed_config)
     inputs = preprocessing(args.model, args.pretrained)  # the mean, std and resize its weights were trained with
-    train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size, inputs)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size, inputs,
+                                                   decodes_every_file(args.data_on_device, device_type))
     if os.environ.get("RANK", "0") == "0":
         run_folders.take(args)  # before any rank looks for a checkpoint: tidying may rename one
 
     rank, world_size = init_distributed()
     resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
     rank_zero_only(run_folders.start)(args, resume_from)
-    if data_check.decoded:  # started without the launcher, which keeps the check's results
-        rank_zero_only(data_check.save_cache)()
-    for line in data_check.warnings():
-        say(line)
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
     seed_everything(args.seed)
     model = build_model(args.model, len(train_set.classes), args.image_size, args.pretrained)
     model_name = saved_name(args.model)
@@ -100,6 +108,12 @@ def main(argv=None):
     tier, why = choose_device_data(args.data_on_device, device, len(train_set), len(val_set), args.image_size,
                                    args.device_train_size, num_params, cache)
     on_device = tier != "workers"
+    if not on_device and not data_check.decoded:  # nothing decodes the files the check read the headers of
+        train_set, val_set, data_check = recheck(args, inputs, train_set.classes)
+    if data_check.inspected:  # started without the launcher, which keeps the check's results
+        rank_zero_only(data_check.save_cache)()
+    for line in data_check.warnings():
+        say(line)
     clock.lap("setup")
 
     import deepspeed
@@ -123,9 +137,13 @@ def main(argv=None):
             engine.compile()
         clock.lap("engine")
         if on_device:
-            train_loader, val_loader, done = decoding.result()
+            train_loader, val_loader, done, unreadable = decoding.result()
             place = device_type if tier == "device" else f"{device_type}, batches from host memory"
             say(f"Data on {place} ({why}): {done}")
+            if unreadable:  # found by the decode, the check having read their headers only
+                data_check.exclude(unreadable)
+                say(f"warning: skipping {len(unreadable)} image(s) that do not decode: "
+                    + listed(f"{path} ({why})" for path, why in unreadable.items()))
         else:
             train_loader, val_loader = build_loaders(train_set, val_set, micro_batch, args.num_workers, rank,
                                                      world_size, args.seed, pin_memory=device_type == "cuda")
@@ -138,7 +156,7 @@ def main(argv=None):
         "model": model_name, "pretrained": args.pretrained, "preprocessing": inputs,
         "num_classes": len(train_set.classes), "image_size": args.image_size,
         "train_dir": str(args.train_dir), "val_dir": str(args.val_dir),
-        "train_images": len(train_set), "val_images": len(val_set),
+        "train_images": data_check.train.num_images, "val_images": data_check.val.num_images,
         "epochs": args.epochs, "world_size": world_size, "device": device_type,
         "precision": precision(ds_config), "zero_stage": zero_stage, "seed": args.seed,
         "sync_bn": args.sync_bn, "data_on_device": on_device, "data_tier": tier,
@@ -176,7 +194,7 @@ def main(argv=None):
         say(f"Resumed from {resume_from}: epoch {start_epoch}"
             + (f", step {start_step} of {micro_batches}" if start_step else ""))
     prepare_csv_files(engine, start_epoch if resume_from is not None else None)
-    say(f"{model_name}: {len(train_set)} train / {len(val_set)} val images, {len(train_set.classes)} classes; "
+    say(f"{model_name}: {data_check.train.num_images} train / {data_check.val.num_images} val images, {len(train_set.classes)} classes; "
         f"{world_size} rank(s) on {device_type}, ZeRO-{zero_stage}, {run_config['precision']}, "
         f"global batch {ds_config['train_batch_size']}")
 

@@ -12,7 +12,7 @@ import data_check
 from conftest import ROOT, assert_usage_error_in_process, data_args, launch, run
 from data import ImageFiles, build_transform, load_datasets, load_rgb
 from data_check import cache_path, check_data, check_folders
-from device_data import Normalize, decode_chunk, decode_dataset, resize_size
+from device_data import Normalize, build_device_loaders, decode_chunk, decode_dataset, resize_size
 from failures import UsageError
 from prepare_data import main as prepare_data_main
 from prepare_data import make_sample_dataset
@@ -145,7 +145,7 @@ def test_the_device_path_decodes_what_the_dataloader_path_does(bad_data, tmp_pat
     paths = [str(bad_data / "val/badger" / name) for name in names]
     # Each file's header read again, or taken from the data check's records (as training does).
     for records in (None, {path: data_check.inspect_image(path) for path in paths}):
-        for path, decoded in zip(paths, decode_chunk(paths, CPU, records)):
+        for path, decoded in zip(paths, decode_chunk(paths, CPU, records)[0]):
             assert torch.equal(decoded, torch.from_numpy(np.array(load_rgb(path))).permute(2, 0, 1)), path
     for orientation in range(1, 9):  # every EXIF orientation, as PIL applies it
         exif = Image.Exif()
@@ -154,8 +154,8 @@ def test_the_device_path_decodes_what_the_dataloader_path_does(bad_data, tmp_pat
         Image.fromarray(picture()).save(path, exif=exif, quality=95)
         expected = torch.from_numpy(np.array(ImageOps.exif_transpose(Image.open(path)))).permute(2, 0, 1)
         for records in (None, {path: data_check.inspect_image(path)}):
-            assert torch.equal(decode_chunk([path], CPU, records)[0], expected), orientation
-    device_images = Normalize(CPU, torch.float32)(decode_dataset(paths, resize_size(24), 24, CPU))
+            assert torch.equal(decode_chunk([path], CPU, records)[0][0], expected), orientation
+    device_images = Normalize(CPU, torch.float32)(decode_dataset(paths, resize_size(24), 24, CPU)[0])
     reference = ImageFiles([(path, 0) for path in paths], ["badger"], build_transform(24, train=False))
     expected = torch.stack([reference[i][0] for i in range(len(paths))])
     assert ((device_images - expected).abs().mean(dim=(1, 2, 3)) < 0.02).all()
@@ -166,14 +166,60 @@ def test_the_cache_spares_unchanged_files_a_second_decode(bad_data, tmp_path, mo
     shutil.copytree(bad_data / "val", root)
     first = check_folders(root)
     first.save_cache()
-    decoded = []
+    inspected = []
     inspect = data_check.inspect_image
-    monkeypatch.setattr(data_check, "inspect_image", lambda path: decoded.append(path) or inspect(path))
+    monkeypatch.setattr(data_check, "inspect_image",
+                        lambda path, decode=True: inspected.append((path, decode)) or inspect(path, decode))
     (root / "bat/bat_0000.jpg").write_bytes((root / "bat/truncated.jpg").read_bytes())
     again = check_folders(root)
-    assert decoded == [str(root / "bat/bat_0000.jpg")]
-    assert first.decoded == len(first.val.records if first.val else first.train.records) and again.decoded == 1
+    assert inspected == [(str(root / "bat/bat_0000.jpg"), True)]
+    assert first.inspected == len(first.train.records) and again.inspected == 1 and again.decoded
     assert [path for path, _ in again.skipped] == [str(root / "bat/bat_0000.jpg"), str(root / "bat/truncated.jpg")]
+
+
+def test_a_check_of_headers_only_decodes_nothing_and_leaves_a_full_check_to_decode(bad_data, tmp_path, monkeypatch):
+    """The launcher reads headers only when training decodes the data anyway; a later check that must
+    decode (the DataLoader tier) does not take those records for decoded ones."""
+    root = tmp_path / "data"
+    shutil.copytree(bad_data / "val", root)
+    decoded, load = [], Image.Image.load
+    monkeypatch.setattr(Image.Image, "load", lambda image: decoded.append(image.format) or load(image))
+    headers = check_folders(root, decode=False)
+    headers.save_cache()
+    assert "JPEG" not in decoded and not headers.decoded  # (PIL reads a whole PNG to find its EXIF)
+    # the header shows what a truncated JPEG is: only the decode finds it
+    assert str(root / "bat/truncated.jpg") in headers.train.images["bat"]
+    assert check_folders(root, decode=False).inspected == 0
+    full = check_folders(root)
+    # a file whose header is unreadable is not read again
+    assert full.inspected == sum(record["error"] is None for record in headers.train.records.values())
+    assert full.decoded
+    assert str(root / "bat/truncated.jpg") in dict(full.skipped)
+    full.save_cache()
+    assert check_folders(root, decode=False).inspected == check_folders(root).inspected == 0
+
+
+@pytest.mark.parametrize("device", [CPU, pytest.param(torch.device("cuda"), marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no GPU"))], ids=["cpu", "cuda"])  # nvJPEG must refuse it too
+@pytest.mark.parametrize("tier", ["device", "cache"])
+def test_the_decode_leaves_out_what_a_check_of_headers_let_through(bad_data, tmp_path, tier, device):
+    root = tmp_path / "data"
+    shutil.copytree(bad_data, root, symlinks=True)
+    late = root / "train/bat/cut_after_header.jpg"
+    late.write_bytes((root / "val/bat/truncated.jpg").read_bytes())
+    train_set, val_set, _ = load_datasets(root / "train", root / "val", 32, decode=False)
+    assert str(late) in [path for path, _ in train_set.samples]
+    cache = tmp_path / "cache" if tier == "cache" else None
+    for _ in range(2 if cache else 1):  # filled, then read back: the same files left out without a decode
+        train, val, done, unreadable = build_device_loaders(train_set, val_set, 4, 32, 0, 1, 0, device,
+                                                            torch.float32, tier=tier, cache_root=cache)
+        assert sorted(unreadable) == [str(late), str(root / "val/bat/truncated.jpg")]
+        assert "truncated" in unreadable[str(late)]
+        drawn = torch.cat([indices.cpu() for indices, _ in train.epoch_boxes(0)]).tolist()
+        assert train_set.samples.index((str(late), 2)) not in drawn and len(drawn) == 34 // 4 * 4
+        assert len(set(drawn)) == len(drawn)
+        assert sum(len(labels) for _, labels in val) == 15
+    assert done.startswith("read 51 decoded by an earlier run" if cache else "decoded 51 images")
 
 
 def unusable(tmp_path, kind):
@@ -222,20 +268,42 @@ def test_check_command_prints_the_report(bad_data, tmp_path):
     assert result.stderr == ""  # not even PIL's warning about the large image: the report names it
 
 
+def recorded_skips(workdir):
+    history = json.loads((workdir / "logs/training_history.json").read_text())
+    return [(item["path"], item["reason"]) for item in history["config"]["data_check"]["skipped"]]
+
+
 @pytest.mark.slow
-def test_training_skips_the_bad_files_and_records_them(bad_data, tmp_path):
-    result = launch(data_args(bad_data) + ["--epochs", "1", "--batch_size", "4", "--image_size", "32",
-                                           "--zero_stage", "0", "--data_on_device", "off", "--num_workers", "0"],
-                    tmp_path)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    warning = next(line for line in result.stdout.splitlines() if "unreadable image(s)" in line)
-    assert warning.startswith("warning: skipping 7 unreadable image(s): ")
-    assert "Traceback" not in result.stderr
-    history = json.loads((tmp_path / "logs/training_history.json").read_text())
-    recorded = history["config"]["data_check"]
-    assert recorded["skipped_count"] == 7
-    assert {item["path"] for item in recorded["skipped"]} == {str(bad_data / name) for name in UNREADABLE}
-    assert history["config"]["train_images"] == recorded["train_images"] == 34
-    assert history["epochs"][0]["val_images"] == recorded["val_images"] == 15
+@pytest.mark.parametrize("tier", ["off", "cache"])
+def test_training_skips_the_bad_files_and_records_them(bad_data, tmp_path, monkeypatch, tier):
+    """The DataLoader tier: the launcher's check decodes every file. The cache tier: the check reads headers,
+    and the decode into the cache finds the JPEG cut short after its header; the same files are skipped
+    either way, and a second run reads them from the cache, decoding nothing."""
+    monkeypatch.setenv("TRAINER_CACHE_DIR", str(tmp_path / "cache"))  # the data check's and the decoded images'
+    args = data_args(bad_data) + ["--epochs", "1", "--batch_size", "4", "--image_size", "32", "--zero_stage", "0",
+                                  "--data_on_device", tier, "--num_workers", "0"]
+    for run_number in (1, 2) if tier == "cache" else (1,):
+        workdir = tmp_path / f"run{run_number}"
+        workdir.mkdir()
+        result = launch(args, workdir)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert "Traceback" not in result.stderr
+        warnings = [line for line in result.stdout.splitlines() if line.startswith("warning: skipping")]
+        if tier == "off":
+            assert len(warnings) == 1 and warnings[0].startswith("warning: skipping 7 unreadable image(s): ")
+        else:
+            assert warnings[0].startswith("warning: skipping 6 unreadable image(s): ")
+            assert warnings[1] == (f"warning: skipping 1 image(s) that do not decode: {bad_data / 'val/bat/truncated.jpg'} "
+                                   f"({dict(recorded_skips(workdir))[str(bad_data / 'val/bat/truncated.jpg')]})")
+            assert len(warnings) == 2
+            assert ("decoded 50 images" if run_number == 1 else "read 50 decoded by an earlier run") in result.stdout
+        history = json.loads((workdir / "logs/training_history.json").read_text())
+        recorded = history["config"]["data_check"]
+        assert recorded["skipped_count"] == 7
+        assert {item["path"] for item in recorded["skipped"]} == {str(bad_data / name) for name in UNREADABLE}
+        assert history["config"]["train_images"] == recorded["train_images"] == 34
+        assert history["epochs"][0]["val_images"] == recorded["val_images"] == 15
     cached = [json.loads(cache_path(bad_data / split).read_text())["files"] for split in ("train", "val")]
     assert sum(map(len, cached)) == 34 + 15 + 7  # every file checked, readable or not, kept for the next run
+    assert all(record["decoded"] == (tier == "off" or record["error"] is not None)
+               for records in cached for record in records.values())

@@ -62,7 +62,7 @@ WEIGHTS_PREPROCESSING = {"mean": [0.5] * 3, "std": [0.5] * 3, "resize_ratio": 23
 @pytest.mark.parametrize("preprocessing", [None, WEIGHTS_PREPROCESSING])
 def test_validation_images_match_the_dataloader_path(tiny_data, preprocessing):
     train_set, val_set = ImageFolder(tiny_data / "train"), ImageFolder(tiny_data / "val")
-    train_loader, val_loader, _ = build_device_loaders(train_set, val_set, 8, 24, 0, 1, 0, CPU, torch.float32,
+    train_loader, val_loader, _, _ = build_device_loaders(train_set, val_set, 8, 24, 0, 1, 0, CPU, torch.float32,
                                                        train_size=40, preprocessing=preprocessing)
     assert train_loader.images.shape[1:] == (3, 40, 40)  # --device_train_size: training squares only
     assert next(train_loader.epoch(0))[0].shape == (8, 3, 24, 24)
@@ -145,7 +145,7 @@ def test_training_with_the_dataset_on_the_device(tiny_data, tmp_path):
     # Each epoch's checkpoint holds the weights it was validated with: scored again on the device path's
     # validation images, they give the logged loss and accuracy.
     train_set, val_set, _ = load_datasets(tiny_data / "train", tiny_data / "val", 32)
-    _, val_loader, _ = build_device_loaders(train_set, val_set, 4, 32, 0, 1, 42, CPU, torch.float32, 40)
+    _, val_loader, _, _ = build_device_loaders(train_set, val_set, 4, 32, 0, 1, 42, CPU, torch.float32, 40)
     for epoch in history["epochs"]:
         states = tmp_path / f"checkpoints_deepspeed/epoch_{epoch['epoch']}/epoch_{epoch['epoch']}"
         model = ResNet18Animals90(num_classes=TINY_CLASSES).eval()

@@ -31,12 +31,12 @@ def entries(cache):
 
 def test_the_cache_holds_the_decoded_pixels_and_a_second_run_decodes_nothing(tiny_data, tmp_path):
     cache, sets = tmp_path / "cache", load_datasets(tiny_data / "train", tiny_data / "val", 24)
-    train, val, done = loaders(tiny_data, cache, sets=sets)
+    train, val, done, _ = loaders(tiny_data, cache, sets=sets)
     assert done.startswith(f"decoded {TINY_TRAIN_IMAGES + TINY_VAL_IMAGES} images in ")
     assert done.endswith(f"(cache: {cache})")
     assert len(entries(cache)) == 2  # the training squares and the validation crops
     paths = [path for path, _ in sets[0].samples]
-    assert torch.equal(train.images, decode_dataset(paths, 40, 40, CPU))  # the device path's own pixels
+    assert torch.equal(train.images, decode_dataset(paths, 40, 40, CPU)[0])  # the device path's own pixels
     uncached = loaders(tiny_data, None)[1]
     assert torch.equal(val.images, uncached.images)
 
@@ -47,7 +47,7 @@ def test_the_cache_holds_the_decoded_pixels_and_a_second_run_decodes_nothing(tin
         f.write(bytes(len(original)))
     os.utime(first, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     try:
-        again, _, done = loaders(tiny_data, cache, sets=sets)
+        again, _, done, _ = loaders(tiny_data, cache, sets=sets)
         assert done.startswith(f"read {TINY_TRAIN_IMAGES + TINY_VAL_IMAGES} decoded by an earlier run from the cache")
         assert torch.equal(again.images, train.images)
     finally:
@@ -60,7 +60,7 @@ def test_the_cache_holds_the_decoded_pixels_and_a_second_run_decodes_nothing(tin
 def test_a_cache_that_cannot_be_written_is_a_warning_and_the_run_decodes(tiny_data, tmp_path, capsys, tier):
     blocked = tmp_path / "a file"
     blocked.write_text("not a folder")
-    train, _, done = loaders(tiny_data, blocked / "cache", tier=tier)
+    train, _, done, _ = loaders(tiny_data, blocked / "cache", tier=tier)
     assert train.host == (tier == "cache") and train.images.device == CPU
     assert done.startswith(f"decoded {TINY_TRAIN_IMAGES + TINY_VAL_IMAGES} images")
     assert capsys.readouterr().err.startswith(f"warning: cannot use the decoded-image cache {blocked / 'cache'}")
@@ -74,7 +74,7 @@ def test_a_changed_file_makes_a_new_entry_and_the_old_one_goes(tiny_data, tmp_pa
     before = entries(cache)
     changed = sorted((data / "train").rglob("*.*"))[3]
     os.utime(changed, ns=(0, os.stat(changed).st_mtime_ns + 1_000_000_000))
-    _, _, done = loaders(data, cache)
+    _, _, done, _ = loaders(data, cache)
     assert done.startswith(f"decoded {TINY_TRAIN_IMAGES} images, read {TINY_VAL_IMAGES} decoded by an earlier run")
     after = entries(cache)
     assert len(after) == 2 and len(set(after) & set(before)) == 1  # the validation entry stays
@@ -93,7 +93,7 @@ def fill(f):
             f.flush()
             os.kill(os.getpid(), signal.SIGKILL)
 
-images, filled = load_or_fill(paths, 4, 4, "cpu", cache, fill)
+images, _, filled = load_or_fill(paths, 4, 4, "cpu", cache, fill)
 print(filled, images[:, 0, 0, 0].tolist())
 """
 
@@ -112,9 +112,12 @@ def test_a_fill_killed_half_way_is_never_used_and_the_next_fill_replaces_it(tmp_
     killed = subprocess.run([sys.executable, str(script), "kill"], capture_output=True, text=True, timeout=60)
     assert killed.returncode == -signal.SIGKILL
     assert entries(tmp_path / "cache") == [] and list((tmp_path / "cache").glob("*.partial"))
-    images, filled = load_or_fill([str(p) for p in paths], 4, 4, "cpu", tmp_path / "cache",
-                                  lambda f: f.write(b"".join(bytes([i]) * 48 for i in range(4))))
-    assert filled and images[:, 0, 0, 0].tolist() == [0, 1, 2, 3]
+    def fill(f):
+        f.write(b"".join(bytes([i]) * 48 for i in range(4)))
+        return {2: "truncated"}
+
+    images, unreadable, filled = load_or_fill([str(p) for p in paths], 4, 4, "cpu", tmp_path / "cache", fill)
+    assert filled and images[:, 0, 0, 0].tolist() == [0, 1, 2, 3] and unreadable == {2: "truncated"}
     assert not list((tmp_path / "cache").glob("*.partial"))
 
 
@@ -135,8 +138,8 @@ def test_runs_filling_one_entry_at_once_fill_it_once(tmp_path):
     not torch.cuda.is_available(), reason="no GPU"))], ids=["cpu", "cuda"])
 def test_batches_from_host_memory_are_the_device_paths_and_resume_mid_epoch(tiny_data, tmp_path, device):
     cache = tmp_path / "cache"
-    resident, resident_val, _ = loaders(tiny_data, cache, device=device)
-    host, host_val, _ = loaders(tiny_data, cache, tier="cache", device=device)
+    resident, resident_val, _, _ = loaders(tiny_data, cache, device=device)
+    host, host_val, _, _ = loaders(tiny_data, cache, tier="cache", device=device)
     assert host.host and not resident.host
     whole = list(host.epoch(2))
     assert len(whole) == host.batches_per_epoch
