@@ -171,7 +171,10 @@ def decoded_or_none(data, device):
 
 def resize_and_crop(image, resize, crop):
     """torchvision's Resize(resize) + CenterCrop(crop) on a uint8 tensor, antialiased."""
-    resized = TF.resize(image.float(), resize, antialias=True)
+    try:
+        resized = TF.resize(image.float(), resize, antialias=True)
+    except RuntimeError:  # CUDA's antialiased resize cannot shrink a 9,500 px side to 36 ("too much shared memory")
+        resized = TF.resize(image.float().cpu(), resize, antialias=True).to(image.device)
     return TF.center_crop(resized, crop).round_().clamp_(0, 255).to(torch.uint8)
 
 
