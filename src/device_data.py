@@ -144,7 +144,10 @@ def decode_chunk(paths, device, records=None):
             headers[i] = checked_header(records[path]) if records and path in records else jpeg_header(data[i])
         except Exception:  # noqa: BLE001 - a file gone since the check, a broken header: PIL says why below
             data[i] = None
-    jpegs = [i for i, header in enumerate(headers) if header is not None and header[0] in ("RGB", "L")]
+    # nvJPEG decodes a JPEG cut short without a word (the rest grey): one that does not end in its EOI marker
+    # goes through PIL, which refuses a truncated file (and takes one with bytes after the marker)
+    jpegs = [i for i, header in enumerate(headers)
+             if header is not None and header[0] in ("RGB", "L") and data[i][-2:].tolist() == [0xFF, 0xD9]]
     if jpegs:
         try:
             decoded = decode_jpeg([data[i] for i in jpegs], mode=ImageReadMode.RGB, device=device)

@@ -1,0 +1,143 @@
+"""Process-group setup and the rank-0 helper every piece of rank-0-only I/O goes through."""
+import functools
+import gc
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def init_distributed():
+    """Join the process group the launcher set up (deepspeed, torchrun), or form a group of one.
+
+    NCCL on Linux GPUs; gloo elsewhere (CPU, Windows), which is what DeepSpeed's CPU accelerator uses.
+    """
+    import deepspeed
+
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        os.environ.setdefault(key, value)
+    use_nccl = torch.cuda.is_available() and os.name != "nt"
+    _skip_shared_memory_op()
+    deepspeed.init_distributed(dist_backend="nccl" if use_nccl else "gloo", verbose=False)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _skip_shared_memory_op():
+    """Keep DeepSpeed from building its CPU shared-memory all-reduce op at init: only its inference all-reduce
+    uses it, yet building it took a CPU machine's first run 25 s, and each run then left one 64 MiB
+    /dev/shm file per rank that nothing removed (memory lost until reboot)."""
+    import importlib
+
+    # Not `import deepspeed.comm.torch as ...`: deepspeed.comm's `torch` attribute is the torch package.
+    deepspeed_comm = importlib.import_module("deepspeed.comm.torch")
+    if not torch.cuda.is_available():  # a rename in DeepSpeed shows in the tests: the /dev/shm files come back
+        deepspeed_comm.build_shm_op = lambda: None
+
+
+def local_device():
+    """This rank's device: its GPU (LOCAL_RANK), or the CPU."""
+    return torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def free_port():
+    """A TCP port free on this machine now, for a rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_on_free_port(start, tries=3):
+    """start(port) -> CompletedProcess of a process that rendezvouses on `port`; started again on another port
+    when another process took the port between free_port() and the bind (EADDRINUSE), as concurrent runs can."""
+    for _ in range(tries):
+        result = start(free_port())
+        if result.returncode == 0 or "EADDRINUSE" not in (result.stdout or "") + (result.stderr or ""):
+            break
+    return result
+
+
+def rank() -> int:
+    return dist.get_rank() if _initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if _initialized() else 1
+
+
+def is_main_process() -> bool:
+    return rank() == 0
+
+
+def rank_zero_only(fn):
+    """Run `fn` on rank 0 only; other ranks get None."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        return fn(*args, **kwargs) if is_main_process() else None
+    return wrapper
+
+
+def _initialized():
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_reduce(values, device, op=dist.ReduceOp.SUM):
+    """Reduce a dict of numbers over all ranks (sum by default)."""
+    if not _initialized():
+        return dict(values)
+    keys = sorted(values)
+    tensor = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=op)
+    return dict(zip(keys, tensor.tolist()))
+
+
+@torch.no_grad()
+def average_buffers(module):
+    """Average floating-point buffers (batch-norm running statistics) over all ranks.
+
+    Each rank updates its statistics from its own shard, and DeepSpeed saves rank 0's; averaging
+    makes every rank validate the same model and the checkpoint hold the statistics validated with.
+    """
+    if not _initialized() or dist.get_world_size() == 1:
+        return
+    for buffer in module.buffers():
+        if buffer.is_floating_point():
+            dist.all_reduce(buffer)
+            buffer /= dist.get_world_size()
+
+
+def barrier():
+    if _initialized():
+        dist.barrier()
+
+
+def from_rank_zero(value):
+    """Rank 0's `value` (pickled: this process's own objects only) on every rank; every rank calls this."""
+    if not _initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def shut_down():
+    """Leave the process group together: a rank that exits while another still works (rank 0 writing a
+    report) can abort in the communication backend's teardown ("terminate called without an active
+    exception", seen with gloo on CPU)."""
+    if _initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def exit_now(status=0):
+    """Leave without the interpreter's teardown, once everything is written and shut_down() has run: there a
+    rank of a finished 2-rank ZeRO-3 run aborted in gloo (SIGABRT after its last line, seen in CI; gloo
+    worker threads releasing tensors as the interpreter goes), which failed the whole run."""
+    gc.collect()  # DataLoader workers of frames already left go down now, not in the exit handlers
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status or 0)

@@ -1,0 +1,50 @@
+"""Per-epoch scalars for DeepSpeed's own monitors (--tensorboard, --csv_monitor).
+
+DeepSpeed itself logs the learning rate of every optimizer step (`Train/Samples/lr`, step = samples
+seen); this adds one `Epoch/<metric>` scalar per epoch (step = epoch number).
+"""
+import csv
+from pathlib import Path
+
+from distributed import rank_zero_only
+
+EPOCH_PREFIX = "Epoch/"
+EPOCH_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "images_per_s", "lr", "peak_gpu_memory_gib")
+
+
+def epoch_events(record):
+    """[(name, value, step)] of one epoch's history record; a metric without a value (GPU memory on CPU)
+    is left out."""
+    return [(EPOCH_PREFIX + key, record[key], record["epoch"])
+            for key in EPOCH_SCALARS if record.get(key) is not None]
+
+
+@rank_zero_only
+def write_epoch_events(engine, record):
+    if engine.monitor.enabled:
+        engine.monitor.write_events(epoch_events(record))
+
+
+@rank_zero_only
+def prepare_csv_files(engine, next_epoch=None):
+    """A fresh run (next_epoch None) removes an earlier run's CSV files, as its history is replaced too.
+    A resumed run keeps the rows up to where the checkpoint stands and appends below them: DeepSpeed's
+    CSV monitor appends to existing files but writes a header row again in every new process."""
+    monitor = getattr(engine.monitor, "csv_monitor", None)
+    if monitor is None or not monitor.log_dir:
+        return
+    epoch_file = EPOCH_PREFIX.replace("/", "_")
+    for path in sorted(Path(monitor.log_dir).glob("*.csv")):
+        if next_epoch is None:
+            path.unlink()
+            continue
+        with open(path, newline="") as f:
+            rows = list(csv.reader(f))
+        if not rows:
+            continue
+        header = rows[0]
+        limit = next_epoch - 1 if path.name.startswith(epoch_file) else engine.global_samples
+        kept = [row for row in rows[1:] if row and row[0] != header[0] and float(row[0]) <= limit]
+        with open(path, "w", newline="") as f:
+            csv.writer(f).writerows([header, *kept])
+        monitor.filenames.append(path.stem)  # DeepSpeed writes the header only for names not in this list
