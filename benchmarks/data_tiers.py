@@ -190,7 +190,7 @@ def main():
         path.write_text(json.dumps({"environment": env, "settings": settings, "commands": commands,
                                     "results": results}, indent=2) + "\n")
 
-    synthetic = {**synthetic_case(args), "run": len(commands) - 1} if SYNTHETIC in chosen else None
+    synthetic = {**synthetic_case(args), "run": len(commands) - 1, "commit": env["commit"]} if SYNTHETIC in chosen else None
     for size in args.sizes:
         folder = args.data / str(size)
         result = results.setdefault(str(size), {})
@@ -208,7 +208,7 @@ def main():
             result[name] = {**(plain_case(folder / "images", train_images, args) if name == PLAIN else
                                trainer_case(folder / "images", train_images, *TRAINER[name], folder / "cache" / "decoded",
                                             args)),
-                            "run": len(commands) - 1}
+                            "run": len(commands) - 1, "commit": env["commit"]}
             print(f"{size} {name}: {json.dumps(result[name])[:400]}", flush=True)
             ratios(result)
             save()

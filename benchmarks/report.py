@@ -155,7 +155,12 @@ def data_tiers(name):
             starts.append([f"{int(size):,}", *[f"{run['phases']['launcher_s']:.1f} s" for run in (first, second)],
                            *[f"{run['phases']['data_s']:.1f} s" for run in (first, second)],
                            *[f"{run['startup_s']:.1f} s" for run in (first, second)]])
-    out = source(result, name) + (
+    # a size measured by another run than the last names its commit (rows from before commits were recorded: none)
+    commits = {size: {run["commit"][:12] for run in runs.values() if isinstance(run, dict) and run.get("commit")}
+               for size, runs in result["results"].items()}
+    other = [f"{int(size):,} images at commit {', '.join(sorted(found))}" for size, found in commits.items()
+             if found and found != {result["environment"]["commit"][:12]}]
+    out = source(result, name) + (f"*{'; '.join(other)}*\n" if other else "") + (
         f"\nresnet18, ZeRO-2 bf16 (the last column ZeRO-0), micro-batch {settings['batch_size']}, "
         f"{settings['image_size']} px crops; images/s of the training loop (the median of the epochs after the "
         f"first) with its ratio to the plain synthetic loop and to the plain DataLoader loop of the same run:\n\n")

@@ -15,6 +15,7 @@ A check that reads headers only (`decode=False`) serves runs whose data the trai
 the GPU, the decoded-image cache): that decode finds the files whose data is broken, so each image is decoded
 once (device_data.decode_split).
 """
+import functools
 import hashlib
 import json
 import os
@@ -91,9 +92,11 @@ def inspect_files(paths, cache, decode=True):
             records[path] = cached
         else:
             todo.append((path, key))
-    with ThreadPoolExecutor(SCAN_THREADS) as pool:
-        for (path, key), record in zip(todo, pool.map(lambda path: inspect_image(path, decode),
-                                                      [path for path, _ in todo])):
+    # Headers are read in this thread: in a pool, handing each file over costs twice what reading its header does,
+    # and threads contend for the GIL that the header's parsing holds.
+    with ThreadPoolExecutor(SCAN_THREADS if decode else 1) as pool:
+        inspect = functools.partial(inspect_image, decode=decode)
+        for (path, key), record in zip(todo, (pool.map if decode else map)(inspect, [path for path, _ in todo])):
             records[path] = {**record, "stat": key}
     return records, len(todo)
 
