@@ -144,12 +144,18 @@ def main(argv=None):
                 data_check.exclude(unreadable)
                 say(f"warning: skipping {len(unreadable)} image(s) that do not decode: "
                     + listed(f"{path} ({why})" for path, why in unreadable.items()))
+                emptied = [name for name in train_set.classes if name not in data_check.classes]
+                if emptied:  # the model was built for them: their outputs are kept, never trained
+                    say(f"warning: no image of {len(emptied)} class(es) decodes: {listed(emptied)}")
         else:
             train_loader, val_loader = build_loaders(train_set, val_set, micro_batch, args.num_workers, rank,
                                                      world_size, args.seed, pin_memory=device_type == "cuda")
             say(f"Data from {args.num_workers} DataLoader worker(s) per rank ({why})")
     clock.lap("data")
     micro_batches = train_loader.batches_per_epoch // accumulation * accumulation
+    if micro_batches == 0:  # images left out by the decode (the config was built on the check's count)
+        raise UsageError(f"{args.train_dir}: {data_check.train.num_images} training images decode: too few for "
+                         f"{world_size} rank(s) x micro-batch {micro_batch} x {accumulation} accumulation step(s)")
     samples_per_micro_batch = micro_batch * world_size  # over all ranks: a position any world size can take up
 
     run_config = {

@@ -224,6 +224,21 @@ def test_the_decode_leaves_out_what_a_check_of_headers_let_through(bad_data, tmp
     assert done.startswith("read 52 decoded by an earlier run" if cache else "decoded 52 images")
 
 
+@pytest.mark.slow
+def test_a_training_set_that_does_not_decode_stops_the_run_with_status_2(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINER_CACHE_DIR", str(tmp_path / "cache"))
+    make_sample_dataset(tmp_path / "data", num_classes=3, train_per_class=2, val_per_class=1, image_size=32, seed=0)
+    for image in (tmp_path / "data/train").rglob("*.jpg"):  # whole headers, data cut short
+        image.write_bytes(image.read_bytes()[:-100])
+    result = launch(data_args(tmp_path / "data") + ["--epochs", "1", "--batch_size", "2", "--image_size", "32",
+                                                    "--data_on_device", "on"], tmp_path)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "warning: no image of 3 class(es) decodes: antelope, badger, bat" in result.stdout
+    assert (f"error: {tmp_path / 'data/train'}: 0 training images decode: too few for 1 rank(s) x micro-batch 2"
+            in result.stderr)
+    assert "Traceback" not in result.stderr
+
+
 def unusable(tmp_path, kind):
     make_sample_dataset(tmp_path, num_classes=2, train_per_class=2, val_per_class=1, image_size=32, seed=0)
     if kind == "missing":
@@ -284,7 +299,7 @@ def test_training_skips_the_bad_files_and_records_them(bad_data, tmp_path, monke
     monkeypatch.setenv("TRAINER_CACHE_DIR", str(tmp_path / "cache"))  # the data check's and the decoded images'
     args = data_args(bad_data) + ["--epochs", "1", "--batch_size", "4", "--image_size", "32", "--zero_stage", "0",
                                   "--data_on_device", tier, "--num_workers", "0"]
-    for run_number in (1, 2) if tier == "cache" else (1,):
+    for run_number in (1, 2) if tier == "cache" else (1,):  # the second reads the cache
         workdir = tmp_path / f"run{run_number}"
         workdir.mkdir()
         result = launch(args, workdir)
