@@ -1,4 +1,5 @@
 """Bad input data: every kind of bad file is skipped or converted and reported, unusable datasets stop with status 2."""
+import argparse
 import json
 import shutil
 import sys
@@ -222,6 +223,21 @@ def test_the_decode_leaves_out_what_a_check_of_headers_let_through(bad_data, tmp
         assert len(set(drawn)) == len(drawn)
         assert sum(len(labels) for _, labels in val) == 15
     assert done.startswith("read 52 decoded by an earlier run" if cache else "decoded 52 images")
+
+
+def test_the_dataloader_tier_decodes_what_a_check_of_headers_left(bad_data, tmp_path, monkeypatch):
+    """--data_on_device auto on a GPU reads headers only; when it ends on the DataLoader tier (the cache off,
+    its disk full) the training script decodes the rest before it starts, and the classes must not change."""
+    import train_deepspeed
+
+    monkeypatch.setenv("TRAINER_CACHE_DIR", str(tmp_path / "cache"))  # not the results other tests kept
+    args = argparse.Namespace(train_dir=bad_data / "train", val_dir=bad_data / "val", image_size=32)
+    headers = load_datasets(args.train_dir, args.val_dir, 32, decode=False)[2]
+    assert not headers.decoded and len(headers.skipped) == 6
+    train_set, _, check = train_deepspeed.recheck(args, None, headers.classes)
+    assert check.decoded and len(check.skipped) == 7 and len(train_set) == 34
+    with pytest.raises(UsageError, match="classes without a readable image once decoded: zebra"):
+        train_deepspeed.recheck(args, None, headers.classes + ["zebra"])
 
 
 @pytest.mark.slow
