@@ -7,9 +7,9 @@ image changes the key, so the whole split is decoded again into a new entry, and
 same folder with the same settings) is deleted. Entries are written into a temporary folder and renamed into
 place once complete: a run killed while filling leaves only the temporary folder, which the next fill of
 that key removes. Files that do not decode are zeros in the file and named in the entry's meta.json, so that
-every run leaves them out without decoding them again. Runs that need the same entry at once take turns on a lock file (fcntl, where there is
-one): the first fills it, the others wait and read it. Elsewhere two runs may both fill it; the first
-rename wins and the other's copy is dropped.
+every run leaves them out without decoding them again. Runs that need the same entry at once take turns on a
+lock file (fcntl, where there is one): the first fills it, the others wait and read it. Elsewhere two runs
+may both fill it; the first rename wins and the other's copy is dropped.
 """
 import contextlib
 import hashlib
