@@ -311,14 +311,14 @@ def recorded_skips(workdir):
 def test_training_skips_the_bad_files_and_records_them(bad_data, tmp_path, monkeypatch, tier):
     """The DataLoader tier: the launcher's check decodes every file. The cache tier: the check reads headers,
     and the decode into the cache finds the JPEG cut short after its header; the same files are skipped
-    either way, and a second run reads them from the cache, decoding nothing."""
+    either way, and a second run on two ranks reads them from the cache, decoding nothing."""
     monkeypatch.setenv("TRAINER_CACHE_DIR", str(tmp_path / "cache"))  # the data check's and the decoded images'
     args = data_args(bad_data) + ["--epochs", "1", "--batch_size", "4", "--image_size", "32", "--zero_stage", "0",
                                   "--data_on_device", tier, "--num_workers", "0"]
-    for run_number in (1, 2) if tier == "cache" else (1,):  # the second reads the cache
+    for run_number in (1, 2) if tier == "cache" else (1,):
         workdir = tmp_path / f"run{run_number}"
         workdir.mkdir()
-        result = launch(args, workdir)
+        result = launch(args + (["--num_gpus", "2"] if run_number == 2 else []), workdir)
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         assert "Traceback" not in result.stderr
         warnings = [line for line in result.stdout.splitlines() if line.startswith("warning: skipping")]
@@ -330,12 +330,16 @@ def test_training_skips_the_bad_files_and_records_them(bad_data, tmp_path, monke
                                    f"({dict(recorded_skips(workdir))[str(bad_data / 'val/bat/truncated.jpg')]})")
             assert len(warnings) == 2
             assert ("decoded 50 images" if run_number == 1 else "read 50 decoded by an earlier run") in result.stdout
+            entries = sorted(path.name for path in (tmp_path / "cache/decoded").iterdir())
+            assert run_number == 1 or entries == filled  # nothing filled again
+            filled = entries
         history = json.loads((workdir / "logs/training_history.json").read_text())
         recorded = history["config"]["data_check"]
         assert recorded["skipped_count"] == 7
         assert {item["path"] for item in recorded["skipped"]} == {str(bad_data / name) for name in UNREADABLE}
         assert history["config"]["train_images"] == recorded["train_images"] == 34
-        assert history["epochs"][0]["val_images"] == recorded["val_images"] == 15
+        assert history["epochs"][0]["val_images"] == recorded["val_images"] == 15  # on two ranks as on one
+        assert history["config"]["world_size"] == (2 if run_number == 2 else 1)
     cached = [json.loads(cache_path(bad_data / split).read_text())["files"] for split in ("train", "val")]
     assert sum(map(len, cached)) == 34 + 15 + 7  # every file checked, readable or not, kept for the next run
     assert all(record["decoded"] == (tier == "off" or record["error"] is not None)

@@ -1,6 +1,5 @@
 """The decoded-image cache (src/image_cache.py): the pixels the device path decodes, read back by later runs
 without decoding, a new entry for changed files, nothing half-written used, one fill for runs at once."""
-import json
 import math
 import os
 import shutil
@@ -11,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, data_args, launch
+from conftest import ROOT, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES
 from data import load_datasets
 from device_data import build_device_loaders, decode_dataset
 from image_cache import load_or_fill
@@ -150,19 +149,3 @@ def test_batches_from_host_memory_are_the_device_paths_and_resume_mid_epoch(tiny
     host_val = list(host_val)
     assert len(host_val) == len(resident_val) == math.ceil(TINY_VAL_IMAGES / 4)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(host_val, resident_val))
-
-
-@pytest.mark.slow
-def test_two_ranks_train_from_a_cache_an_earlier_run_filled_without_decoding(tiny_data, tmp_path):
-    cache = tmp_path / "cache"
-    train_set, val_set, _ = load_datasets(tiny_data / "train", tiny_data / "val", 32)
-    build_device_loaders(train_set, val_set, 4, 32, 0, 1, 0, CPU, torch.float32, cache_root=cache)  # the earlier run
-    filled = entries(cache)
-    result = launch(data_args(tiny_data) + ["--epochs", "1", "--batch_size", "4", "--image_size", "32", "--num_gpus",
-                                            "2", "--data_on_device", "cache", "--cache_dir", str(cache)], tmp_path)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert (f"Data on cpu, batches from host memory (--data_on_device cache): read "
-            f"{TINY_TRAIN_IMAGES + TINY_VAL_IMAGES} decoded by an earlier run from the cache") in result.stdout
-    assert entries(cache) == filled
-    history = json.loads((tmp_path / "logs/training_history.json").read_text())
-    assert history["config"]["data_tier"] == "cache" and history["epochs"][0]["val_images"] == TINY_VAL_IMAGES
