@@ -151,6 +151,8 @@ def decode_chunk(paths, device, records=None):
     if jpegs:
         try:
             decoded = decode_jpeg([data[i] for i in jpegs], mode=ImageReadMode.RGB, device=device)
+        except NOT_THE_FILES:
+            raise
         except RuntimeError:  # a JPEG the decoder rejects: each file alone, so that only that one goes through PIL
             decoded = [decoded_or_none(data[i], device) for i in jpegs]
         for i, image in zip(jpegs, decoded):
@@ -159,15 +161,26 @@ def decode_chunk(paths, device, records=None):
     for i, path in enumerate(paths):
         if images[i] is None:
             try:
-                images[i] = torch.from_numpy(np.array(load_rgb(path))).permute(2, 0, 1).to(device)
+                picture = load_rgb(path)
+            except NOT_THE_FILES:
+                raise
             except Exception as err:  # noqa: BLE001 - as the data check: corrupt data raises OSError, SyntaxError, ...
                 unreadable[i] = error_line(err)
+                continue
+            images[i] = torch.from_numpy(np.array(picture)).permute(2, 0, 1).to(device)
     return images, unreadable
+
+
+# Out of memory is not the file's fault: it stops the run (with advice), never leaves a good image out, which the
+# cache would remember and a rank alone would do (its shuffle then differs from the others').
+NOT_THE_FILES = (torch.OutOfMemoryError, MemoryError)
 
 
 def decoded_or_none(data, device):
     try:
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=device)
+    except NOT_THE_FILES:
+        raise
     except RuntimeError:
         return None
 

@@ -225,6 +225,21 @@ def test_the_decode_leaves_out_what_a_check_of_headers_let_through(bad_data, tmp
     assert done.startswith("read 52 decoded by an earlier run" if cache else "decoded 52 images")
 
 
+@pytest.mark.parametrize("where", ["decode_jpeg", "load_rgb"])
+def test_running_out_of_memory_in_the_decode_stops_it_rather_than_leave_images_out(bad_data, monkeypatch, where):
+    """A good image is never recorded as one that does not decode (the cache would remember it, and a rank
+    alone would shuffle otherwise) because memory ran out."""
+    import device_data
+
+    def out_of_memory(*args, **kwargs):
+        raise (torch.OutOfMemoryError("CUDA out of memory") if where == "decode_jpeg" else MemoryError())
+
+    monkeypatch.setattr(device_data, where, out_of_memory)
+    paths = [str(bad_data / "val/bat/bat_0000.jpg"), str(bad_data / "val/badger/palette.png")]
+    with pytest.raises(torch.OutOfMemoryError if where == "decode_jpeg" else MemoryError):
+        decode_chunk(paths, CPU)
+
+
 def test_the_dataloader_tier_decodes_what_a_check_of_headers_left(bad_data, tmp_path, monkeypatch):
     """--data_on_device auto on a GPU reads headers only; when it ends on the DataLoader tier (the cache off,
     its disk full) the training script decodes the rest before it starts, and the classes must not change."""
