@@ -198,6 +198,8 @@ def main(argv=None):
     check_writable(args.log_dir, "--log_dir")
     import torch
 
+    from image_cache import OFF
+
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     # Pre-flight: an unusable dataset stops here, before any process starts; the training script reads
     # the per-file results back from the cache instead of decoding every image again.
@@ -208,7 +210,8 @@ def main(argv=None):
         print(f"note: {args.train_dir} not found; the config below assumes Animals-90's {ANIMALS90_CLASSES} classes "
               f"and {ANIMALS90_TRAIN_IMAGES} training images", file=sys.stderr)
     else:
-        data_check = check_data(args.train_dir, args.val_dir, decodes_every_file(args.data_on_device, device_type))
+        data_check = check_data(args.train_dir, args.val_dir,
+                                decodes_every_file(args.data_on_device, device_type, args.cache_dir == OFF))
         class_names, num_train_images = data_check.classes, data_check.train.num_images
     num_params = num_parameters(len(class_names))
     if args.model != DEFAULT_MODEL or args.pretrained:  # the training script's checks, before any process starts

@@ -360,12 +360,14 @@ def check_folders(train_dir, val_dir=None, decode=True):
     return check
 
 
-def decodes_every_file(data_on_device, device_type):
+def decodes_every_file(data_on_device, device_type, cache_off):
     """Whether the check must decode every file for a run with --data_on_device `data_on_device` on a
-    `device_type`: not when the trainer decodes the dataset itself (on the device or into the decoded-image
-    cache, which `auto` picks on a GPU unless the cache is off or its disk full: then the training script
-    decodes what the check did not, see DataCheck.decoded)."""
-    return data_on_device == "off" or (data_on_device == "auto" and device_type != "cuda")
+    `device_type`: not when the trainer decodes the dataset itself (on the device, or into the decoded-image
+    cache, which `auto` picks on a GPU for a dataset the GPU cannot hold). With the cache off (`cache_off`,
+    --cache_dir off) `auto` may end on the DataLoader tier, which decodes nothing before it starts, so the
+    check decodes, once, here; should `auto` end there because the cache's disk is full, the training
+    script decodes what the check did not (see DataCheck.decoded)."""
+    return data_on_device == "off" or (data_on_device == "auto" and (device_type != "cuda" or cache_off))
 
 
 def check_data(train_dir, val_dir, decode=True):

@@ -22,7 +22,7 @@ from data import build_loaders, load_datasets  # noqa: E402
 from data_check import decodes_every_file, listed  # noqa: E402
 import deepspeed_overrides  # noqa: E402
 from device_data import build_device_loaders, choose_device_data, train_square_size  # noqa: E402
-from image_cache import cache_root  # noqa: E402
+from image_cache import OFF, cache_root  # noqa: E402
 from distributed import exit_now, init_distributed, local_device, rank_zero_only, shut_down  # noqa: E402
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_with_deepspeed,  # noqa: E402
                        load_base_config, lr_schedule, precision)
@@ -75,7 +75,8 @@ def main(argv=None):
     inputs = preprocessing(args.model, args.pretrained)  # the mean, std and resize its weights were trained with
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size, inputs,
-                                                   decodes_every_file(args.data_on_device, device_type))
+                                                   decodes_every_file(args.data_on_device, device_type,
+                                                                      args.cache_dir == OFF))
     if os.environ.get("RANK", "0") == "0":
         run_folders.take(args)  # before any rank looks for a checkpoint: tidying may rename one
 

@@ -240,9 +240,20 @@ def test_running_out_of_memory_in_the_decode_stops_it_rather_than_leave_images_o
         decode_chunk(paths, CPU)
 
 
+def test_the_check_decodes_every_file_only_where_training_does_not_decode_them():
+    from data_check import decodes_every_file
+
+    # DataLoader workers decode nothing before they start: the check does
+    assert decodes_every_file("off", "cuda", False) and decodes_every_file("auto", "cpu", False)
+    assert decodes_every_file("auto", "cuda", True)  # auto without the cache may end on the DataLoader tier
+    # the data on the GPU or in the cache: the decode is the check
+    assert not any(decodes_every_file(mode, "cuda", False) for mode in ("auto", "on", "cache"))
+    assert not decodes_every_file("on", "cpu", True)
+
+
 def test_the_dataloader_tier_decodes_what_a_check_of_headers_left(bad_data, tmp_path, monkeypatch):
-    """--data_on_device auto on a GPU reads headers only; when it ends on the DataLoader tier (the cache off,
-    its disk full) the training script decodes the rest before it starts, and the classes must not change."""
+    """--data_on_device auto on a GPU reads headers only; when it ends on the DataLoader tier (the cache's disk
+    full) the training script decodes the rest before it starts, and the classes must not change."""
     import train_deepspeed
 
     monkeypatch.setenv("TRAINER_CACHE_DIR", str(tmp_path / "cache"))  # not the results other tests kept
