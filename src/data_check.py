@@ -92,12 +92,14 @@ def inspect_files(paths, cache, decode=True):
             records[path] = cached
         else:
             todo.append((path, key))
-    # Headers are read in this thread: in a pool, handing each file over costs twice what reading its header does,
-    # and threads contend for the GIL that the header's parsing holds.
-    with ThreadPoolExecutor(SCAN_THREADS if decode else 1) as pool:
-        inspect = functools.partial(inspect_image, decode=decode)
-        for (path, key), record in zip(todo, (pool.map if decode else map)(inspect, [path for path, _ in todo])):
-            records[path] = {**record, "stat": key}
+    inspect = functools.partial(inspect_image, decode=decode)
+    if decode:
+        with ThreadPoolExecutor(SCAN_THREADS) as pool:
+            found = list(pool.map(inspect, [path for path, _ in todo]))
+    else:  # in this thread: in a pool, handing each file over costs twice what reading its header does
+        found = [inspect(path) for path, _ in todo]
+    for (path, key), record in zip(todo, found):
+        records[path] = {**record, "stat": key}
     return records, len(todo)
 
 

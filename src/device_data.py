@@ -465,10 +465,8 @@ class DeviceValLoader:
         size = self.micro_batch_size
         batches = (self.positions[start:start + size] for start in range(0, len(self.positions), size))
         if self.host:  # the cache tier: copied over a few batches ahead
-            sources = (self.images, self.labels)
-            parts = (tensors for _, tensors in sent_ahead(batches, lambda batch: gathered_host(sources, batch,
-                                                                                               self.device),
-                                                          self.device))
+            gather = lambda batch: gathered_host((self.images, self.labels), batch, self.device)  # noqa: E731
+            parts = (tensors for _, tensors in sent_ahead(batches, gather, self.device))
         else:
             parts = ((self.images[batch], self.labels[batch]) for batch in batches)
         for images, labels in parts:
