@@ -7,8 +7,9 @@ second run reads it). For each ZeRO stage, in a process of its own, the trainer'
 train_one_epoch over whole epochs of the loader:
 
 - "GPU-resident squares": the device tier, the ceiling of the cache tier;
-- "host squares": the cache tier as the trainer runs it; at ZeRO-2 also with torch's intra-op threads held to
-  4 and 1 (the gather's index_select runs on them), and with batches gathered into pageable memory;
+- "host squares": the cache tier as the trainer runs it; at ZeRO-2 also with the reading thread's gather
+  (index_select) on 1 torch thread and on every core instead of device_data.GATHER_THREADS, and with batches
+  gathered into pageable memory;
 - "reader alone": the cache tier's batches drawn with no training, as fast as the reading thread goes.
 
 images/s is over the timed epochs (after a warm-up epoch); "waiting" is the share of them spent waiting for
@@ -35,12 +36,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import environment, shown  # noqa: E402
 from reproducibility import machine_slug  # noqa: E402
 
-# case -> (where the squares are, torch threads (None: torch's default), host batches: "pinned" each batch,
-# "ring": pinned buffers taken in turn, "pageable")
+# case -> (where the squares are, the reading thread's torch threads (None: the trainer's GATHER_THREADS),
+# host batches "pinned" (the trainer's) or "pageable")
 CASES = {"GPU-resident squares": ("device", None, "pinned"), "host squares": ("host", None, "pinned"),
-         "host squares, 4 torch threads": ("host", 4, "pinned"), "host squares, 1 torch thread": ("host", 1, "pinned"),
-         "host squares, pageable batches": ("host", None, "pageable"),
-         "host squares, pinned buffers reused": ("host", None, "ring"), "reader alone": ("alone", None, "pinned")}
+         "host squares, gather on 1 thread": ("host", 1, "pinned"),
+         "host squares, gather on every core": ("host", os.cpu_count(), "pinned"),
+         "host squares, pageable batches": ("host", None, "pageable"), "reader alone": ("alone", None, "pinned")}
 STAGE_CASES = {0: ["GPU-resident squares", "host squares", "reader alone"], 2: list(CASES)}
 
 
@@ -85,19 +86,6 @@ def timed_gathers(device_data):
     return seconds
 
 
-def reused(empty_host, count=8):
-    """empty_host that hands out `count` buffers of each shape in turn instead of new ones (a probe: nothing
-    waits for the copy out of a buffer before it is filled again, which `count` batches ahead never needs)."""
-    buffers = {}
-
-    def taken(shape, dtype, device):
-        ring = buffers.setdefault((tuple(shape), dtype), [[empty_host(shape, dtype, device) for _ in range(count)], 0])
-        ring[1] = (ring[1] + 1) % count
-        return ring[0][ring[1]]
-
-    return taken
-
-
 def child(args):
     import deepspeed
 
@@ -126,12 +114,12 @@ def child(args):
     dtype = input_dtype(precision(config))
     on_device = (images.to(device), labels.to(device))
     seconds = timed_gathers(device_data)
-    default_threads, empty_host = torch.get_num_threads(), device_data.empty_host
+    gather_threads, empty_host = device_data.GATHER_THREADS, device_data.empty_host
     results = {}
     for name in STAGE_CASES[args.stage]:
         where, threads, memory = CASES[name]
-        torch.set_num_threads(threads or default_threads)
-        device_data.empty_host = {"pinned": empty_host, "ring": reused(empty_host),
+        device_data.GATHER_THREADS = threads or gather_threads
+        device_data.empty_host = {"pinned": empty_host,
                                   "pageable": lambda shape, dtype, _: torch.empty(shape, dtype=dtype)}[memory]
         squares, square_labels = on_device if where == "device" else (images, labels)
         loader = device_data.DeviceTrainLoader(squares, square_labels, args.batch_size, args.image_size, 0, 1, 0,
@@ -157,7 +145,7 @@ def child(args):
         results[name] = {"images_per_s": timed["images"] / timed["time_s"],
                          "waiting": timed["data_wait_s"] / timed["time_s"] if where != "alone" else None,
                          "gather_ms": 1000 * sum(gathers) / len(gathers) if gathers else None,
-                         "torch_threads": torch.get_num_threads(), **timed}
+                         "gather_threads": device_data.GATHER_THREADS, **timed}
         print(f"{name}: {results[name]['images_per_s']:,.0f} images/s", file=sys.stderr, flush=True)
     print("RESULT " + json.dumps(results), flush=True)
 

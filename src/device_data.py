@@ -47,6 +47,9 @@ MODEL_STATE_BYTES_PER_PARAMETER = 16  # fp32 weights, gradients and AdamW's two 
 # this many batches more). ResNet18, ZeRO-2, H100: 5% of the epoch waiting for data (one ahead, before the copies
 # had a stream of their own: 16%).
 HOST_BATCHES_AHEAD = 3
+# torch threads of the thread that gathers host batches: a batch's rows gathered on every core of a 16-core host
+# came slower than on a few, beside the training step and alone (benchmarks/host_batches.py)
+GATHER_THREADS = 4
 
 
 def resize_size(image_size, preprocessing=None):
@@ -405,6 +408,17 @@ def empty_host(shape, dtype, device):
     return torch.empty(shape, dtype=dtype, pin_memory=device.type == "cuda")
 
 
+def start_reader(device, threads):
+    """A reading thread's setup: its gathers on `threads` torch threads, and its CUDA calls (pinned memory
+    included) on this rank's GPU, not on GPU 0.
+
+    torch.set_num_threads sets the calling thread's OpenMP team; threads that have run no parallel op yet
+    start with it too, while the training thread keeps its own."""
+    torch.set_num_threads(threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
 def sent_ahead(items, read, device):
     """(item, read(item)'s tensors on `device`) for each item, read HOST_BATCHES_AHEAD items ahead in a thread.
     On a GPU read() fills pinned memory and the thread copies it on a stream of its own, so the copy overlaps
@@ -432,9 +446,8 @@ def sent_ahead(items, read, device):
                 tensor.record_stream(stream)
         return item, tensors
 
-    # the thread's CUDA calls (pinned memory included) on this rank's GPU, not on GPU 0
-    on_device = {"initializer": torch.cuda.set_device, "initargs": (device,)} if cuda else {}
-    with ThreadPoolExecutor(1, **on_device) as reader:
+    threads = min(GATHER_THREADS, torch.get_num_threads())  # the training thread's count caps it
+    with ThreadPoolExecutor(1, initializer=start_reader, initargs=(device, threads)) as reader:
         pending = collections.deque()
         for item in items:
             pending.append((item, reader.submit(read_and_send, item)))

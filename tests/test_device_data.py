@@ -101,6 +101,20 @@ def test_ranks_share_out_the_epoch_and_the_validation_set():
     assert [len(labels) for labels in epoch_labels] == [20, 20]
 
 
+def test_host_batches_are_gathered_on_a_few_threads_and_training_keeps_its_own(monkeypatch):
+    import device_data
+
+    monkeypatch.setattr(device_data, "GATHER_THREADS", 1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        seen = [counts for _, counts in device_data.sent_ahead(range(6), lambda _: [torch.get_num_threads()],
+                                                               torch.device("cpu"))]
+        assert seen == [[1]] * 6 and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_choice_of_data_path(tmp_path):
     assert choose_device_data("auto", CPU, 100, 10, 224) == ("workers", "auto: the device is a CPU")
     assert choose_device_data("on", CPU, 100, 10, 224)[0] == "device"
