@@ -174,6 +174,23 @@ def data_tiers(name):
     return out
 
 
+def host_batches():
+    name = "host_batches_nvidia_h100_80gb_hbm3.json"
+    result = load(name)
+    settings = result["settings"]
+    rows = []
+    for stage, cases in result["results"].items():
+        ceiling = cases["GPU-resident squares"]["images_per_s"]
+        rows += [[stage, case, f"{run['images_per_s']:,.0f}", f"{run['images_per_s'] / ceiling:.2f}",
+                  "–" if run["waiting"] is None else f"{run['waiting']:.0%}",
+                  "–" if run["gather_ms"] is None else f"{run['gather_ms']:.1f} ms"] for case, run in cases.items()]
+    return source(result, name) + (
+        f"\nresnet18 bf16, micro-batch {settings['batch_size']}, {settings['image_size']} px crops from "
+        f"{settings['images']:,} squares of {settings['square']} px; {settings['epochs']} epochs after a warm-up "
+        f"one:\n\n") + table(["ZeRO", "batches from", "images/s", "x GPU-resident", "waiting for data",
+                              "gather of one batch"], rows)
+
+
 def zero3_settings(name):
     result = load(name)
     rows = ratio_rows(result, lambda r: ", ".join(f"{value:,.0f}" for value in r.get("runs_images_per_s", []) if value))
@@ -329,6 +346,7 @@ TABLES = {
     "fp16-offload": fp16_offload,
     "augmentation": augmentation,
     "data-tiers": lambda: data_tiers("data_tiers_nvidia_h100_80gb_hbm3.json"),
+    "host-batches": host_batches,
     "data-path-accuracy": data_path_accuracy,
     "max-batch": max_batch,
     "capacity-8gib": lambda: capacity("capacity_8gib"),
