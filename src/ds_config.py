@@ -135,7 +135,7 @@ def build_ds_config(args, world_size, num_train_images, base=None, device_type="
     _resolve_zero(config, args, num_params, world_size, resumed_stage)
     _resolve_precision(config, args, device_type, num_params, resumed_precision)
     _resolve_optimizer(config, args, device_type)
-    _resolve_scheduler(config, args, total_steps=args.epochs * steps, warmup_steps=round(args.warmup_epochs * steps))
+    config["scheduler"] = resolve_scheduler(base or {}, args, config["optimizer"]["params"]["lr"], steps)
     _resolve_monitors(config, args)
     # Always written: a config without it would get DeepSpeed's default of 1.0, not --clip_grad's 0.
     config["gradient_clipping"] = _pick(config, "gradient_clipping", args, "clip_grad", missing=args.clip_grad)
@@ -317,16 +317,20 @@ def _resolve_optimizer(config, args, device_type):
         params["torch_adam"] = True
 
 
-def _resolve_scheduler(config, args, total_steps, warmup_steps):
-    """--lr_schedule's scheduler unless the base names one; an explicit --lr_schedule of another type
-    replaces the base's."""
+def resolve_scheduler(base, args, lr, optimizer_steps):
+    """The scheduler section for `optimizer_steps` optimizer steps per epoch and peak learning rate `lr`:
+    --lr_schedule's unless `base` (the user's JSON) names one, an explicit --lr_schedule of another type
+    replacing the base's, every "auto" resolved. Built from `base` each time, so that the training script can
+    size it again on the steps that run (the decode may leave out images the data check counted) while the
+    numbers the JSON gives stay as given."""
     kind, defaults = LR_SCHEDULES[args.lr_schedule]
-    if "lr_schedule" in args.explicit and config.get("scheduler", {}).get("type") != kind:
-        config.pop("scheduler", None)
-    scheduler = config.setdefault("scheduler", {"type": kind, "params": dict(defaults)})
+    scheduler = copy.deepcopy(base.get("scheduler"))
+    if scheduler is None or "lr_schedule" in args.explicit and scheduler.get("type") != kind:
+        scheduler = {"type": kind, "params": dict(defaults)}
     params = scheduler.setdefault("params", {})
-    auto_values = {"total_num_steps": total_steps, "warmup_num_steps": max(1, warmup_steps),
-                   "warmup_min_lr": 0.0, "warmup_max_lr": config["optimizer"]["params"]["lr"]}
+    warmup_steps = round(args.warmup_epochs * optimizer_steps)
+    auto_values = {"total_num_steps": args.epochs * optimizer_steps, "warmup_num_steps": max(1, warmup_steps),
+                   "warmup_min_lr": 0.0, "warmup_max_lr": lr}
     # Without these DeepSpeed would fall back to its own step counts (and WarmupDecayLR to lr 0.001).
     if scheduler.get("type") in ("WarmupCosineLR", "WarmupDecayLR"):
         params.setdefault("total_num_steps", AUTO)
@@ -343,6 +347,7 @@ def _resolve_scheduler(config, args, total_steps, warmup_steps):
     for key, value in auto_values.items():
         if params.get(key) == AUTO:
             params[key] = value
+    return scheduler
 
 
 def _resolve_monitors(config, args):

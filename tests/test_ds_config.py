@@ -5,7 +5,7 @@ import pytest
 
 from conftest import ROOT
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, load_base_config,
-                       lr_schedule, num_parameters, precision, steps_per_epoch, ZERO3_LEAF_BLOCKS)
+                       lr_schedule, num_parameters, precision, resolve_scheduler, steps_per_epoch, ZERO3_LEAF_BLOCKS)
 from failures import UsageError
 from options import add_training_args, parse_args
 
@@ -344,6 +344,26 @@ def test_without_warmup_the_first_step_trains_at_the_peak(schedule):
     assert lrs[:2] == [0.02, 0.02] and lrs[-1] == pytest.approx({"cosine": 0.0002, "linear": 0.0}.get(schedule, 0.02),
                                                                  abs=1e-4)
     assert lrs == sorted(lrs, reverse=True)
+
+
+def test_the_schedule_sized_again_follows_the_steps_that_run_and_keeps_the_jsons_numbers():
+    """The training script sizes the scheduler again once the decode has counted the images that train."""
+    args = make_args("--epochs", "10", "--warmup_epochs", "0.1")
+    config = build_ds_config(args, 1, 1000, base={})  # 62 steps per epoch
+    assert config["scheduler"] == resolve_scheduler({}, args, 0.001, 62)
+    params = config["scheduler"]["params"]
+    assert (params["total_num_steps"], params["warmup_num_steps"], params["warmup_type"]) == (620, 6, "linear")
+    fewer = resolve_scheduler({}, args, 0.001, 61)["params"]
+    assert (fewer["total_num_steps"], fewer["warmup_num_steps"], fewer["warmup_type"]) == (610, 6, "linear")
+    # What the count decides besides the totals follows it too: 4 steps per epoch leave no warmup step.
+    assert resolve_scheduler({}, args, 0.001, 4)["params"] == {
+        "total_num_steps": 40, "warmup_num_steps": 1, "warmup_type": "log", "last_batch_iteration": 0,
+        "warmup_min_ratio": 0.0, "cos_min_ratio": 0.01}
+    base = {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 500, "warmup_num_steps": "auto"}}}
+    assert build_ds_config(args, 1, 1000, base=base)["scheduler"]["params"]["total_num_steps"] == 500
+    assert resolve_scheduler(base, args, 0.02, 61)["params"] == {
+        "total_num_steps": 500, "warmup_num_steps": 6, "warmup_min_lr": 0.0, "warmup_max_lr": 0.02}
+    assert base["scheduler"]["params"]["warmup_num_steps"] == "auto"  # the base is read, never written
 
 
 def test_lr_schedule_flag_and_base_scheduler():
