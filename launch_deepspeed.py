@@ -87,10 +87,12 @@ def default_num_gpus():
     return torch.cuda.device_count() or 1
 
 
-def forwarded_args(args, config_path):
-    """The training script's arguments: the resolved config plus every training flag the user gave."""
-    argv = ["--deepspeed_config", str(config_path)]
-    for name in sorted(args.explicit - LAUNCHER_FLAGS - {"deepspeed_config"}):
+def forwarded_args(args):
+    """The training script's arguments: every training flag the user gave, --deepspeed_config included. The
+    script builds the config again from them: in the one resolved here every number, the LR schedule's step
+    counts from the data check's count of images included, would read as the user's own."""
+    argv = []
+    for name in sorted(args.explicit - LAUNCHER_FLAGS):
         value = getattr(args, name)
         if isinstance(value, bool):
             argv.append(f"--{name}" if value else f"--no-{name}")
@@ -151,7 +153,7 @@ def local_devices(num_gpus):
     return visible[:num_gpus] if visible else list(range(num_gpus))
 
 
-def build_command(args, num_gpus, num_nodes, config_path):
+def build_command(args, num_gpus, num_nodes):
     """The DeepSpeed launcher command (or, on Windows, the training script itself).
 
     On one node this is DeepSpeed's per-node launcher, `deepspeed.launcher.launch`, with the world
@@ -160,12 +162,12 @@ def build_command(args, num_gpus, num_nodes, config_path):
     """
     if os.name == "nt":
         # The deepspeed launcher needs pdsh/NCCL-style multi-process support that Windows lacks.
-        return [sys.executable, str(TRAIN_SCRIPT), *forwarded_args(args, config_path)]
+        return [sys.executable, str(TRAIN_SCRIPT), *forwarded_args(args)]
     if not args.hostfile:
         world_info = base64.urlsafe_b64encode(json.dumps({"localhost": local_devices(num_gpus)}).encode()).decode()
         return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
                 "--master_addr=127.0.0.1", f"--master_port={args.master_port or free_port()}",
-                str(TRAIN_SCRIPT), *forwarded_args(args, config_path)]
+                str(TRAIN_SCRIPT), *forwarded_args(args)]
     command = [sys.executable, "-m", "deepspeed.launcher.runner"]
     if num_gpus is not None:
         command += ["--num_gpus", str(num_gpus)]
@@ -178,7 +180,7 @@ def build_command(args, num_gpus, num_nodes, config_path):
         command += ["--master_addr", args.master_addr]
     if args.master_port:
         command += ["--master_port", str(args.master_port)]
-    return command + [str(TRAIN_SCRIPT), *forwarded_args(args, config_path)]
+    return command + [str(TRAIN_SCRIPT), *forwarded_args(args)]
 
 
 def main(argv=None):
@@ -235,7 +237,7 @@ def main(argv=None):
     if not args.dry_run and args.node_rank in (None, 0):  # later nodes start once the first one holds the lock
         run_folders.check_launch(args, resume_from)
     config_path = Path(args.log_dir) / "ds_config.json"
-    command = build_command(args, num_gpus, num_nodes, config_path)
+    command = build_command(args, num_gpus, num_nodes)
     if args.dry_run:
         print(json.dumps(config, indent=2))
         print(shlex.join(command))

@@ -32,11 +32,21 @@ def test_dry_run_prints_config_and_command_and_spawns_nothing(tiny_data, tmp_pat
     assert command[5] == "--master_addr=127.0.0.1"
     assert command[6].startswith("--master_port=") and 1024 <= int(command[6].split("=")[1]) < 65536
     assert command[7] == str(ROOT / "src/train_deepspeed.py")
-    assert command[8:10] == ["--deepspeed_config", "logs/ds_config.json"]
     for flag in (["--bf16"], ["--offload_param"], ["--zero_stage", "3"], ["--epochs", "3"]):
-        assert " ".join(flag) in " ".join(command[10:])
+        assert " ".join(flag) in " ".join(command[8:])
+    assert "--deepspeed_config" not in command  # the training script resolves the config itself
     assert "--dry_run" not in command and "--num_gpus" not in command[7:]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_training_script_gets_the_users_json_not_the_config_resolved_here():
+    """The config resolved here holds the LR schedule's step counts, from the data check's count of images, as
+    numbers: the training script would take them for the user's own."""
+    from launch_deepspeed import forwarded_args, get_args_parser
+    from options import parse_args
+
+    args = parse_args(get_args_parser, ["--deepspeed_config", "mine.json", "--num_gpus", "2", "--epochs", "3"])
+    assert forwarded_args(args) == ["--deepspeed_config", "mine.json", "--epochs", "3"]
 
 
 def test_a_one_node_run_uses_the_gpus_cuda_visible_devices_names(monkeypatch):
