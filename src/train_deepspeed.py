@@ -25,7 +25,7 @@ from device_data import build_device_loaders, choose_device_data, train_square_s
 from image_cache import OFF, cache_root  # noqa: E402
 from distributed import exit_now, init_distributed, local_device, rank_zero_only, shut_down  # noqa: E402
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_with_deepspeed,  # noqa: E402
-                       load_base_config, lr_schedule, precision)
+                       load_base_config, lr_schedule, precision, resolve_scheduler)
 from failures import UsageError, advise_on_out_of_memory, check_writable  # noqa: E402
 from finetune import BodyLearningRate, parameter_groups  # noqa: E402
 from history import HISTORY_FILE, TrainingHistory, epoch_line  # noqa: E402
@@ -38,7 +38,7 @@ import run_folders  # noqa: E402
 import universal  # noqa: E402
 from reproducibility import restore_rng_state, rng_state, seed_everything  # noqa: E402
 from timing import StartupClock  # noqa: E402
-from training import evaluate, input_dtype, peak_gpu_memory_gib, train_one_epoch  # noqa: E402
+from training import evaluate, input_dtype, peak_gpu_memory_gib, replace_lr_scheduler, train_one_epoch  # noqa: E402
 
 
 def get_args_parser():
@@ -132,8 +132,6 @@ def main(argv=None):
         fine_tuning = args.backbone_lr_scale != 1 or args.freeze_backbone_epochs > 0
         parameters = parameter_groups(model, len(train_set.classes)) if fine_tuning else model.parameters()
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameters, config=ds_config)
-        body_lr = (BodyLearningRate(engine.lr_scheduler, engine.optimizer, args.backbone_lr_scale,
-                                    args.freeze_backbone_epochs) if fine_tuning else None)
         if args.compile:
             engine.compile()
         clock.lap("engine")
@@ -157,6 +155,14 @@ def main(argv=None):
     if micro_batches == 0:  # images left out by the decode (the config was built on the check's count)
         raise UsageError(f"{args.train_dir}: {data_check.train.num_images} training images decode: too few for "
                          f"{world_size} rank(s) x micro-batch {micro_batch} x {accumulation} accumulation step(s)")
+    # The schedule was sized on the check's count, before the decode left out the images it could not read.
+    scheduler = resolve_scheduler(base_config, args, ds_config["optimizer"]["params"]["lr"],
+                                  train_loader.batches_per_epoch // accumulation)
+    if scheduler != ds_config["scheduler"]:
+        ds_config["scheduler"] = scheduler  # the history records the steps that run
+        replace_lr_scheduler(engine, scheduler, ds_config["optimizer"]["params"]["lr"])
+    body_lr = (BodyLearningRate(engine.lr_scheduler, engine.optimizer, args.backbone_lr_scale,
+                                args.freeze_backbone_epochs) if fine_tuning else None)
     samples_per_micro_batch = micro_batch * world_size  # over all ranks: a position any world size can take up
 
     run_config = {

@@ -1,4 +1,5 @@
-"""One training epoch and one evaluation pass over a DeepSpeed engine; metrics are plain dicts."""
+"""One training epoch and one evaluation pass over a DeepSpeed engine; metrics are plain dicts. Also the
+engine's LR scheduler built again for the steps that run."""
 import time
 
 import torch
@@ -165,3 +166,16 @@ def peak_gpu_memory_gib(device):
     peak = torch.cuda.max_memory_allocated(device) / 2**30
     torch.cuda.reset_peak_memory_stats(device)
     return all_reduce({"peak": peak}, device, op=torch.distributed.ReduceOp.MAX)["peak"]
+
+
+def replace_lr_scheduler(engine, section, lr):
+    """Give `engine` the scheduler the config's `section` describes, built as deepspeed.initialize builds its
+    own, before any step. DeepSpeed's schedulers save only their position (state_dict: last_batch_iteration), so
+    a resumed run goes on with these step counts."""
+    from deepspeed.runtime import lr_schedules
+
+    # The scheduler built by deepspeed.initialize has set each group's rate to its start (WarmupCosineLR: 0),
+    # and WarmupCosineLR takes its peak from the groups: they get the optimizer's rate back first.
+    groups = lr_schedules.get_torch_optimizer(engine.optimizer).param_groups
+    lr_schedules.update_lr(groups, [lr] * len(groups))
+    engine.lr_scheduler = getattr(lr_schedules, section["type"])(engine.optimizer, **section["params"])

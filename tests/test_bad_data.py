@@ -336,11 +336,16 @@ def recorded_skips(workdir):
 @pytest.mark.parametrize("tier", ["off", "cache"])
 def test_training_skips_the_bad_files_and_records_them(bad_data, tmp_path, monkeypatch, tier):
     """The DataLoader tier: the launcher's check decodes every file. The cache tier: the check reads headers,
-    and the decode into the cache finds the JPEG cut short after its header; the same files are skipped
-    either way, and a second run on two ranks reads them from the cache, decoding nothing."""
+    and the decode into the cache finds the JPEGs cut short after their header; the same files are skipped
+    either way, and a second run on two ranks reads them from the cache, decoding nothing. The LR schedule
+    is sized on the images that train, not on the check's count: 34 of the 35 headers decode, 6 steps of 5."""
     monkeypatch.setenv("TRAINER_CACHE_DIR", str(tmp_path / "cache"))  # the data check's and the decoded images'
-    args = data_args(bad_data) + ["--epochs", "1", "--batch_size", "4", "--image_size", "32", "--zero_stage", "0",
-                                  "--data_on_device", tier, "--num_workers", "0"]
+    root = tmp_path / "data"
+    shutil.copytree(bad_data, root, symlinks=True)
+    (root / "train/bat/cut_after_header.jpg").write_bytes((root / "val/bat/truncated.jpg").read_bytes())
+    unreadable = {**UNREADABLE, "train/bat/cut_after_header.jpg": "truncated"}
+    args = data_args(root) + ["--epochs", "1", "--batch_size", "5", "--image_size", "32", "--zero_stage", "0",
+                              "--data_on_device", tier, "--num_workers", "0", "--warmup_epochs", "0"]
     for run_number in (1, 2) if tier == "cache" else (1,):
         workdir = tmp_path / f"run{run_number}"
         workdir.mkdir()
@@ -349,24 +354,33 @@ def test_training_skips_the_bad_files_and_records_them(bad_data, tmp_path, monke
         assert "Traceback" not in result.stderr
         warnings = [line for line in result.stdout.splitlines() if line.startswith("warning: skipping")]
         if tier == "off":
-            assert len(warnings) == 1 and warnings[0].startswith("warning: skipping 7 unreadable image(s): ")
+            assert len(warnings) == 1 and warnings[0].startswith("warning: skipping 8 unreadable image(s): ")
         else:
             assert warnings[0].startswith("warning: skipping 6 unreadable image(s): ")
-            assert warnings[1] == (f"warning: skipping 1 image(s) that do not decode: {bad_data / 'val/bat/truncated.jpg'} "
-                                   f"({dict(recorded_skips(workdir))[str(bad_data / 'val/bat/truncated.jpg')]})")
+            skips = dict(recorded_skips(workdir))
+            assert warnings[1] == ("warning: skipping 2 image(s) that do not decode: " + ", ".join(
+                f"{path} ({skips[path]})" for path in (str(root / "train/bat/cut_after_header.jpg"),
+                                                       str(root / "val/bat/truncated.jpg"))))
             assert len(warnings) == 2
-            assert ("decoded 50 images" if run_number == 1 else "read 50 decoded by an earlier run") in result.stdout
+            assert ("decoded 51 images" if run_number == 1 else "read 51 decoded by an earlier run") in result.stdout
             entries = sorted(path.name for path in (tmp_path / "cache/decoded").iterdir())
             assert run_number == 1 or entries == filled  # nothing filled again
             filled = entries
         history = json.loads((workdir / "logs/training_history.json").read_text())
         recorded = history["config"]["data_check"]
-        assert recorded["skipped_count"] == 7
-        assert {item["path"] for item in recorded["skipped"]} == {str(bad_data / name) for name in UNREADABLE}
+        assert recorded["skipped_count"] == 8
+        assert {item["path"] for item in recorded["skipped"]} == {str(root / name) for name in unreadable}
         assert history["config"]["train_images"] == recorded["train_images"] == 34
         assert history["epochs"][0]["val_images"] == recorded["val_images"] == 15  # on two ranks as on one
-        assert history["config"]["world_size"] == (2 if run_number == 2 else 1)
-    cached = [json.loads(cache_path(bad_data / split).read_text())["files"] for split in ("train", "val")]
-    assert sum(map(len, cached)) == 34 + 15 + 7  # every file checked, readable or not, kept for the next run
+        world_size = history["config"]["world_size"]
+        assert world_size == (2 if run_number == 2 else 1)
+        # the optimizer steps that ran: 34 images // 5 a micro-batch on 1 rank (6), // 2 ranks // 5 (3)
+        steps = 34 // world_size // 5
+        scheduler = history["config"]["deepspeed"]["scheduler"]["params"]
+        assert scheduler["total_num_steps"] == 1 * steps
+        # and the engine's scheduler is that one: the cosine ends (1% of the peak) on the last step that ran
+        assert history["epochs"][-1]["lr"] == pytest.approx(0.01 * history["config"]["training"]["learning_rate"])
+    cached = [json.loads(cache_path(root / split).read_text())["files"] for split in ("train", "val")]
+    assert sum(map(len, cached)) == 34 + 15 + 8  # every file checked, readable or not, kept for the next run
     assert all(record["decoded"] == (tier == "off" or record["error"] is not None)
                for records in cached for record in records.values())

@@ -366,6 +366,33 @@ def test_the_schedule_sized_again_follows_the_steps_that_run_and_keeps_the_jsons
     assert base["scheduler"]["params"]["warmup_num_steps"] == "auto"  # the base is read, never written
 
 
+def test_a_scheduler_built_again_runs_the_schedule_a_first_build_would():
+    """deepspeed.initialize's scheduler has set the rate to its start (0) by the time the decode has counted the
+    images; the one built again for the steps that run must still take --learning_rate as its peak."""
+    import types
+
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    from training import replace_lr_scheduler
+
+    args = make_args("--learning_rate", "0.02", "--epochs", "2")
+    config = build_ds_config(args, 1, 160, base={})  # 10 steps per epoch, by the data check's count
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.02)
+    engine = types.SimpleNamespace(optimizer=optimizer, lr_scheduler=lr_schedules.WarmupCosineLR(
+        optimizer, **config["scheduler"]["params"]))
+    assert optimizer.param_groups[0]["lr"] == 0.0
+    section = resolve_scheduler({}, args, 0.02, 9)  # 9 once the decode has left images out
+    replace_lr_scheduler(engine, section, 0.02)
+    lrs = []
+    for _ in range(18):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        engine.lr_scheduler.step()
+    assert engine.lr_scheduler.total_num_steps == 18
+    assert lrs == scheduled_lrs({"optimizer": config["optimizer"], "scheduler": section}, 18)
+    assert max(lrs) > 0.019 and optimizer.param_groups[0]["lr"] == pytest.approx(0.02 * 0.01)  # peak, then 1% of it
+
+
 def test_lr_schedule_flag_and_base_scheduler():
     constant = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}
     config = build(base=constant)
