@@ -23,7 +23,7 @@ from data_check import decodes_every_file, listed  # noqa: E402
 import deepspeed_overrides  # noqa: E402
 from device_data import build_device_loaders, choose_device_data, train_square_size  # noqa: E402
 from image_cache import OFF, cache_root  # noqa: E402
-from distributed import exit_now, init_distributed, local_device, rank_zero_only, shut_down  # noqa: E402
+from distributed import barrier, exit_now, init_distributed, local_device, rank_zero_only, shut_down  # noqa: E402
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_with_deepspeed,  # noqa: E402
                        load_base_config, lr_schedule, precision, resolve_scheduler)
 from failures import UsageError, advise_on_out_of_memory, check_writable  # noqa: E402
@@ -55,8 +55,15 @@ def say(message):
 
 def recheck(args, inputs, classes):
     """load_datasets with every file decoded, for the DataLoader tier; the classes must be those the model
-    was built for."""
-    train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size, inputs, True)
+    was built for. Each node's first rank decodes and keeps the results in the check's cache, which the
+    node's other ranks then read: one decode per node, not one per rank at once."""
+    first = os.environ.get("LOCAL_RANK", "0") == "0"
+    if first:
+        train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size, inputs, True)
+        data_check.save_cache()
+    barrier()
+    if not first:
+        train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size, inputs, True)
     if train_set.classes != classes:
         raise UsageError(f"{args.train_dir}: classes without a readable image once decoded: "
                          f"{listed(sorted(set(classes) - set(train_set.classes)))} (see prepare_data.py --check)")

@@ -262,6 +262,11 @@ def test_the_dataloader_tier_decodes_what_a_check_of_headers_left(bad_data, tmp_
     assert not headers.decoded and len(headers.skipped) == 6
     train_set, _, check = train_deepspeed.recheck(args, None, headers.classes)
     assert check.decoded and len(check.skipped) == 7 and len(train_set) == 34
+    # the node's other ranks read what its first rank decoded
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr("data_check.inspect_image", lambda *_: pytest.fail("a second rank decoded an image"))
+    train_set, _, check = train_deepspeed.recheck(args, None, headers.classes)
+    assert check.decoded and len(check.skipped) == 7 and len(train_set) == 34
     with pytest.raises(UsageError, match="classes without a readable image once decoded: zebra"):
         train_deepspeed.recheck(args, None, headers.classes + ["zebra"])
 
