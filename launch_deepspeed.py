@@ -34,6 +34,7 @@ from options import DEFAULT_MODEL, add_training_args, parse_args, run_cli  # noq
 from timing import LAUNCHED_AT_ENV, SPAWNED_AT_ENV  # noqa: E402
 
 TRAIN_SCRIPT = ROOT / "src" / "train_deepspeed.py"
+GIVEN_CONFIG = "ds_config_given.json"  # in --log_dir: the user's --deepspeed_config as read here, for the ranks
 LAUNCHER_FLAGS = {"num_gpus", "num_nodes", "hostfile", "master_addr", "master_port", "launcher", "node_rank",
                   "dry_run"}
 # What a --dry_run without the dataset assumes: Animals-90, the default job.
@@ -87,12 +88,13 @@ def default_num_gpus():
     return torch.cuda.device_count() or 1
 
 
-def forwarded_args(args):
-    """The training script's arguments: every training flag the user gave, --deepspeed_config included. The
-    script builds the config again from them: in the one resolved here every number, the LR schedule's step
-    counts from the data check's count of images included, would read as the user's own."""
-    argv = []
-    for name in sorted(args.explicit - LAUNCHER_FLAGS):
+def forwarded_args(args, given_path=None):
+    """The training script's arguments: every training flag the user gave, and the user's JSON as read here
+    (written to `given_path`), from which the script builds the config again. Not the config resolved here:
+    there every number, the LR schedule's step counts from the data check's count of images included, would
+    read as the user's own; nor the user's file, which may have changed since."""
+    argv = ["--deepspeed_config", str(given_path)] if given_path else []
+    for name in sorted(args.explicit - LAUNCHER_FLAGS - {"deepspeed_config"}):
         value = getattr(args, name)
         if isinstance(value, bool):
             argv.append(f"--{name}" if value else f"--no-{name}")
@@ -153,7 +155,7 @@ def local_devices(num_gpus):
     return visible[:num_gpus] if visible else list(range(num_gpus))
 
 
-def build_command(args, num_gpus, num_nodes):
+def build_command(args, num_gpus, num_nodes, given_path=None):
     """The DeepSpeed launcher command (or, on Windows, the training script itself).
 
     On one node this is DeepSpeed's per-node launcher, `deepspeed.launcher.launch`, with the world
@@ -162,12 +164,12 @@ def build_command(args, num_gpus, num_nodes):
     """
     if os.name == "nt":
         # The deepspeed launcher needs pdsh/NCCL-style multi-process support that Windows lacks.
-        return [sys.executable, str(TRAIN_SCRIPT), *forwarded_args(args)]
+        return [sys.executable, str(TRAIN_SCRIPT), *forwarded_args(args, given_path)]
     if not args.hostfile:
         world_info = base64.urlsafe_b64encode(json.dumps({"localhost": local_devices(num_gpus)}).encode()).decode()
         return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
                 "--master_addr=127.0.0.1", f"--master_port={args.master_port or free_port()}",
-                str(TRAIN_SCRIPT), *forwarded_args(args)]
+                str(TRAIN_SCRIPT), *forwarded_args(args, given_path)]
     command = [sys.executable, "-m", "deepspeed.launcher.runner"]
     if num_gpus is not None:
         command += ["--num_gpus", str(num_gpus)]
@@ -180,7 +182,7 @@ def build_command(args, num_gpus, num_nodes):
         command += ["--master_addr", args.master_addr]
     if args.master_port:
         command += ["--master_port", str(args.master_port)]
-    return command + [str(TRAIN_SCRIPT), *forwarded_args(args)]
+    return command + [str(TRAIN_SCRIPT), *forwarded_args(args, given_path)]
 
 
 def main(argv=None):
@@ -224,7 +226,8 @@ def main(argv=None):
         if args.pretrained:  # downloads torchvision's weights once, here, rather than in every rank
             pretrained_state(shapes, args.model, args.pretrained, len(class_names), mmap=True)
     resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
-    config = build_ds_config(args, world_size, num_train_images, base=load_base_config(args.deepspeed_config),
+    base = load_base_config(args.deepspeed_config)
+    config = build_ds_config(args, world_size, num_train_images, base=base,
                              device_type=device_type, num_params=num_params,
                              resumed_stage=saved_stage(resume_from), resumed_precision=saved_precision(resume_from))
     check_device_support(config, device_type)
@@ -237,7 +240,8 @@ def main(argv=None):
     if not args.dry_run and args.node_rank in (None, 0):  # later nodes start once the first one holds the lock
         run_folders.check_launch(args, resume_from)
     config_path = Path(args.log_dir) / "ds_config.json"
-    command = build_command(args, num_gpus, num_nodes)
+    given_path = Path(args.log_dir) / GIVEN_CONFIG if args.deepspeed_config else None
+    command = build_command(args, num_gpus, num_nodes, given_path)
     if args.dry_run:
         print(json.dumps(config, indent=2))
         print(shlex.join(command))
@@ -245,6 +249,8 @@ def main(argv=None):
     data_check.save_cache()
     with stop_on_write_error("DeepSpeed config", "--log_dir"):
         write_json_atomic(config_path, config)  # each node's launcher may write it into one shared folder
+        if given_path:
+            write_json_atomic(given_path, base)
     print(f"DeepSpeed config written to {config_path}\n$ {shlex.join(command)}", flush=True)
     return run_and_forward_signals(command)
 

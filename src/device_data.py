@@ -412,8 +412,9 @@ def start_reader(device, threads):
     """A reading thread's setup: its gathers on `threads` torch threads, and its CUDA calls (pinned memory
     included) on this rank's GPU, not on GPU 0.
 
-    torch.set_num_threads sets the calling thread's OpenMP team; threads that have run no parallel op yet
-    start with it too, while the training thread keeps its own."""
+    torch.set_num_threads sets the calling thread's OpenMP team and the count that threads take at their first
+    parallel op, which sent_ahead sets back once the reader has its own."""
+    torch.get_num_threads()  # ATen's per-thread lazy init, now: done later it would take the process-wide count
     torch.set_num_threads(threads)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -446,8 +447,13 @@ def sent_ahead(items, read, device):
                 tensor.record_stream(stream)
         return item, tensors
 
-    threads = min(GATHER_THREADS, torch.get_num_threads())  # the training thread's count caps it
+    own = torch.get_num_threads()
+    threads = min(GATHER_THREADS, own)  # the training thread's count caps it
     with ThreadPoolExecutor(1, initializer=start_reader, initargs=(device, threads)) as reader:
+        # torch.set_num_threads also sets the count every thread starts with: once the reader has its own,
+        # set it back to this thread's, so that threads started later (autograd's, the checkpoint writer) keep it
+        reader.submit(int).result()
+        torch.set_num_threads(own)
         pending = collections.deque()
         for item in items:
             pending.append((item, reader.submit(read_and_send, item)))

@@ -1,4 +1,5 @@
 """Process-group setup and the rank-0 helper every piece of rank-0-only I/O goes through."""
+import datetime
 import functools
 import gc
 import os
@@ -113,6 +114,26 @@ def average_buffers(module):
 def barrier():
     if _initialized():
         dist.barrier()
+
+
+# How long a rank waits for another's long piece of work (a node's decode of the whole dataset): the default
+# group's collectives give up after DeepSpeed's timeout (10 minutes, DEEPSPEED_TIMEOUT).
+PATIENT_TIMEOUT = datetime.timedelta(days=1)
+
+
+def patient_group(timeout=PATIENT_TIMEOUT):
+    """A gloo group of every rank whose collectives wait `timeout`; None without a process group. Every rank
+    calls this (creating a group is collective), before the work it is to wait for."""
+    return dist.new_group(backend="gloo", timeout=timeout) if _initialized() else None
+
+
+def any_rank(flag, group=None):
+    """Whether `flag` is true on any rank (on `group`, e.g. a patient_group); every rank calls this."""
+    if not _initialized():
+        return bool(flag)
+    tensor = torch.tensor([int(bool(flag))])
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+    return bool(tensor.item())
 
 
 def from_rank_zero(value):

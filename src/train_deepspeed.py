@@ -23,7 +23,8 @@ from data_check import decodes_every_file, listed  # noqa: E402
 import deepspeed_overrides  # noqa: E402
 from device_data import build_device_loaders, choose_device_data, train_square_size  # noqa: E402
 from image_cache import OFF, cache_root  # noqa: E402
-from distributed import barrier, exit_now, init_distributed, local_device, rank_zero_only, shut_down  # noqa: E402
+from distributed import (any_rank, exit_now, init_distributed, local_device, patient_group,  # noqa: E402
+                         rank_zero_only, shut_down)
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_with_deepspeed,  # noqa: E402
                        load_base_config, lr_schedule, precision, resolve_scheduler)
 from failures import UsageError, advise_on_out_of_memory, check_writable  # noqa: E402
@@ -58,10 +59,19 @@ def recheck(args, inputs, classes):
     was built for. Each node's first rank decodes and keeps the results in the check's cache, which the
     node's other ranks then read: one decode per node, not one per rank at once."""
     first = os.environ.get("LOCAL_RANK", "0") == "0"
+    waiting = patient_group()  # the decode may outlast the default group's timeout
+    error = None
     if first:
-        train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size, inputs, True)
-        data_check.save_cache()
-    barrier()
+        try:
+            train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size, inputs,
+                                                           True)
+            data_check.save_cache()
+        except Exception as err:  # noqa: BLE001 - raised below, once the other ranks know
+            error = err
+    if any_rank(error is not None, waiting):
+        if error is not None:
+            raise error
+        raise UsageError("a node's first rank could not decode the dataset (its error is in its output)")
     if not first:
         train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size, inputs, True)
     if train_set.classes != classes:

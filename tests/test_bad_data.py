@@ -271,6 +271,72 @@ def test_the_dataloader_tier_decodes_what_a_check_of_headers_left(bad_data, tmp_
         train_deepspeed.recheck(args, None, headers.classes + ["zebra"])
 
 
+RECHECK_TIMEOUT_S = 2  # stands in for the process group's timeout (DeepSpeed's: 10 minutes)
+DECODE_S = 5  # stands in for a node's decode of a large dataset, longer than that
+
+
+def recheck_rank(rank, port, data_root, cache_dir, queue, fail):
+    """recheck on rank `rank` of 2 (one node), rank 0 decoding for DECODE_S; puts (rank, training images or
+    the last line of its error)."""
+    import datetime
+    import os
+    import time
+    import traceback
+
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                          LOCAL_RANK=str(rank), TRAINER_CACHE_DIR=cache_dir)
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=2,
+                                             timeout=datetime.timedelta(seconds=RECHECK_TIMEOUT_S))
+        import train_deepspeed
+
+        if rank == 0:
+            def slow_load(*args, **kwargs):
+                time.sleep(DECODE_S)
+                if fail:
+                    raise UsageError("no readable image")
+                return load_datasets(*args, **kwargs)
+
+            train_deepspeed.load_datasets = slow_load
+        args = argparse.Namespace(train_dir=f"{data_root}/train", val_dir=f"{data_root}/val", image_size=32)
+        headers = load_datasets(args.train_dir, args.val_dir, 32, decode=False)[2]
+        queue.put((rank, len(train_deepspeed.recheck(args, None, headers.classes)[0])))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        queue.put((rank, traceback.format_exc().strip().splitlines()[-1]))
+    finally:
+        queue.close()
+        queue.join_thread()
+        os._exit(0)  # no teardown barrier: the peer may be gone
+
+
+def recheck_on_two_ranks(folder, fail=False):
+    import multiprocessing
+
+    from distributed import free_port
+
+    context = multiprocessing.get_context("spawn")
+    queue, port = context.Queue(), free_port()
+    ranks = [context.Process(target=recheck_rank, args=(rank, port, str(folder / "data"), str(folder / "cache"),
+                                                        queue, fail)) for rank in range(2)]
+    for process in ranks:
+        process.start()
+    results = dict(queue.get(timeout=120) for _ in ranks)
+    for process in ranks:
+        process.join(30)
+    return results
+
+
+@pytest.mark.slow
+def test_a_nodes_other_ranks_wait_for_its_decode_past_the_process_groups_timeout(tmp_path):
+    """The DataLoader tier after a header-only check: the node's first rank decodes (for longer than the
+    default group's timeout, as a large dataset can), the others wait for it; should it fail, they stop too."""
+    make_sample_dataset(tmp_path / "data", num_classes=2, train_per_class=4, val_per_class=2, image_size=32, seed=0)
+    assert recheck_on_two_ranks(tmp_path) == {0: 8, 1: 8}
+    failed = recheck_on_two_ranks(tmp_path, fail=True)
+    assert failed[0] == "failures.UsageError: no readable image"
+    assert failed[1].startswith("failures.UsageError: a node's first rank could not decode the dataset")
+
+
 @pytest.mark.slow
 def test_a_training_set_that_does_not_decode_stops_the_run_with_status_2(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINER_CACHE_DIR", str(tmp_path / "cache"))

@@ -1,6 +1,7 @@
 """The dataset kept on the device: crops, flips, validation images, resumable epochs, the choice of path."""
 import json
 import math
+import threading
 
 import pytest
 import torch
@@ -111,6 +112,11 @@ def test_host_batches_are_gathered_on_a_few_threads_and_training_keeps_its_own(m
         seen = [counts for _, counts in device_data.sent_ahead(range(6), lambda _: [torch.get_num_threads()],
                                                                torch.device("cpu"))]
         assert seen == [[1]] * 6 and torch.get_num_threads() == 3
+        later = []  # threads started after it (autograd's, the checkpoint writer) take the training thread's count
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert later == [3]
     finally:
         torch.set_num_threads(threads)
 
