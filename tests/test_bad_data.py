@@ -272,7 +272,7 @@ def test_the_dataloader_tier_decodes_what_a_check_of_headers_left(bad_data, tmp_
 
 
 RECHECK_TIMEOUT_S = 2  # stands in for the process group's timeout (DeepSpeed's: 10 minutes)
-DECODE_S = 5  # stands in for a node's decode of a large dataset, longer than that
+DECODE_S = 3.5  # stands in for a node's decode of a large dataset, longer than that
 
 
 def recheck_rank(rank, port, data_root, cache_dir, queue, fail):
@@ -292,9 +292,9 @@ def recheck_rank(rank, port, data_root, cache_dir, queue, fail):
 
         if rank == 0:
             def slow_load(*args, **kwargs):
-                time.sleep(DECODE_S)
                 if fail:
                     raise UsageError("no readable image")
+                time.sleep(DECODE_S)
                 return load_datasets(*args, **kwargs)
 
             train_deepspeed.load_datasets = slow_load

@@ -190,6 +190,10 @@ def test_reference_zero2_config_fp16_is_refused_on_cpu_then_trains_in_bf16(tiny_
     zero = history["config"]["deepspeed"]["zero_optimization"]
     assert zero["stage"] == 2 and zero["offload_optimizer"]["device"] == "cpu" and zero["overlap_comm"]
     assert history["config"]["precision"] == "bf16" and len(history["epochs"]) == 1
+    # the ranks read the JSON as the launcher read it, so a file edited after the launch changes nothing
+    assert json.loads((tmp_path / "logs/ds_config_given.json").read_text()) == json.loads(
+        (ROOT / "ds_config_zero2.json").read_text())
+    assert "ds_config_given.json" in result.stdout
 
 
 def test_a_failed_run_leaves_earlier_outputs_intact(trained, tiny_data, tmp_path):
