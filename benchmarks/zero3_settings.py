@@ -1,4 +1,5 @@
-"""ZeRO-3's settings, one at a time, against the plain PyTorch loop of the same model in the same run.
+"""ZeRO-3's settings, and ZeRO-1/2's gradient hooks, one at a time, against the plain PyTorch loop of the same
+model in the same run.
 
 ZeRO-3 gathers and releases parameters in Python hooks around every module, and how much work that is
 depends on settings DeepSpeed leaves to the user: which modules are gathered as one unit (leaf modules,
@@ -11,6 +12,8 @@ in a process of its own (throughput.py's trainer case), the plain loop in anothe
 
     python benchmarks/zero3_settings.py                                   # resnet18, micro-batch 256
     python benchmarks/zero3_settings.py --model vit_l_16 --batch_size 32 --steps 20 --warmup_steps 5
+    python benchmarks/zero3_settings.py --variants zero2 "zero2 contiguous_gradients off" zero1 \
+        "zero1 contiguous_gradients off" --repeat 2 --output_dir /tmp/zero12    # ZeRO-1/2 only
 
 Prints a table last; writes benchmarks/results/zero3_settings_<model>_<gpu>.json.
 """
@@ -41,6 +44,12 @@ def variants(model):
     zero3 = ["--zero_stage", "3", "--bf16"]
     return {
         "zero2": (["--zero_stage", "2", "--bf16"], {}),
+        # ZeRO-1/2 handle each gradient in a Python hook (a copy into the reduce bucket): with neither contiguous
+        # gradients nor gradient partitioning (ZeRO-1) there are no hooks, the reduction runs after the backward
+        "zero2 contiguous_gradients off": (["--zero_stage", "2", "--bf16"], {"contiguous_gradients": False}),
+        "zero2 overlap_comm on": (["--zero_stage", "2", "--bf16"], {"overlap_comm": True}),
+        "zero1": (["--zero_stage", "1", "--bf16"], {}),
+        "zero1 contiguous_gradients off": (["--zero_stage", "1", "--bf16"], {"contiguous_gradients": False}),
         "zero3 (trainer: blocks as leaf modules)": (zero3, {}),
         "zero3 DeepSpeed's defaults": (zero3, {**NO_LEAVES, "stage3_module_granularity_threshold": 0}),
         "zero3 granularity 200k, no leaf modules": (zero3, {**NO_LEAVES, "stage3_module_granularity_threshold": 200_000}),
