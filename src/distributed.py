@@ -96,6 +96,13 @@ def all_reduce(values, device, op=dist.ReduceOp.SUM):
     return dict(zip(keys, tensor.tolist()))
 
 
+def differing(values, device):
+    """{key: (lowest, highest)} of the numbers of the dict `values` that are not the same on every rank; every
+    rank calls this."""
+    low, high = (all_reduce(values, device, op) for op in (dist.ReduceOp.MIN, dist.ReduceOp.MAX))
+    return {key: (low[key], high[key]) for key in sorted(values) if low[key] != high[key]}
+
+
 @torch.no_grad()
 def average_buffers(module):
     """Average floating-point buffers (batch-norm running statistics) over all ranks.

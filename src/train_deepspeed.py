@@ -23,7 +23,7 @@ from data_check import decodes_every_file, listed  # noqa: E402
 import deepspeed_overrides  # noqa: E402
 from device_data import build_device_loaders, choose_device_data, train_square_size  # noqa: E402
 from image_cache import OFF, cache_root  # noqa: E402
-from distributed import (any_rank, exit_now, init_distributed, local_device, patient_group,  # noqa: E402
+from distributed import (any_rank, differing, exit_now, init_distributed, local_device, patient_group,  # noqa: E402
                          rank_zero_only, shut_down)
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_with_deepspeed,  # noqa: E402
                        load_base_config, lr_schedule, precision, resolve_scheduler)
@@ -168,6 +168,14 @@ def main(argv=None):
                                                      world_size, args.seed, pin_memory=device_type == "cuda")
             say(f"Data from {args.num_workers} DataLoader worker(s) per rank ({why})")
     clock.lap("data")
+    # Ranks with other images (nodes whose copies of the folder differ) would run epochs of other lengths and
+    # wait for each other in a collective for good.
+    counts = differing({"training images": data_check.train.num_images, "validation images": data_check.val.num_images},
+                       device)
+    if counts:
+        raise UsageError("the ranks see different datasets (" + ", ".join(
+            f"{name}: {low:.0f} on one, {high:.0f} on another" for name, (low, high) in counts.items())
+            + "): every node needs the same files, in one shared folder or identical copies")
     micro_batches = train_loader.batches_per_epoch // accumulation * accumulation
     if micro_batches == 0:  # images left out by the decode (the config was built on the check's count)
         raise UsageError(f"{args.train_dir}: {data_check.train.num_images} training images decode: too few for "

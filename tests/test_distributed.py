@@ -1,5 +1,6 @@
 """Batch norm across ranks, on two gloo processes: --sync_bn against one process seeing the whole batch,
-and the averaging of running statistics that runs before every validation and save without it."""
+and the averaging of running statistics that runs before every validation and save without it; and the
+ranks' comparison of their dataset sizes."""
 import os
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from conftest import spawn_ranks
-from distributed import average_buffers, free_port
+from distributed import average_buffers, differing, free_port
 from model import BatchNorm2dFP32, build_model, synchronize_batch_norm
 
 pytestmark = pytest.mark.slow  # every test here starts processes (training runs, or ranks of a process group)
@@ -63,7 +64,9 @@ def on_each_rank(rank, port, results):
     model = whole_model()  # every batch norm of a model other than ResNet, the swapped-in layers included
     synchronize_batch_norm(model)
     model(model_batch()[shard])
-    results[rank] = {"model_running": model_running_means(model),
+    cpu = torch.device("cpu")
+    results[rank] = {"differing": (differing({"images": 10 + rank, "classes": 3}, cpu), differing({"images": 10}, cpu)),
+                     "model_running": model_running_means(model),
                      "input_grad": x_shard.grad, "param_grads": grads,
                      "running": (layer.running_mean, layer.running_var, layer.num_batches_tracked),
                      "unsynced_before": before,
@@ -92,6 +95,11 @@ def test_sync_bn_matches_one_process_on_the_whole_batch(ranks):
         torch.testing.assert_close(running_var, reference.running_var)
         assert tracked.item() == 1
     torch.testing.assert_close(ranks[0]["running"][0], ranks[1]["running"][0], rtol=0, atol=0)
+
+
+def test_ranks_find_the_numbers_they_do_not_share(ranks):
+    """What the training script compares before it trains: the ranks' counts of training and validation images."""
+    assert [result["differing"] for result in ranks] == [({"images": (10.0, 11.0)}, {})] * WORLD_SIZE
 
 
 def test_sync_bn_reaches_every_batch_norm_of_a_model(ranks):
