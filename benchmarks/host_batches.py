@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+import report  # noqa: E402
 from common import environment, shown  # noqa: E402
 from reproducibility import machine_slug  # noqa: E402
 
@@ -163,21 +164,6 @@ def run_stage(stage, args, cache):
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def table(results):
-    lines = ["| ZeRO | case | images/s | x GPU-resident | waiting | gather ms |", "|---|---|---|---|---|---|"]
-    for stage, cases in results.items():
-        if "error" in cases:
-            lines.append(f"| {stage} | failed: {cases['error'].strip().splitlines()[-1][:80]} | | | | |")
-            continue
-        ceiling = cases["GPU-resident squares"]["images_per_s"]
-        for name, row in cases.items():
-            waiting = "-" if row["waiting"] is None else f"{row['waiting']:.0%}"
-            gather = "-" if row["gather_ms"] is None else f"{row['gather_ms']:.1f}"
-            lines.append(f"| {stage} | {name} | {row['images_per_s']:,.0f} | {row['images_per_s'] / ceiling:.2f} | "
-                         f"{waiting} | {gather} |")
-    return "\n".join(lines)
-
-
 def main():
     args = get_args_parser().parse_args()
     if args.stage is not None:
@@ -194,7 +180,8 @@ def main():
     settings = {key: value for key, value in vars(args).items() if key not in ("stage", "cache", "output_dir")}
     path.write_text(json.dumps({"environment": env, "settings": settings,
                                 "results": results}, indent=1, default=str) + "\n")
-    print(f"wrote {shown([str(path)])}\n\n{table(results)}")
+    report.RESULTS = args.output_dir
+    print(f"wrote {shown([str(path)])}\n\n{report.host_batches(path.name)}")
     return 0
 
 

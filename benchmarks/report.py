@@ -174,12 +174,14 @@ def data_tiers(name):
     return out
 
 
-def host_batches():
-    name = "host_batches_nvidia_h100_80gb_hbm3.json"
+def host_batches(name):
     result = load(name)
     settings = result["settings"]
     rows = []
     for stage, cases in result["results"].items():
+        if "error" in cases:
+            rows.append([stage, f"failed: {cases['error'].strip().splitlines()[-1][:80]}", "", "", "", ""])
+            continue
         ceiling = cases["GPU-resident squares"]["images_per_s"]
         rows += [[stage, case, f"{run['images_per_s']:,.0f}", f"{run['images_per_s'] / ceiling:.2f}",
                   "–" if run["waiting"] is None else f"{run['waiting']:.0%}",
@@ -346,7 +348,7 @@ TABLES = {
     "fp16-offload": fp16_offload,
     "augmentation": augmentation,
     "data-tiers": lambda: data_tiers("data_tiers_nvidia_h100_80gb_hbm3.json"),
-    "host-batches": host_batches,
+    "host-batches": lambda: host_batches("host_batches_nvidia_h100_80gb_hbm3.json"),
     "data-path-accuracy": data_path_accuracy,
     "max-batch": max_batch,
     "capacity-8gib": lambda: capacity("capacity_8gib"),
