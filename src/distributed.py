@@ -86,13 +86,13 @@ def _initialized():
     return dist.is_available() and dist.is_initialized()
 
 
-def all_reduce(values, device, op=dist.ReduceOp.SUM):
-    """Reduce a dict of numbers over all ranks (sum by default)."""
+def all_reduce(values, device, op=dist.ReduceOp.SUM, group=None):
+    """Reduce a dict of numbers over all ranks (sum by default; over `group`'s, default all)."""
     if not _initialized():
         return dict(values)
     keys = sorted(values)
     tensor = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=op)
+    dist.all_reduce(tensor, op=op, group=group)
     return dict(zip(keys, tensor.tolist()))
 
 
@@ -135,12 +135,9 @@ def patient_group(timeout=PATIENT_TIMEOUT):
 
 
 def any_rank(flag, group=None):
-    """Whether `flag` is true on any rank (on `group`, e.g. a patient_group); every rank calls this."""
-    if not _initialized():
-        return bool(flag)
-    tensor = torch.tensor([int(bool(flag))])
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
-    return bool(tensor.item())
+    """Whether `flag` is true on any rank (of `group`, a gloo one such as a patient_group); every rank calls
+    this."""
+    return bool(all_reduce({"flag": bool(flag)}, torch.device("cpu"), dist.ReduceOp.MAX, group)["flag"])
 
 
 def from_rank_zero(value):
