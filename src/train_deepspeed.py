@@ -58,13 +58,15 @@ def recheck(args, inputs, classes):
     """load_datasets with every file decoded, for the DataLoader tier; the classes must be those the model
     was built for. Each node's first rank decodes and keeps the results in the check's cache, which the
     node's other ranks then read: one decode per node, not one per rank at once."""
+    def decoded():
+        return load_datasets(args.train_dir, args.val_dir, args.image_size, inputs, True)
+
     first = os.environ.get("LOCAL_RANK", "0") == "0"
     waiting = patient_group()  # the decode may outlast the default group's timeout
     error = None
     if first:
         try:
-            train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size, inputs,
-                                                           True)
+            train_set, val_set, data_check = decoded()
             data_check.save_cache()
         except Exception as err:  # noqa: BLE001 - raised below, once the other ranks know
             error = err
@@ -73,7 +75,7 @@ def recheck(args, inputs, classes):
             raise error
         raise UsageError("a node's first rank could not decode the dataset (its error is in its output)")
     if not first:
-        train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size, inputs, True)
+        train_set, val_set, data_check = decoded()
     if train_set.classes != classes:
         raise UsageError(f"{args.train_dir}: classes without a readable image once decoded: "
                          f"{listed(sorted(set(classes) - set(train_set.classes)))} (see prepare_data.py --check)")
@@ -182,7 +184,7 @@ def main(argv=None):
                          f"{world_size} rank(s) x micro-batch {micro_batch} x {accumulation} accumulation step(s)")
     # The schedule was sized on the check's count, before the decode left out the images it could not read.
     scheduler = resolve_scheduler(base_config, args, ds_config["optimizer"]["params"]["lr"],
-                                  train_loader.batches_per_epoch // accumulation)
+                                  micro_batches // accumulation)
     if scheduler != ds_config["scheduler"]:
         ds_config["scheduler"] = scheduler  # the history records the steps that run
         replace_lr_scheduler(engine, scheduler, ds_config["optimizer"]["params"]["lr"])
