@@ -4,12 +4,13 @@ images/s there, and its model states beside the ZeRO paper's formulas and DeepSp
 
 Runs `src/memory_profile.py --find_max_batch --gpu_memory_gib N` once per model and size (every try in a
 process of its own; plain PyTorch on the whole GPU is the speed reference), writes
-benchmarks/results/capacity_<N>gib/memory_<model>_<gpu>_x1.json (and .png), and prints the ladder tables
+benchmarks/results/capacity_<N>gib/memory_<model>_<gpu>_x<GPUs>.json (and .png), and prints the ladder tables
 last: the ones docs/memory.md shows, which benchmarks/report.py generates from the same JSON.
 
     python benchmarks/capacity.py                                        # the whole ladder at 8 and 24 GiB
     python benchmarks/capacity.py --models vit_h_14 regnet_y_128gf --gib 8
     python benchmarks/capacity.py --models vit_l_16 --gib 8 --global_batch 512   # offload with accumulation
+    python benchmarks/capacity.py --models vit_l_16 vit_h_14 --gib 8 --num_gpus 2 --configs ZeRO-3   # sharded on 2
 """
 import argparse
 import json
@@ -39,6 +40,7 @@ def get_args_parser():
                         help="also time each configuration that offloads the optimizer with gradient accumulation to "
                              "this global batch")
     parser.add_argument("--steps", type=int, default=3, help="timed steps at each micro-batch tried")
+    parser.add_argument("--num_gpus", type=int, default=1, help="GPUs of this host each try runs on (one rank each)")
     parser.add_argument("--output_dir", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--update", action="store_true",
                         help="go on from each model's earlier JSON: measure only the configurations it lacks "
@@ -56,14 +58,14 @@ def main(argv=None):
         for model in args.models:
             configs = args.configs
             if args.update:
-                done = {row["config"] for path in (args.output_dir / folder(gib)).glob(f"memory_{model}_*_x1.json")
+                done = {row["config"] for path in (args.output_dir / folder(gib)).glob(f"memory_{model}_*_x{args.num_gpus}.json")
                         for row in json.loads(path.read_text())["results"]}
                 configs = [name for name in configs if name not in done]
                 if not configs:
                     continue
             command = [sys.executable, str(ROOT / "src" / "memory_profile.py"), "--model", model, "--bf16",
                        "--find_max_batch", "--gpu_memory_gib", f"{gib:g}", "--batch_size", str(LADDER.get(model, 32)),
-                       "--steps", str(args.steps), "--configs", *configs,
+                       "--steps", str(args.steps), "--num_gpus", str(args.num_gpus), "--configs", *configs,
                        "--output_dir", str(args.output_dir / folder(gib)),
                        *(["--global_batch", str(args.global_batch)] if args.global_batch else []),
                        *(["--update"] if args.update else [])]
@@ -74,7 +76,7 @@ def main(argv=None):
                   f"{time.perf_counter() - started:.0f} s", flush=True)
     report.RESULTS = args.output_dir
     for gib in args.gib:
-        print(f"\n{report.capacity(folder(gib))}")
+        print(f"\n{report.capacity(folder(gib), args.num_gpus)}")
     return 0
 
 

@@ -271,10 +271,11 @@ def params(result):
     return next(row["params"] for row in result["results"] if "params" in row)
 
 
-def capacity(folder):
-    """The ladder under one GPU size: every memory_profile.py --find_max_batch JSON in `folder`, models by size."""
-    results = sorted(((file, load(f"{folder}/{file.name}")) for file in (RESULTS / folder).glob("memory_*_x1.json")),
-                     key=lambda item: params(item[1]))
+def capacity(folder, num_gpus=1):
+    """The ladder under one GPU size: every memory_profile.py --find_max_batch JSON of `num_gpus` GPUs in
+    `folder`, models by size."""
+    results = sorted(((file, load(f"{folder}/{file.name}"))
+                      for file in (RESULTS / folder).glob(f"memory_*_x{num_gpus}.json")), key=lambda item: params(item[1]))
     if not results:
         return f"(no results in benchmarks/results/{folder})\n"
     out = "".join(source(result, f"{folder}/{file.name}") for file, result in results)
@@ -298,12 +299,14 @@ def capacity(folder):
         estimate = row["deepspeed_estimate_gpu_gib"]
         return f"{measured} / {row['paper_formula_gib']:.1f} / {'–' if estimate is None else f'{estimate:.1f}'}"
 
-    reference = ["plain PyTorch on the whole GPU (reference)", *[
+    whole = "the whole GPU" if num_gpus == 1 else f"{num_gpus} whole GPUs (DDP)"
+    reference = [f"plain PyTorch on {whole} (reference)", *[
         f"{r['reference']['batch']} · {r['reference']['images_per_s']:,.0f}" if r["reference"].get("images_per_s")
         else "OOM" for _, r in results]]
     gib = results[0][1]["settings"]["gpu_memory_gib"]
-    out += (f"\nHeld to {gib:g} GiB, bf16, 224 px: the largest micro-batch (0: out of memory at 1) · images/s there "
-            f"(the ratio to plain PyTorch on the whole GPU):\n\n")
+    held = f"Held to {gib:g} GiB" if num_gpus == 1 else f"{num_gpus} GPUs, each held to {gib:g} GiB"
+    out += (f"\n{held}, bf16, 224 px: the largest micro-batch (0: out of memory at 1) · images/s there "
+            f"(the ratio to plain PyTorch on {whole}):\n\n")
     out += table(["configuration", *models], [reference] + [
         [config, *[speed(rows[config]) if config in rows else "–" for rows in rows_of]] for config in configs])
     out += "\nModel states held between steps, GiB: measured / the ZeRO paper's formula / DeepSpeed's estimator:\n\n"

@@ -17,13 +17,15 @@ helpers print) and the ZeRO paper's per-GPU model-state formulas for Adam: 16Ψ,
 16Ψ/N bytes with half-precision weights; with fp32 weights (fp32, or autocast) 16Ψ, 8Ψ + 8Ψ/N,
 4Ψ + 12Ψ/N, 16Ψ/N. Prints a table and writes JSON and a bar chart PNG.
 
-With --find_max_batch (one GPU) it searches each configuration's largest micro-batch instead and times the
-steps there; with --gpu_memory_gib, as on a smaller GPU, and then plain PyTorch on the whole GPU at
---batch_size is the speed every configuration is compared with.
+With --find_max_batch it searches each configuration's largest micro-batch instead and times the steps
+there, on one GPU or, with --num_gpus N, on N ranks of this host (each try a torchrun of its own); with
+--gpu_memory_gib, as on smaller GPUs, and then plain PyTorch (DDP on N) on the whole GPUs at --batch_size is
+the speed every configuration is compared with.
 
     python src/memory_profile.py --model resnet18 --batch_size 64 --bf16
     deepspeed --num_gpus 2 src/memory_profile.py --model wide_resnet50_2 --bf16
     python src/memory_profile.py --model vit_h_14 --bf16 --find_max_batch --gpu_memory_gib 8 --global_batch 512
+    python src/memory_profile.py --model vit_h_14 --bf16 --find_max_batch --gpu_memory_gib 8 --num_gpus 2 --configs ZeRO-3
 """
 import argparse
 import gc
@@ -89,7 +91,10 @@ def get_args_parser():
                                                              "--find_max_batch)")
     parser.add_argument("--find_max_batch", action="store_true",
                         help="search each configuration's largest micro-batch that trains without running out of "
-                             "GPU memory, within 5%%, and its images/s there (one GPU, one process)")
+                             "GPU memory, within 5%%, and its images/s there (start it with python, not deepspeed)")
+    parser.add_argument("--num_gpus", type=int, default=1,
+                        help="with --find_max_batch: the GPUs of this host each try runs on, one rank each (the "
+                             "micro-batch is per rank)")
     parser.add_argument("--max_batch_limit", type=int, default=max_batch.LIMIT, metavar="N",
                         help="with --find_max_batch: stop searching at this micro-batch (default %(default)s)")
     parser.add_argument("--global_batch", type=int, default=None, metavar="N",
@@ -351,6 +356,24 @@ def timed_try(engine, config, micro_batch, args, device, counters, timed_steps, 
             "peak_reserved_bytes": torch.cuda.max_memory_reserved(device) if counters.cuda else 0, **peaks}
 
 
+OVER_RANKS = ("peak_allocated_bytes", "peak_reserved_bytes", "model_states_gib", "peak_allocated_gib",
+              "peak_reserved_gib", "host_peak_rss_gib")
+
+
+def over_ranks(attempt, device, world_size):
+    """One try's figures for all ranks, on every rank: each peak the largest over ranks (what every GPU must
+    hold), images/s the slowest rank's times the ranks (each step waits for it)."""
+    if world_size == 1:
+        return attempt
+    keys = [key for key in OVER_RANKS if attempt.get(key) is not None]  # None on every rank alike (no GPU)
+    speed = attempt.get("images_per_s")
+    values = torch.tensor([attempt[key] for key in keys] + ([-speed] if speed else []), dtype=torch.float64,
+                          device=device)
+    torch.distributed.all_reduce(values, op=torch.distributed.ReduceOp.MAX)
+    values = values.tolist()
+    return {**attempt, **dict(zip(keys, values)), **({"images_per_s": -values[-1] * world_size} if speed else {})}
+
+
 def say(tag, value):
     print(f"{tag} {json.dumps(value)}", flush=True)
 
@@ -359,21 +382,24 @@ def tries(args, device, sizes, name, first, following, accumulation=1):
     """Build `name`'s engine once, then try micro-batch `first` and the ones following(batch, try) gives
     until None, each said on a TRY line; status OUT_OF_MEMORY at the first that runs out of memory."""
     micro_batch, started = first, time.perf_counter()
-    config = config_of(args, name, micro_batch, 1, device, sizes[0], accumulation)
+    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    config = config_of(args, name, micro_batch, world_size, device, sizes[0], accumulation)
     counters = MemoryCounters(device)
     try:
-        engine = new_engine(args, name, config, device, 1)
+        engine = new_engine(args, name, config, device, world_size)
         engine_s = time.perf_counter() - started  # what each of these processes costs before its first try
         while micro_batch is not None:
             # 1 and 2 only start the line a search predicts from: untimed (a search ending there times it apart)
             timed_steps = args.steps if micro_batch > 2 or not args.search else 0
             attempt = timed_try(engine, config, micro_batch, args, device, counters, timed_steps, accumulation)
-            say("TRY", {**attempt, "engine_s": engine_s, "process_s": time.perf_counter() - started})
+            attempt = over_ranks(attempt, device, world_size)  # every rank then picks the same next micro-batch
+            if rank == 0:
+                say("TRY", {**attempt, "engine_s": engine_s, "process_s": time.perf_counter() - started})
             micro_batch = following(micro_batch, attempt)
     except (torch.OutOfMemoryError, RuntimeError) as err:
         if not is_out_of_memory(err):
             raise
-        say("TRY", {"batch": micro_batch, "fits": False})
+        say("TRY", {"batch": micro_batch, "fits": False, "rank": rank})
         return OUT_OF_MEMORY
     return 0
 
@@ -406,18 +432,28 @@ def child(args, mode, name, *values, capped=True):
                *[f"--{flag}" for flag in ("fp16", "bf16") if getattr(args, flag)],
                *(["--gpu_memory_gib", str(args.gpu_memory_gib)] if args.gpu_memory_gib and capped else [])]
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-    result = run_on_free_port(lambda port: subprocess.run(command, env={**env, "MASTER_PORT": str(port)},
-                                                          capture_output=True, text=True))
-    if result.returncode not in (0, OUT_OF_MEMORY):
-        raise RuntimeError(f"the {mode} of {name} ({' '.join(values)}) failed:\n{result.stderr[-3000:]}")
+    if args.num_gpus > 1:  # torchrun sets each rank's; when one rank runs out of memory it stops the others
+        env = {key: value for key, value in os.environ.items() if key not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+
+    def start(port):
+        ranks = (["-m", "torch.distributed.run", "--nproc_per_node", str(args.num_gpus), "--master_port", str(port)]
+                 if args.num_gpus > 1 else [])
+        return subprocess.run(command[:1] + ranks + command[1:], env={**env, "MASTER_PORT": str(port)},
+                              capture_output=True, text=True)
+
+    result = run_on_free_port(start)
     tries = [json.loads(line[4:]) for line in result.stdout.splitlines() if line.startswith("TRY ")]
+    out_of_memory = result.returncode == OUT_OF_MEMORY or any(not attempt["fits"] for attempt in tries)
+    if result.returncode != 0 and not out_of_memory:
+        raise RuntimeError(f"the {mode} of {name} ({' '.join(values)}) failed:\n{result.stderr[-3000:]}")
+    tries = tries[:next((i + 1 for i, attempt in enumerate(tries) if not attempt["fits"]), None)]  # one failure
     for attempt in tries:
         speed = f", {attempt['images_per_s']:.1f} images/s" if attempt.get("images_per_s") else ""
         print(f"  {name}: micro-batch {attempt['batch']}"
               + (f" x {attempt['accumulation']}" if attempt.get("accumulation", 1) > 1 else "")
               + (f" fits ({fmt(attempt['peak_reserved_gib'])} GiB reserved{speed})" if attempt["fits"]
                  else " runs out of memory"), flush=True)
-    return tries, result.returncode == 0
+    return tries, not out_of_memory
 
 
 def largest_batches(args, sizes, on_row=lambda rows: None):
@@ -435,7 +471,8 @@ def largest_batches(args, sizes, on_row=lambda rows: None):
             on_row(rows)
             continue
         row = {"config": name, "flags": CONFIGS[name],
-               **figures(config_of(args, name, max(1, largest), 1, torch.device("cuda"), sizes[0]), sizes, 1),
+               **figures(config_of(args, name, max(1, largest), args.num_gpus, torch.device("cuda"), sizes[0]), sizes,
+                         args.num_gpus),
                "max_micro_batch": largest, "out_of_memory": largest == 0,
                **{key: (best or {}).get(key) for key in ("images_per_s", "model_states_gib", "peak_allocated_gib",
                                                          "peak_reserved_gib", "host_peak_rss_gib")},
@@ -603,8 +640,11 @@ def check_args(args, cuda):
     if args.fp16 and not cuda:
         raise UsageError("fp16 needs a GPU: use --bf16 on a CPU-only machine")
     if args.find_max_batch and (not cuda or int(os.environ.get("WORLD_SIZE", "1")) > 1):
-        raise UsageError("--find_max_batch needs one GPU and one process: an out-of-memory error on one rank "
-                         "would leave the others waiting in a collective")
+        raise UsageError("--find_max_batch needs a GPU and one process: start it with python (--num_gpus N for N "
+                         "ranks); under a launcher an out-of-memory error on one rank would leave the others waiting")
+    if not 1 <= args.num_gpus <= max(1, torch.cuda.device_count()) or args.num_gpus > 1 and not args.find_max_batch:
+        raise UsageError(f"--num_gpus goes with --find_max_batch and is 1 to the GPUs here "
+                         f"({torch.cuda.device_count()}); without it start several ranks with deepspeed --num_gpus")
     if args.max_batch_limit < 1:
         raise UsageError("--max_batch_limit must be at least 1")
     if args.global_batch is not None and (not args.find_max_batch or args.global_batch < 1):
@@ -621,7 +661,7 @@ def main(argv=None):
         check_args(args, cuda)
     sizes = model_sizes(args.model, args.num_classes, args.image_size)
     if child_process:
-        device, budget = torch.device("cuda", 0) if cuda else torch.device("cpu"), 0
+        device, budget = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu"), 0
         if cuda:
             budget = torch.cuda.get_device_properties(device).total_memory
             if args.gpu_memory_gib:
@@ -632,11 +672,11 @@ def main(argv=None):
         return probe(args, device, sizes) if args.probe else search_process(args, device, sizes, budget)
     env = environment(shown([sys.executable, *sys.argv]))
     if args.find_max_batch:  # every try runs in a child process: this one keeps no GPU memory
-        _, reference, _ = earlier_results(args, env, 1)
+        _, reference, _ = earlier_results(args, env, args.num_gpus)
         if args.gpu_memory_gib and not (reference and reference["batch"] == args.batch_size):
             reference = reference_speed(args)
-        rows = largest_batches(args, sizes, lambda rows: write_results(args, rows, 1, env, reference))
-        report(args, rows, 1, env, reference)
+        rows = largest_batches(args, sizes, lambda rows: write_results(args, rows, args.num_gpus, env, reference))
+        report(args, rows, args.num_gpus, env, reference)
         return 0
     _, world_size = init_distributed()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

@@ -1,5 +1,6 @@
 """src/memory_profile.py: the ZeRO formulas, and a real two-rank run (gloo) that writes its report."""
 import json
+import subprocess
 import sys
 from argparse import Namespace
 
@@ -66,7 +67,8 @@ def test_two_ranks_write_table_json_and_chart(tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--find_max_batch"], "--find_max_batch needs one GPU and one process"),
+    (["--find_max_batch"], "--find_max_batch needs a GPU and one process"),
+    (["--num_gpus", "2"], "--num_gpus goes with --find_max_batch"),
     (["--fp16", "--bf16"], "--fp16 and --bf16 exclude each other"),
     (["--fp16"], "fp16 needs a GPU"),
     (["--global_batch", "512"], "--global_batch goes with --find_max_batch"),
@@ -174,6 +176,39 @@ def test_a_search_process_trains_real_steps_and_a_broken_one_is_an_error():
     args.model = "resnet_none"  # the child's own checks refuse it: an error, not "out of memory"
     with pytest.raises(RuntimeError, match="the probe of plain PyTorch \\(2\\) failed"):
         memory_profile.child(args, "probe", memory_profile.PLAIN, "2")
+
+
+@pytest.mark.slow
+def test_a_search_on_two_ranks_says_each_try_once_with_the_figures_of_both():
+    # torchrun's two gloo ranks: rank 0 says each try, its peaks the larger of the two ranks'
+    args = memory_profile.get_args_parser().parse_args(["--image_size", "64", "--bf16", "--steps", "1",
+                                                        "--num_gpus", "2"])
+    tries, finished = memory_profile.child(args, "search", "ZeRO-3", json.dumps(
+        {"low": 0, "high": None, "peaks": [], "limit": 4}))
+    assert finished and [t["batch"] for t in tries] == [1, 2, 4]  # said once each
+    assert all(t["fits"] and t["host_peak_rss_gib"] > 0.1 for t in tries) and tries[-1]["images_per_s"] > 0
+
+
+def test_one_rank_out_of_memory_ends_the_search_process_there(monkeypatch):
+    # torchrun exits with 1 when a rank fails; the TRY line the failing rank said is what tells it apart
+    lines = {0: ['TRY {"batch": 1, "fits": true, "peak_reserved_gib": 1.5}', 'TRY {"batch": 2, "fits": false, "rank": 1}',
+                 'TRY {"batch": 2, "fits": false, "rank": 0}'], 1: ['TRY {"batch": 1, "fits": true, "peak_reserved_gib": 1.5}']}
+    outcome = {}
+    commands = []
+
+    def run(command, **kwargs):
+        commands.append(command)
+        return subprocess.CompletedProcess(command, 1, "\n".join(lines[outcome["case"]]), "Traceback: ChildFailedError")
+
+    monkeypatch.setattr(memory_profile.subprocess, "run", run)
+    args = memory_profile.get_args_parser().parse_args(["--num_gpus", "2"])
+    outcome["case"] = 0
+    tries, finished = memory_profile.child(args, "search", "ZeRO-3", "{}")
+    assert [(t["batch"], t["fits"]) for t in tries] == [(1, True), (2, False)] and not finished
+    assert commands[0][1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    outcome["case"] = 1  # a failure that is not out of memory
+    with pytest.raises(RuntimeError, match="the search of ZeRO-3 \\({}\\) failed:\nTraceback: ChildFailedError"):
+        memory_profile.child(args, "search", "ZeRO-3", "{}")
 
 
 def test_every_configuration_gets_its_largest_batch_its_speed_and_the_reference(monkeypatch, tmp_path, capsys):
