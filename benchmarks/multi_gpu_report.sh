@@ -1,42 +1,54 @@
 #!/usr/bin/env bash
-# The multi-GPU results in benchmarks/results/, on a host with 2 GPUs, in two parts of under 10 minutes:
+# The multi-GPU results in benchmarks/results/, on a host with 2 GPUs, in parts of under 10 minutes each:
 #
-#   bash benchmarks/multi_gpu_report.sh speed  OUT   # scaling.py: DDP, ZeRO 0-3, offload, real epochs; 1 vs 2 GPUs
-#   bash benchmarks/multi_gpu_report.sh memory OUT   # scaling.py's accuracy runs; memory_profile.py on 1 and 2 GPUs
+#   bash benchmarks/multi_gpu_report.sh steps MODEL OUT   # scaling.py: DDP and the trainer's step per ZeRO stage, 1 vs 2 GPUs
+#   bash benchmarks/multi_gpu_report.sh epochs MODEL OUT  # scaling.py: end-to-end epochs, ZeRO 0-3 data on GPU, ZeRO-2 cache
+#   bash benchmarks/multi_gpu_report.sh accuracy - OUT    # scaling.py: same global batch on 1 and 2 GPUs, with and without --sync_bn
+#   bash benchmarks/multi_gpu_report.sh resume - OUT      # scaling.py: ZeRO-2 and 3 runs saved on 1 GPU resumed on 2, and back
+#   bash benchmarks/multi_gpu_report.sh memory - OUT      # memory_profile.py per configuration on 1 and 2 GPUs
+#   bash benchmarks/multi_gpu_report.sh shard MODEL OUT   # capacity.py: ZeRO-3 on 2 GPUs held to 8 GiB each
 #
-# Everything is written under OUT (default benchmarks/results); each part prints its tables last.
+# MODEL: resnet18 or vit_b_16 for steps and epochs (the two-GPU issue's); for shard, one of the ladder's models
+# ZeRO-3 cannot train on one GPU held to 8 GiB (benchmarks/results/capacity_8gib): vit_l_16, vit_h_14 or
+# regnet_y_128gf. OUT defaults to benchmarks/results. Each part prints its tables last and adds to its JSON (--update).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?speed or memory}
-out=${2:-benchmarks/results}
+part=${1:?steps, epochs, accuracy, resume, memory or shard}
+model=${2:--}
+out=${3:-benchmarks/results}
 mkdir -p "$out"
+[ "$model" = - ] && model=  # the part's default
 
 case "$part" in
-speed)
-    python3 benchmarks/scaling.py --only reference synthetic real --steps 40 --warmup_steps 10 --epochs 3 \
-        --output_dir "$out"
+steps)
+    python3 benchmarks/scaling.py --model "${model:-resnet18}" --only reference synthetic --steps 40 --warmup_steps 10 \
+        --output_dir "$out" --update
+    ;;
+epochs)
+    python3 benchmarks/scaling.py --model "${model:-resnet18}" --only reference real --epochs 3 --output_dir "$out" --update
+    ;;
+accuracy | resume)
+    # 8 epochs: the sample data is learned to 100% validation accuracy by epoch 30 on any GPU count
+    python3 benchmarks/scaling.py --only "$part" --accuracy_epochs 8 --output_dir "$out" --update
     ;;
 memory)
     tables=()
     # ResNet18: activations dominate; wide_resnet101_2 (127 M parameters) at a small batch: model states do.
-    for model in "resnet18 64" "wide_resnet101_2 8"; do
-        set -- $model
+    for pair in "resnet18 64" "wide_resnet101_2 8"; do
+        set -- $pair
         python3 src/memory_profile.py --model "$1" --batch_size "$2" --bf16 --output_dir "$out" > "$out/memory_$1_x1.log"
         deepspeed --num_gpus 2 src/memory_profile.py --model "$1" --batch_size "$2" --bf16 --output_dir "$out" \
             > "$out/memory_$1_x2.log" 2>&1
         tables+=("$out/memory_$1_x1.log" "$out/memory_$1_x2.log")
     done
-    # The largest micro-batch per configuration on one GPU limited to 8 GiB, as on a smaller card.
-    python3 src/memory_profile.py --model wide_resnet50_2 --bf16 --find_max_batch --gpu_memory_gib 8 --batch_size 4 \
-        --output_dir "$out/max_batch_8gib" > "$out/max_batch_wide_resnet50_2.log"
-    tables+=("$out/max_batch_wide_resnet50_2.log")
-    # 8 epochs: the sample data is learned to 100% validation accuracy by epoch 30 on any GPU count
-    python3 benchmarks/scaling.py --only accuracy --accuracy_epochs 8 --output_dir "$out" > "$out/accuracy.log"
-    tail -n 14 "$out/accuracy.log"
     for table in "${tables[@]}"; do sed -n '/ rank(s) on /,$p' "$table"; done
     ;;
+shard)
+    python3 benchmarks/capacity.py --models "${model:-vit_h_14}" --gib 8 --num_gpus 2 --configs ZeRO-3 \
+        --output_dir "$out" --update
+    ;;
 *)
-    echo "error: the part is 'speed' or 'memory', not '$part'" >&2
+    echo "error: the part is steps, epochs, accuracy, resume, memory or shard, not '$part'" >&2
     exit 2
     ;;
 esac

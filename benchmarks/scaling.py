@@ -1,15 +1,19 @@
 """Scaling from 1 to N GPUs of one host, in one run: plain PyTorch DDP as the reference, the trainer's step
-per ZeRO stage and with optimizer offload, end-to-end epochs with the dataset on the GPU, and whether N
-GPUs reach the validation accuracy of one GPU at the same global batch.
+per ZeRO stage and with optimizer offload, end-to-end epochs with the dataset on the GPU (ZeRO 0-3) and
+in the decoded-image cache (ZeRO-2), whether N GPUs reach the validation accuracy of one GPU at the same
+global batch, and runs saved on 1 GPU resumed on N and back (ZeRO-2 and 3, through universal checkpoints).
 
-Every measurement is throughput.py's (same loops, same settings, each in its own processes), run once
+Every speed measurement is throughput.py's (same loops, same settings, each in its own processes), run once
 with 1 GPU and once with N; speed-up = images/s on N GPUs / images/s on 1 GPU (micro-batch per GPU fixed),
-efficiency = speed-up / N. Prints a table last and writes JSON to benchmarks/results/scaling_<gpu>_x<N>.json.
+efficiency = speed-up / N. Prints a table last and writes JSON to
+benchmarks/results/scaling_<gpu>_x<N>.json (scaling_<model>_<gpu>_x<N>.json for a --model other than resnet18).
 
     python benchmarks/scaling.py                      # 1 and 2 GPUs
-    python benchmarks/scaling.py --only accuracy
+    python benchmarks/scaling.py --model vit_b_16 --batch_size 128 --only reference real
+    python benchmarks/scaling.py --only accuracy resume --update
 """
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -20,37 +24,74 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import throughput  # noqa: E402
-from common import environment, fmt, shown  # noqa: E402
+from common import earlier_results, environment, fmt, shown  # noqa: E402
 from reproducibility import machine_slug  # noqa: E402
 
 DDP = "torch bf16 channels_last"  # as DistributedDataParallel when run on several GPUs
+CACHE = "epoch: zero2 bf16, data in the cache"
 MEASUREMENTS = [("reference", DDP)] + [("synthetic", f"step: zero{stage} bf16") for stage in range(4)] + [
     ("synthetic", "step: zero2 bf16 offload_optimizer")] + [
-    ("real", f"epoch: zero{stage} bf16, data on GPU") for stage in range(3)]
-GOALS = {f"epoch: zero{stage} bf16, data on GPU": 1.9 for stage in range(3)}  # speed-up on 2 GPUs
+    ("real", f"epoch: zero{stage} bf16, data on GPU") for stage in range(4)] + [("real", CACHE)]
+# speed-up on 2 GPUs (the two-GPU issue's goals)
+GOALS = {**{f"epoch: zero{stage} bf16, data on GPU": 1.9 for stage in range(3)},
+         "epoch: zero3 bf16, data on GPU": 1.8, CACHE: 1.9}
 # Same global batch on 1 and N GPUs: the micro-batch is divided by N; with and without --sync_bn.
 ACCURACY = {"accuracy: 1 GPU": (1, []), "accuracy: N GPUs": (None, []), "accuracy: N GPUs --sync_bn": (None, ["--sync_bn"])}
+# A run saved on one GPU count goes on on the other: name -> (ZeRO stage, GPUs before, GPUs after; None: N)
+RESUMES = {f"resume: zero{stage}, {before} → {after} GPUs": (stage, before, after)
+           for stage in (2, 3) for before, after in ((1, "N"), ("N", 1))}
+
+
+def sample_run(num_gpus, epochs, flags, args, workdir):
+    """launch_deepspeed.py on the built-in sample dataset at the global batch --accuracy_batch, its logs and
+    checkpoints in `workdir`: (command, history), or (command, {"error": ...})."""
+    command = [sys.executable, str(ROOT / "launch_deepspeed.py"), "--num_gpus", str(num_gpus),
+               "--train_dir", str(args.sample_data / "train"), "--val_dir", str(args.sample_data / "val"),
+               "--epochs", str(epochs), "--batch_size", str(args.accuracy_batch // num_gpus),
+               "--image_size", "96", "--bf16", "--data_on_device", "on",
+               "--log_dir", str(workdir / "logs"), "--checkpoint_dir", str(workdir / "checkpoints"), *flags]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=args.case_timeout)
+    if result.returncode != 0:
+        return shown(command), {"error": (result.stdout + result.stderr)[-3000:]}
+    return shown(command), {**json.loads((workdir / "logs" / "training_history.json").read_text()),
+                            "output": result.stdout}
+
+
+def per_epoch(history):
+    return {"val_acc_per_epoch": [epoch["val_acc"] for epoch in history["epochs"]],
+            "val_loss_per_epoch": [epoch["val_loss"] for epoch in history["epochs"]],
+            "train_loss_per_epoch": [epoch["train_loss"] for epoch in history["epochs"]]}
 
 
 def accuracy_run(num_gpus, flags, args):
-    """launch_deepspeed.py on the built-in sample dataset; best and last validation accuracy."""
+    """Best and last validation accuracy of --accuracy_epochs at ZeRO-2."""
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        command = [sys.executable, str(ROOT / "launch_deepspeed.py"), "--num_gpus", str(num_gpus),
-                   "--train_dir", str(args.sample_data / "train"), "--val_dir", str(args.sample_data / "val"),
-                   "--epochs", str(args.accuracy_epochs), "--batch_size", str(args.accuracy_batch // num_gpus),
-                   "--image_size", "96", "--bf16", "--zero_stage", "2", "--data_on_device", "on",
-                   "--save_every", "0", "--save_last_every", "0",
-                   "--log_dir", str(tmp / "logs"), "--checkpoint_dir", str(tmp / "checkpoints"), *flags]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=args.case_timeout)
-        if result.returncode != 0:
-            return {"error": (result.stdout + result.stderr)[-3000:]}
-        history = json.loads((tmp / "logs" / "training_history.json").read_text())
-    return {"command": shown(command), "num_gpus": num_gpus, "global_batch": args.accuracy_batch,
+        command, history = sample_run(num_gpus, args.accuracy_epochs, ["--zero_stage", "2", "--save_every", "0",
+                                                                       "--save_last_every", "0", *flags],
+                                      args, Path(tmp))
+    if "error" in history:
+        return history
+    return {"command": command, "num_gpus": num_gpus, "global_batch": args.accuracy_batch,
             "best_val_acc": history["best"]["val_acc"], "last_val_acc": history["epochs"][-1]["val_acc"],
-            "val_images": history["epochs"][-1]["val_images"],
-            "val_acc_per_epoch": [epoch["val_acc"] for epoch in history["epochs"]],
-            "val_loss_per_epoch": [epoch["val_loss"] for epoch in history["epochs"]]}
+            "val_images": history["epochs"][-1]["val_images"], **per_epoch(history)}
+
+
+def resume_run(stage, before, after, args):
+    """--resume_epochs epochs on `before` GPUs, then `--resume auto` on `after` GPUs for as many more (ZeRO-1/2/3
+    through DeepSpeed's universal checkpoint): the resumed run's epochs, and how long its start took."""
+    flags = ["--zero_stage", str(stage), "--save_every", "0"]
+    with tempfile.TemporaryDirectory() as tmp:
+        first_command, first = sample_run(before, args.resume_epochs, flags, args, Path(tmp))
+        if "error" in first:
+            return {"command": first_command, **first}
+        command, history = sample_run(after, 2 * args.resume_epochs, [*flags, "--resume", "auto"], args, Path(tmp))
+    if "error" in history:
+        return {"commands": [first_command, command], **history}
+    resumed = re.search(r"Resumed from \S+: ([^\n]*)", history["output"])
+    return {"commands": [first_command, command], "num_gpus": [before, after], "global_batch": args.accuracy_batch,
+            "resumed_at": resumed[1] if resumed else None, "epochs": [epoch["epoch"] for epoch in history["epochs"]],
+            "resumed_timing": history.get("timing"),
+            "last_val_acc": history["epochs"][-1]["val_acc"], **per_epoch(history)}
 
 
 def get_args_parser():
@@ -61,7 +102,10 @@ def get_args_parser():
     parser.add_argument("--sample_data", type=Path, default=ROOT / "sample_data",
                         help="the built-in sample dataset for the accuracy runs; drawn there if missing")
     parser.add_argument("--accuracy_epochs", type=int, default=30)
-    parser.add_argument("--accuracy_batch", type=int, default=128, help="global batch of the accuracy runs")
+    parser.add_argument("--accuracy_batch", type=int, default=128,
+                        help="global batch of the accuracy and resume runs")
+    parser.add_argument("--resume_epochs", type=int, default=3,
+                        help="epochs before a resume on the other GPU count, and as many after it")
     return parser
 
 
@@ -70,24 +114,32 @@ def main():
     only = set(args.only or ())
     chosen = [(kind, name) for kind, name in MEASUREMENTS if not only or name in only or kind in only]
     accuracy = [name for name in ACCURACY if not only or name in only or "accuracy" in only]
+    resumes = [name for name in RESUMES if not only or name in only or "resume" in only]
+    unknown = only - {"reference", "synthetic", "real", "accuracy", "resume", *(name for _, name in MEASUREMENTS),
+                      *ACCURACY, *RESUMES}
+    if unknown:
+        sys.exit(f"error: unknown measurement(s): {', '.join(sorted(unknown))}")
     if chosen and not (args.data / "train").is_dir():
         subprocess.run([sys.executable, str(ROOT / "src" / "prepare_data.py"), "sample", "--output", str(args.data),
                         "--num_classes", str(args.num_classes), "--train_per_class", "48", "--val_per_class", "12",
                         "--image_size", "256", "--seed", "0"], check=True, stdout=subprocess.DEVNULL)
-    if accuracy:
+    if accuracy or resumes:
         subprocess.run([sys.executable, str(ROOT / "src" / "prepare_data.py"), "sample", "--output",
                         str(args.sample_data)], check=True, stdout=subprocess.DEVNULL)
     env = environment()
     slug = machine_slug(env)
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    path = args.output_dir / f"scaling_{slug}_x{args.max_gpus}.json"
+    model = "" if args.model == "resnet18" else f"{args.model}_"
+    path = args.output_dir / f"scaling_{model}{slug}_x{args.max_gpus}.json"
     gpu_counts = [1, args.max_gpus]
-    results = {}
+    results, commands = earlier_results(path, env) if args.update else ({}, [])
+    commands.append(env["command"])
 
     def save():
         settings = {k: (str(v.relative_to(ROOT)) if v.is_relative_to(ROOT) else str(v)) if isinstance(v, Path)
                     else v for k, v in vars(args).items() if k != "case"}
-        path.write_text(json.dumps({"environment": env, "settings": settings, "results": results}, indent=2) + "\n")
+        path.write_text(json.dumps({"environment": env, "settings": settings, "commands": commands,
+                                    "results": results}, indent=2) + "\n")
 
     for kind, name in chosen:
         results[name] = {"kind": kind}
@@ -106,6 +158,12 @@ def main():
         results[name] = {"kind": "accuracy", **accuracy_run(num_gpus or args.max_gpus, flags, args)}
         print(f"{name}: {json.dumps(results[name])[:300]}", flush=True)
         save()
+    for name in resumes:
+        stage, before, after = RESUMES[name]
+        results[name] = {"kind": "resume", **resume_run(stage, *(args.max_gpus if count == "N" else count
+                                                                  for count in (before, after)), args)}
+        print(f"{name}: {json.dumps(results[name])[:300]}", flush=True)
+        save()
 
     ddp = results.get(DDP, {}).get("speedup")
     print(f"\n{env['gpu'] or 'CPU'} | torch {env['torch']} | DeepSpeed {env['deepspeed']} | CUDA {env['cuda']} | "
@@ -113,11 +171,17 @@ def main():
     print(f"{'measurement':<40}{'1 GPU':>9}{f'{args.max_gpus} GPUs':>9}{'speed-up':>9}{'eff.':>6}{'goal':>6}"
           f"{'vs DDP':>7}{'peak GiB':>9}")
     for name, r in results.items():
-        if r["kind"] == "accuracy":
-            line = (f"best val acc {r['best_val_acc']:.3f}, last {r['last_val_acc']:.3f}, "
-                    f"last val loss {r['val_loss_per_epoch'][-1]:.3f}"
-                    if "error" not in r else "FAILED: " + r["error"].strip().splitlines()[-1][:80])
-            print(f"{name:<40}{line}")
+        label = re.sub(r"\bN\b", str(args.max_gpus), name)
+        if r["kind"] in ("resume", "accuracy"):
+            if "error" in r:
+                line = "FAILED: " + r["error"].strip().splitlines()[-1][:80]
+            elif r["kind"] == "resume":
+                line = (f"resumed at {r['resumed_at']}; val acc {r['val_acc_per_epoch'][args.resume_epochs - 1]:.3f} "
+                        f"before, {r['last_val_acc']:.3f} at the end")
+            else:
+                line = (f"best val acc {r['best_val_acc']:.3f}, last {r['last_val_acc']:.3f}, "
+                        f"last val loss {r['val_loss_per_epoch'][-1]:.3f}")
+            print(f"{label:<40}{line}")
             continue
         one, many = (r[f"{n}_gpu"] for n in gpu_counts)
         if "error" in one or "error" in many:
