@@ -19,17 +19,20 @@ out=${3:-benchmarks/results}
 mkdir -p "$out"
 [ "$model" = - ] && model=  # the part's default
 
+# one set of settings for every part: they add to one JSON per model (scaling.py --update refuses others)
+# 8 accuracy epochs: the sample data is learned to 100% validation accuracy by epoch 30 on any GPU count
+scaling=(python3 benchmarks/scaling.py --steps 40 --warmup_steps 10 --epochs 3 --accuracy_epochs 8 --output_dir "$out"
+         --update)
+
 case "$part" in
 steps)
-    python3 benchmarks/scaling.py --model "${model:-resnet18}" --only reference synthetic --steps 40 --warmup_steps 10 \
-        --output_dir "$out" --update
+    "${scaling[@]}" --model "${model:-resnet18}" --only reference synthetic
     ;;
 epochs)
-    python3 benchmarks/scaling.py --model "${model:-resnet18}" --only reference real --epochs 3 --output_dir "$out" --update
+    "${scaling[@]}" --model "${model:-resnet18}" --only reference real
     ;;
 accuracy | resume)
-    # 8 epochs: the sample data is learned to 100% validation accuracy by epoch 30 on any GPU count
-    python3 benchmarks/scaling.py --only "$part" --accuracy_epochs 8 --output_dir "$out" --update
+    "${scaling[@]}" --only "$part"
     ;;
 memory)
     tables=()

@@ -37,6 +37,9 @@ GOALS = {**{f"epoch: zero{stage} bf16, data on GPU": 1.9 for stage in range(3)},
          "epoch: zero3 bf16, data on GPU": 1.8, CACHE: 1.9}
 # Same global batch on 1 and N GPUs: the micro-batch is divided by N; with and without --sync_bn.
 ACCURACY = {"accuracy: 1 GPU": (1, []), "accuracy: N GPUs": (None, []), "accuracy: N GPUs --sync_bn": (None, ["--sync_bn"])}
+# what every row of one JSON shares (--update refuses others)
+SHARED_SETTINGS = ("model", "batch_size", "image_size", "num_classes", "steps", "warmup_steps", "epochs",
+                   "images_per_class", "max_gpus", "accuracy_epochs", "accuracy_batch", "resume_epochs")
 # A run saved on one GPU count goes on on the other: name -> (ZeRO stage, GPUs before, GPUs after; None: N)
 RESUMES = {f"resume: zero{stage}, {before} → {after} GPUs": (stage, before, after)
            for stage in (2, 3) for before, after in ((1, "N"), ("N", 1))}
@@ -50,9 +53,12 @@ def sample_run(num_gpus, epochs, flags, args, workdir):
                "--epochs", str(epochs), "--batch_size", str(args.accuracy_batch // num_gpus),
                "--image_size", "96", "--bf16", "--data_on_device", "on",
                "--log_dir", str(workdir / "logs"), "--checkpoint_dir", str(workdir / "checkpoints"), *flags]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=args.case_timeout)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=args.case_timeout)
+    except subprocess.TimeoutExpired:
+        return shown(command), {"error": f"over {args.case_timeout} s"}
     if result.returncode != 0:
-        return shown(command), {"error": (result.stdout + result.stderr)[-3000:]}
+        return shown(command), {"error": (result.stdout + result.stderr)[-3000:] or f"exit status {result.returncode}"}
     return shown(command), {**json.loads((workdir / "logs" / "training_history.json").read_text()),
                             "output": result.stdout}
 
@@ -83,13 +89,14 @@ def resume_run(stage, before, after, args):
     with tempfile.TemporaryDirectory() as tmp:
         first_command, first = sample_run(before, args.resume_epochs, flags, args, Path(tmp))
         if "error" in first:
-            return {"command": first_command, **first}
+            return {"commands": [first_command], **first}
         command, history = sample_run(after, 2 * args.resume_epochs, [*flags, "--resume", "auto"], args, Path(tmp))
     if "error" in history:
         return {"commands": [first_command, command], **history}
     resumed = re.search(r"Resumed from \S+: ([^\n]*)", history["output"])
     return {"commands": [first_command, command], "num_gpus": [before, after], "global_batch": args.accuracy_batch,
             "resumed_at": resumed[1] if resumed else None, "epochs": [epoch["epoch"] for epoch in history["epochs"]],
+            "val_acc_before": history["epochs"][args.resume_epochs - 1]["val_acc"],
             "resumed_timing": history.get("timing"),
             "last_val_acc": history["epochs"][-1]["val_acc"], **per_epoch(history)}
 
@@ -119,6 +126,9 @@ def main():
                       *ACCURACY, *RESUMES}
     if unknown:
         sys.exit(f"error: unknown measurement(s): {', '.join(sorted(unknown))}")
+    if (accuracy or resumes) and args.accuracy_batch % args.max_gpus:
+        sys.exit(f"error: --accuracy_batch {args.accuracy_batch} must divide by --max_gpus {args.max_gpus}: the same "
+                 "global batch on 1 and N GPUs")
     if chosen and not (args.data / "train").is_dir():
         subprocess.run([sys.executable, str(ROOT / "src" / "prepare_data.py"), "sample", "--output", str(args.data),
                         "--num_classes", str(args.num_classes), "--train_per_class", "48", "--val_per_class", "12",
@@ -134,6 +144,11 @@ def main():
     gpu_counts = [1, args.max_gpus]
     results, commands = earlier_results(path, env) if args.update else ({}, [])
     commands.append(env["command"])
+    if args.update and path.exists():  # every row of one JSON measured with the same settings
+        earlier = json.loads(path.read_text())["settings"]
+        differs = [key for key in SHARED_SETTINGS if earlier.get(key) != getattr(args, key)]
+        if differs:
+            sys.exit(f"error: --update: {path} was measured with another {', '.join(f'--{key}' for key in differs)}")
 
     def save():
         settings = {k: (str(v.relative_to(ROOT)) if v.is_relative_to(ROOT) else str(v)) if isinstance(v, Path)
@@ -174,10 +189,9 @@ def main():
         label = re.sub(r"\bN\b", str(args.max_gpus), name)
         if r["kind"] in ("resume", "accuracy"):
             if "error" in r:
-                line = "FAILED: " + r["error"].strip().splitlines()[-1][:80]
+                line = "FAILED: " + (r["error"].strip().splitlines() or ["?"])[-1][:80]
             elif r["kind"] == "resume":
-                line = (f"resumed at {r['resumed_at']}; val acc {r['val_acc_per_epoch'][args.resume_epochs - 1]:.3f} "
-                        f"before, {r['last_val_acc']:.3f} at the end")
+                line = f"resumed at {r['resumed_at']}; val acc {r['val_acc_before']:.3f} before, {r['last_val_acc']:.3f} at the end"
             else:
                 line = (f"best val acc {r['best_val_acc']:.3f}, last {r['last_val_acc']:.3f}, "
                         f"last val loss {r['val_loss_per_epoch'][-1]:.3f}")

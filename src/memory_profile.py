@@ -375,7 +375,9 @@ def over_ranks(attempt, device, world_size):
 
 
 def say(tag, value):
-    print(f"{tag} {json.dumps(value)}", flush=True)
+    # one write (under PIPE_BUF): torchrun's ranks share one pipe, and print() writes the newline apart
+    sys.stdout.write(f"{tag} {json.dumps(value)}\n")
+    sys.stdout.flush()
 
 
 def tries(args, device, sizes, name, first, following, accumulation=1):
@@ -432,8 +434,9 @@ def child(args, mode, name, *values, capped=True):
                *[f"--{flag}" for flag in ("fp16", "bf16") if getattr(args, flag)],
                *(["--gpu_memory_gib", str(args.gpu_memory_gib)] if args.gpu_memory_gib and capped else [])]
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-    if args.num_gpus > 1:  # torchrun sets each rank's; when one rank runs out of memory it stops the others
-        env = {key: value for key, value in os.environ.items() if key not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    if args.num_gpus > 1:  # torchrun sets the ranks'; when one runs out of memory it stops the others (SIGTERM)
+        # and would hold each rank to one CPU thread, which offload's CPU Adam runs on: the cores shared instead
+        env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.num_gpus)), **os.environ}
 
     def start(port):
         ranks = (["-m", "torch.distributed.run", "--nproc_per_node", str(args.num_gpus), "--master_port", str(port)]
@@ -442,11 +445,10 @@ def child(args, mode, name, *values, capped=True):
                               capture_output=True, text=True)
 
     result = run_on_free_port(start)
-    tries = [json.loads(line[4:]) for line in result.stdout.splitlines() if line.startswith("TRY ")]
+    tries = said_tries(result.stdout)
     out_of_memory = result.returncode == OUT_OF_MEMORY or any(not attempt["fits"] for attempt in tries)
     if result.returncode != 0 and not out_of_memory:
-        raise RuntimeError(f"the {mode} of {name} ({' '.join(values)}) failed:\n{result.stderr[-3000:]}")
-    tries = tries[:next((i + 1 for i, attempt in enumerate(tries) if not attempt["fits"]), None)]  # one failure
+        raise RuntimeError(f"the {mode} of {name} ({' '.join(values)}) failed:\n{ranks_errors(result.stderr)[-3000:]}")
     for attempt in tries:
         speed = f", {attempt['images_per_s']:.1f} images/s" if attempt.get("images_per_s") else ""
         print(f"  {name}: micro-batch {attempt['batch']}"
@@ -454,6 +456,28 @@ def child(args, mode, name, *values, capped=True):
               + (f" fits ({fmt(attempt['peak_reserved_gib'])} GiB reserved{speed})" if attempt["fits"]
                  else " runs out of memory"), flush=True)
     return tries, not out_of_memory
+
+
+def said_tries(stdout):
+    """The tries of a probe or search process's TRY lines: every one that fitted (rank 0 says those, for all
+    ranks), then the smallest that failed (any rank may say one, and before rank 0's last line)."""
+    said = []
+    for line in stdout.splitlines():
+        if line.startswith("TRY "):
+            try:
+                said.append(json.loads(line[4:]))
+            except ValueError:  # a line some other output broke into
+                continue
+    failed = sorted((attempt for attempt in said if not attempt["fits"]), key=lambda attempt: attempt["batch"])
+    return [attempt for attempt in said if attempt["fits"]] + failed[:1]
+
+
+def ranks_errors(stderr):
+    """A failed process's stderr without torchrun's own traceback and summary, which come after the ranks'
+    and name none of their errors."""
+    end = stderr.find("torch.distributed.elastic.multiprocessing.errors.ChildFailedError")
+    start = stderr.rfind("Traceback (most recent call last)", 0, end)
+    return stderr if end < 0 or start <= 0 else stderr[:start]
 
 
 def largest_batches(args, sizes, on_row=lambda rows: None):
@@ -567,7 +591,8 @@ def report(args, rows, world_size, env, reference=None):
     print(f"\n{args.model} ({params / 1e6:.1f} M params), {at}, {args.image_size} px, {world_size} rank(s) on "
           f"{env['gpu'] or 'CPU'}; GiB per rank, the largest over ranks")
     if reference:
-        print(f"reference: {PLAIN} on the whole GPU at micro-batch {reference['batch']}: "
+        whole = "the whole GPU" if world_size == 1 else f"{world_size} whole GPUs (DDP; images/s of all)"
+        print(f"reference: {PLAIN} on {whole} at micro-batch {reference['batch']}: "
               + (f"{reference['images_per_s']:.1f} images/s" if reference["images_per_s"] else "out of memory"))
     searched = args.find_max_batch
     columns = [("paper", "paper_formula_gib", 7), ("DS est", "deepspeed_estimate_gpu_gib", 8),
@@ -668,7 +693,11 @@ def main(argv=None):
                 torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gib * GIB / budget), device)
                 budget = min(budget, args.gpu_memory_gib * GIB)
             torch.backends.cudnn.benchmark = True
-        init_distributed()
+        _, world_size = init_distributed()
+        if world_size > 1:  # every rank must predict the same next micro-batch: the smallest GPU's budget
+            budget = torch.tensor([float(budget)], dtype=torch.float64, device=device)
+            torch.distributed.all_reduce(budget, op=torch.distributed.ReduceOp.MIN)
+            budget = budget.item()
         return probe(args, device, sizes) if args.probe else search_process(args, device, sizes, budget)
     env = environment(shown([sys.executable, *sys.argv]))
     if args.find_max_batch:  # every try runs in a child process: this one keeps no GPU memory

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import memory_profile
 from conftest import spawn_ranks
 from distributed import average_buffers, differing, free_port
 from model import BatchNorm2dFP32, build_model, synchronize_batch_norm
@@ -65,7 +66,11 @@ def on_each_rank(rank, port, results):
     synchronize_batch_norm(model)
     model(model_batch()[shard])
     cpu = torch.device("cpu")
+    # memory_profile's search: one try's figures as each rank measured them
+    attempt = {"batch": 4, "fits": True, "peak_allocated_bytes": 100 + rank, "peak_reserved_bytes": 200 - rank,
+               "model_states_gib": None, "images_per_s": 10.0 + rank}
     results[rank] = {"differing": (differing({"images": 10 + rank, "classes": 3}, cpu), differing({"images": 10}, cpu)),
+                     "over_ranks": memory_profile.over_ranks(attempt, cpu, WORLD_SIZE),
                      "model_running": model_running_means(model),
                      "input_grad": x_shard.grad, "param_grads": grads,
                      "running": (layer.running_mean, layer.running_var, layer.num_batches_tracked),
@@ -100,6 +105,14 @@ def test_sync_bn_matches_one_process_on_the_whole_batch(ranks):
 def test_ranks_find_the_numbers_they_do_not_share(ranks):
     """What the training script compares before it trains: the ranks' counts of training and validation images."""
     assert [result["differing"] for result in ranks] == [({"images": (10.0, 11.0)}, {})] * WORLD_SIZE
+
+
+def test_ranks_agree_on_a_memory_search_try(ranks):
+    """Each peak the largest any rank had (what every GPU must hold), images/s the slowest rank's times the
+    ranks: every rank the same figures, so each picks the same next micro-batch."""
+    agreed = {"batch": 4, "fits": True, "peak_allocated_bytes": 101.0, "peak_reserved_bytes": 200.0,
+              "model_states_gib": None, "images_per_s": 20.0}
+    assert [result["over_ranks"] for result in ranks] == [agreed] * WORLD_SIZE
 
 
 def test_sync_bn_reaches_every_batch_norm_of_a_model(ranks):
