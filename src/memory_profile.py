@@ -45,6 +45,7 @@ import deepspeed_overrides
 import max_batch
 import train_deepspeed
 from data import batch_memory_format
+import distributed
 from distributed import exit_now, init_distributed, rank_zero_only, run_on_free_port, shut_down
 from ds_config import build_ds_config, precision
 from failures import UsageError
@@ -384,7 +385,7 @@ def tries(args, device, sizes, name, first, following, accumulation=1):
     """Build `name`'s engine once, then try micro-batch `first` and the ones following(batch, try) gives
     until None, each said on a TRY line; status OUT_OF_MEMORY at the first that runs out of memory."""
     micro_batch, started = first, time.perf_counter()
-    rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    rank, world_size = distributed.rank(), distributed.world_size()
     config = config_of(args, name, micro_batch, world_size, device, sizes[0], accumulation)
     counters = MemoryCounters(device)
     try:
