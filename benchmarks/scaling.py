@@ -40,7 +40,7 @@ ACCURACY = {"accuracy: 1 GPU": (1, []), "accuracy: N GPUs": (None, []), "accurac
 # what every row of one JSON shares (--update refuses others)
 SHARED_SETTINGS = ("model", "batch_size", "image_size", "num_classes", "steps", "warmup_steps", "epochs",
                    "images_per_class", "max_gpus", "accuracy_epochs", "accuracy_batch", "resume_epochs")
-# A run saved on one GPU count goes on on the other: name -> (ZeRO stage, GPUs before, GPUs after; None: N)
+# A run saved on one GPU count goes on on the other: name -> (ZeRO stage, GPUs before, GPUs after; "N": --max_gpus)
 RESUMES = {f"resume: zero{stage}, {before} → {after} GPUs": (stage, before, after)
            for stage in (2, 3) for before, after in ((1, "N"), ("N", 1))}
 
