@@ -22,12 +22,14 @@ def environment():
     return run_environment(shown([sys.executable, *sys.argv]))
 
 
-def earlier_results(path, env):
-    """(results, commands) of the JSON at `path` for --update; refused if another GPU or versions measured it."""
+def earlier_results(path, env, args=None, settings=()):
+    """(results, commands) of the JSON at `path` for --update; refused if another GPU or versions measured it,
+    or other values of `args`' `settings` (the flags every row of the JSON must share)."""
     if not path.exists():
         return {}, []
     earlier = json.loads(path.read_text())
     differs = [key for key in MACHINE if earlier["environment"].get(key) != env.get(key)]
+    differs += [f"--{key}" for key in settings if earlier["settings"].get(key) != getattr(args, key)]
     if differs:
         sys.exit(f"error: --update: {path} was measured with another {', '.join(differs)}; "
                  f"write to another --output_dir")

@@ -142,13 +142,8 @@ def main():
     model = "" if args.model == "resnet18" else f"{args.model}_"
     path = args.output_dir / f"scaling_{model}{slug}_x{args.max_gpus}.json"
     gpu_counts = [1, args.max_gpus]
-    results, commands = earlier_results(path, env) if args.update else ({}, [])
+    results, commands = earlier_results(path, env, args, SHARED_SETTINGS) if args.update else ({}, [])
     commands.append(env["command"])
-    if args.update and path.exists():  # every row of one JSON measured with the same settings
-        earlier = json.loads(path.read_text())["settings"]
-        differs = [key for key in SHARED_SETTINGS if earlier.get(key) != getattr(args, key)]
-        if differs:
-            sys.exit(f"error: --update: {path} was measured with another {', '.join(f'--{key}' for key in differs)}")
 
     def save():
         settings = {k: (str(v.relative_to(ROOT)) if v.is_relative_to(ROOT) else str(v)) if isinstance(v, Path)
@@ -187,10 +182,11 @@ def main():
           f"{'vs DDP':>7}{'peak GiB':>9}")
     for name, r in results.items():
         label = re.sub(r"\bN\b", str(args.max_gpus), name)
+        if "error" in r:
+            print(throughput.failed(label, r, 40))
+            continue
         if r["kind"] in ("resume", "accuracy"):
-            if "error" in r:
-                line = "FAILED: " + (r["error"].strip().splitlines() or ["?"])[-1][:80]
-            elif r["kind"] == "resume":
+            if r["kind"] == "resume":
                 line = f"resumed at {r['resumed_at']}; val acc {r['val_acc_before']:.3f} before, {r['last_val_acc']:.3f} at the end"
             else:
                 line = (f"best val acc {r['best_val_acc']:.3f}, last {r['last_val_acc']:.3f}, "
@@ -199,8 +195,7 @@ def main():
             continue
         one, many = (r[f"{n}_gpu"] for n in gpu_counts)
         if "error" in one or "error" in many:
-            failed = one if "error" in one else many
-            print(f"{name:<40} FAILED: {failed['error'].strip().splitlines()[-1][:80] if failed['error'].strip() else '?'}")
+            print(throughput.failed(label, one if "error" in one else many, 40))
             continue
         print(f"{name:<40}{one['images_per_s']:>9.0f}{many['images_per_s']:>9.0f}{fmt(r.get('speedup')):>9}"
               f"{fmt(r.get('efficiency')):>6}{fmt(r.get('goal')):>6}"
