@@ -65,7 +65,8 @@ def _check_types(config):
     def fail(where, expected, value):
         raise UsageError(f"{where} in the DeepSpeed config must be {expected}, got {json.dumps(value)}")
 
-    for key in ("fp16", "bf16", "torch_autocast", "zero_optimization", "optimizer", "scheduler", *MONITORS):
+    for key in ("fp16", "bf16", "torch_autocast", "zero_optimization", "optimizer", "scheduler", "data_types",
+                *MONITORS):
         if not isinstance(config.get(key, {}), dict):
             fail(key, "a JSON object", config[key])
     for section, key in (("optimizer", "params"), ("scheduler", "params"),
@@ -140,6 +141,7 @@ def build_ds_config(args, world_size, num_train_images, base=None, device_type="
     # Always written: a config without it would get DeepSpeed's default of 1.0, not --clip_grad's 0.
     config["gradient_clipping"] = _pick(config, "gradient_clipping", args, "clip_grad", missing=args.clip_grad)
     _skip_unused_grad_norm(config)
+    _accumulate_on_device(config)
     config.setdefault("steps_per_print", 1_000_000)  # the progress bar reports; keep DeepSpeed's log quiet
     # DeepSpeed's throughput timer synchronises the device at the start and the end of every step, for a
     # figure it only logs every steps_per_print steps; the trainer times its epochs itself.
@@ -284,6 +286,17 @@ def auto_stage(world_size, zero):
     if _offloads(zero, "offload_param"):
         return 3
     return 2 if world_size > 1 or _offloads(zero, "offload_optimizer") else 0
+
+
+def _accumulate_on_device(config):
+    """With optimizer offload and half-precision weights, ZeRO-2 copies every micro-batch's gradients to the
+    CPU and back to add them up, in bf16. DeepSpeed's fp32 gradient accumulation (data_types.grad_accum_dtype)
+    adds them in an fp32 buffer on the GPU instead (4 bytes a parameter) and sends them once a step; used
+    when accumulating, unless the base config names a grad_accum_dtype."""
+    zero = config["zero_optimization"]
+    if (config["gradient_accumulation_steps"] > 1 and zero["stage"] == 2 and _offloads(zero, "offload_optimizer")
+            and precision(config) == "bf16"):
+        config.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
 
 
 def _round_up(value, multiple):

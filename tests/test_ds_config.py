@@ -553,3 +553,19 @@ def test_a_bad_zero_stage_is_refused_by_argparse(capsys):
     with pytest.raises(SystemExit) as exited:
         make_args("--zero_stage", "4")
     assert exited.value.code == 2 and "invalid choice: '4' (choose from auto, 0, 1, 2, 3)" in capsys.readouterr().err
+
+
+def test_offload_with_bf16_weights_accumulates_gradients_in_fp32_on_the_device():
+    offload = ["--zero_stage", "2", "--offload_optimizer", "--bf16", "--precision_mode", "half_weights"]
+    accumulating = build(*offload, "--gradient_accumulation_steps", "4", device_type="cuda")
+    assert accumulating["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert "data_types" not in build(*offload, device_type="cuda")  # one micro-batch a step: nothing to add up
+    for argv in (["--zero_stage", "2", "--bf16", "--precision_mode", "half_weights"],  # no offload
+                 ["--zero_stage", "2", "--offload_optimizer", "--bf16", "--precision_mode", "autocast"],  # fp32 weights
+                 ["--zero_stage", "3", "--offload_optimizer", "--bf16", "--precision_mode", "half_weights"]):
+        assert "data_types" not in build(*argv, "--gradient_accumulation_steps", "4", device_type="cuda"), argv
+    # the user's choice stands, and a data_types that is not an object is refused before DeepSpeed sees it
+    mine = build(*offload, "--gradient_accumulation_steps", "4", base={"data_types": {"grad_accum_dtype": "bf16"}})
+    assert mine["data_types"] == {"grad_accum_dtype": "bf16"}
+    with pytest.raises(UsageError, match="data_types in the DeepSpeed config must be a JSON object"):
+        build(*offload, base={"data_types": "fp32"})
