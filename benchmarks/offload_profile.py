@@ -1,7 +1,7 @@
 """Where a step with gradient accumulation goes, per configuration: forward, backward and DeepSpeed's step()
 timed apart (the GPU synchronised around each) for the micro-batches between optimizer steps and the one
-that ends a step, beside plain PyTorch's forward and backward at the same micro-batch (the GPU's own work),
-under a GPU held to --gpu_memory_gib; then torch.profiler's busiest operations over one optimizer step.
+that ends a step, under a GPU held to --gpu_memory_gib, beside plain PyTorch at the same micro-batch on the
+whole GPU (the GPU's own work); then torch.profiler's busiest operations over one optimizer step.
 
 Each configuration (memory_profile.py's names) runs in a process of its own, built as the trainer builds it.
 
@@ -30,7 +30,7 @@ from common import environment, shown  # noqa: E402
 from reproducibility import machine_slug  # noqa: E402
 from throughput import slug_of  # noqa: E402
 
-DEFAULT_CONFIGS = [memory_profile.PLAIN, "ZeRO-2 + offload optimizer, half weights", memory_profile.FP32_ACCUMULATION]
+DEFAULT_CONFIGS = [memory_profile.PLAIN, "ZeRO-2 + offload optimizer, half weights"]
 PHASES = ("forward", "backward", "step")
 
 
@@ -87,7 +87,8 @@ def timed_step(engine, batch, accumulation, plain, device):
 
 def child(args):
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    if args.gpu_memory_gib and device.type == "cuda":
+    plain = memory_profile.CONFIGS[args.config] is None
+    if args.gpu_memory_gib and device.type == "cuda" and not plain:  # plain PyTorch: what the GPU itself takes
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_gib * 2**30 / total), device)
     if device.type == "cuda":
@@ -100,7 +101,6 @@ def child(args):
     config = memory_profile.config_of(profile_args, args.config, args.micro_batch, 1, device, params, args.accumulation)
     engine = memory_profile.new_engine(profile_args, args.config, config, device, 1)
     batch = memory_profile.synthetic_batch(profile_args, config, args.micro_batch, device)
-    plain = memory_profile.CONFIGS[args.config] is None
     timed_step(engine, batch, args.accumulation, plain, device)  # allocates the optimizer state, tunes cuDNN
     runs = [timed_step(engine, batch, args.accumulation, plain, device) for _ in range(args.steps)]
     between = {phase: sum(run[0][phase] for run in runs) / len(runs) * 1e3 for phase in PHASES}
@@ -147,7 +147,7 @@ def main():
     results = {}
     path = args.output_dir / f"offload_profile_{args.model}_{machine_slug(env)}.json"
     for name in args.configs:
-        results[name] = {**memory_profile.described(name), **run_config(args, name)}
+        results[name] = {"flags": memory_profile.CONFIGS[name], **run_config(args, name)}
         print(f"{name}: {json.dumps(results[name])[:400]}", flush=True)
         settings = {k: shown([str(v)]) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "config"}
         path.write_text(json.dumps({"environment": env, "settings": settings, "results": results}, indent=2) + "\n")

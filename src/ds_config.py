@@ -33,6 +33,8 @@ LR_SCHEDULES = {
     "linear": ("WarmupDecayLR", {"warmup_type": "linear", "warmup_min_lr": AUTO, "warmup_max_lr": AUTO}),
     "constant": ("WarmupLR", {"warmup_type": "linear", "warmup_min_lr": AUTO, "warmup_max_lr": AUTO}),
 }
+# The names DeepSpeed's data_types accept for fp32 (its DtypeEnum).
+FP32_NAMES = ("fp32", "float32", "float", "torch.float32")
 # --tensorboard / --csv_monitor -> DeepSpeed's monitor sections; files go to <output_path>/<job_name>/.
 MONITORS = ("tensorboard", "csv_monitor")
 MONITOR_JOB_NAME = "train"
@@ -65,8 +67,7 @@ def _check_types(config):
     def fail(where, expected, value):
         raise UsageError(f"{where} in the DeepSpeed config must be {expected}, got {json.dumps(value)}")
 
-    for key in ("fp16", "bf16", "torch_autocast", "zero_optimization", "optimizer", "scheduler", "data_types",
-                *MONITORS):
+    for key in ("fp16", "bf16", "torch_autocast", "zero_optimization", "optimizer", "scheduler", *MONITORS):
         if not isinstance(config.get(key, {}), dict):
             fail(key, "a JSON object", config[key])
     for section, key in (("optimizer", "params"), ("scheduler", "params"),
@@ -141,7 +142,7 @@ def build_ds_config(args, world_size, num_train_images, base=None, device_type="
     # Always written: a config without it would get DeepSpeed's default of 1.0, not --clip_grad's 0.
     config["gradient_clipping"] = _pick(config, "gradient_clipping", args, "clip_grad", missing=args.clip_grad)
     _skip_unused_grad_norm(config)
-    _accumulate_on_device(config)
+    _refuse_fp32_accumulation_with_offload(config)
     config.setdefault("steps_per_print", 1_000_000)  # the progress bar reports; keep DeepSpeed's log quiet
     # DeepSpeed's throughput timer synchronises the device at the start and the end of every step, for a
     # figure it only logs every steps_per_print steps; the trainer times its epochs itself.
@@ -288,19 +289,20 @@ def auto_stage(world_size, zero):
     return 2 if world_size > 1 or _offloads(zero, "offload_optimizer") else 0
 
 
-def _accumulate_on_device(config):
-    """With optimizer offload and half-precision weights, ZeRO-2 copies every micro-batch's gradients to the
-    CPU and back to add them up, in bf16. DeepSpeed's fp32 gradient accumulation (data_types.grad_accum_dtype)
-    adds them in an fp32 buffer on the GPU instead (4 bytes a parameter) and sends them once a step; used
-    when accumulating, unless the base config names a grad_accum_dtype."""
-    zero = config["zero_optimization"]
-    if (config["gradient_accumulation_steps"] > 1 and zero["stage"] == 2 and _offloads(zero, "offload_optimizer")
-            and precision(config) == "bf16"):
-        config.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
-
-
 def _round_up(value, multiple):
     return -(-value // multiple) * multiple
+
+
+def _refuse_fp32_accumulation_with_offload(config):
+    """DeepSpeed 0.19.8's ZeRO-1/2 with optimizer offload and fp16/bf16 weights keep an fp32 gradient buffer
+    on the GPU under data_types.grad_accum_dtype "fp32", and do not clear it after a step skipped for inf/nan
+    gradients: every later step is skipped too, and the run stops learning without a word
+    (tests/test_deepspeed_overrides.py pins it)."""
+    zero, data_types = config["zero_optimization"], config.get("data_types")
+    if (isinstance(data_types, dict) and data_types.get("grad_accum_dtype") in FP32_NAMES and zero["stage"] in (1, 2) and _offloads(zero, "offload_optimizer") and precision(config) in ("fp16", "bf16")):
+        raise UsageError("data_types.grad_accum_dtype fp32 with offload_optimizer and fp16/bf16 weights at ZeRO-1/2: "
+                         "DeepSpeed then skips every step after the first one with inf/nan gradients; remove "
+                         "data_types.grad_accum_dtype, or the offload")
 
 
 def _skip_unused_grad_norm(config):

@@ -51,11 +51,10 @@ from ds_config import build_ds_config, precision
 from failures import UsageError
 from model import build_model, construction_args, shape_model
 from options import parse_args, run_cli
-from reproducibility import environment, machine_slug, shown
+from reproducibility import environment, machine_slug, shown, source_commit
 from training import input_dtype
 
 PLAIN = "plain PyTorch"
-FP32_ACCUMULATION = "ZeRO-2 + offload optimizer, half weights, fp32 accumulation"
 HALF_WEIGHTS = ["--precision_mode", "half_weights"]
 # name -> trainer flags (None: plain PyTorch, no DeepSpeed)
 CONFIGS = {
@@ -70,18 +69,8 @@ CONFIGS = {
     "ZeRO-2 + offload optimizer, half weights": ["--zero_stage", "2", "--offload_optimizer", *HALF_WEIGHTS],
     "ZeRO-3 + offload optimizer + params, half weights": ["--zero_stage", "3", "--offload_optimizer",
                                                           "--offload_param", *HALF_WEIGHTS],
-    # The trainer's choice when it accumulates gradients (ds_config._accumulate_on_device), searched with
-    # its fp32 gradient buffer on the GPU from the first micro-batch
-    FP32_ACCUMULATION: ["--zero_stage", "2", "--offload_optimizer", *HALF_WEIGHTS],
-}
-# name -> the DeepSpeed config keys no flag sets (the base config a user would pass)
-BASES = {
-    # DeepSpeed's own way with bf16 weights: each micro-batch's gradients added up in bf16 through the CPU
-    "ZeRO-2 + offload optimizer, half weights": {"data_types": {"grad_accum_dtype": "bf16"}},
-    FP32_ACCUMULATION: {"data_types": {"grad_accum_dtype": "fp32"}},
 }
 GIB = 2**30
-NAME_WIDTH = max(map(len, CONFIGS)) + 2  # the report's first column
 OUT_OF_MEMORY = 3  # exit status of a --probe or --search process whose last try ran out of memory
 
 
@@ -126,7 +115,7 @@ def get_args_parser():
     return parser
 
 
-def trainer_config(args, flags, micro_batch, world_size, device, num_params, accumulation=1, base=None):
+def trainer_config(args, flags, micro_batch, world_size, device, num_params, accumulation=1):
     precision_flags = [flag for flag in ("fp16", "bf16") if getattr(args, flag)]
     # The offload rows come in pairs, fp32 and half weights: on a GPU "auto" would make both half weights
     # for a large model (ds_config.HALF_WEIGHTS_OFFLOAD_PARAMS), so the first of each pair stays autocast.
@@ -136,7 +125,7 @@ def trainer_config(args, flags, micro_batch, world_size, device, num_params, acc
             *[f"--{flag}" for flag in precision_flags], *flags]
     train_args = parse_args(train_deepspeed.get_args_parser, argv)
     return build_ds_config(train_args, world_size, micro_batch * accumulation * world_size * (args.steps + 2),
-                           base=base, device_type=device.type, num_params=num_params)
+                           device_type=device.type, num_params=num_params)
 
 
 def plain_config(args):
@@ -146,16 +135,11 @@ def plain_config(args):
             **({"torch_autocast": {"enabled": True, "dtype": f"{'b' if half == 'bf16' else ''}float16"}} if half else {})}
 
 
-def described(name):
-    """How a row's configuration was asked for: the trainer's flags, and the base config where one is needed."""
-    return {"flags": CONFIGS[name], **({"base_config": BASES[name]} if name in BASES else {})}
-
-
 def config_of(args, name, micro_batch, world_size, device, num_params, accumulation=1):
     flags = CONFIGS[name]
     if flags is None:
         return plain_config(args)
-    return trainer_config(args, flags, micro_batch, world_size, device, num_params, accumulation, BASES.get(name))
+    return trainer_config(args, flags, micro_batch, world_size, device, num_params, accumulation)
 
 
 def paper_formula_bytes(config, params, world_size):
@@ -345,7 +329,7 @@ def measure(args, name, world_size, device, counters, sizes):
     model_states = counters.since_reset(held[-1])
     activations = (None if model_states is None or peaks["peak_allocated_gib"] is None
                    else peaks["peak_allocated_gib"] - model_states)
-    return {"config": name, **described(name), **figures(config, sizes, world_size),
+    return {"config": name, "flags": CONFIGS[name], **figures(config, sizes, world_size),
             "after_init_gib": after_init, "model_states_gib": model_states, "activations_gib": activations,
             **peaks, "seconds": time.perf_counter() - started}
 
@@ -508,10 +492,10 @@ def largest_batches(args, sizes, on_row=lambda rows: None):
                 lambda state: child(args, "search", name, json.dumps(state)), args.max_batch_limit)
         except RuntimeError as err:  # the other configurations are still worth measuring
             print(f"  {name}: {err}", flush=True)
-            rows.append({"config": name, **described(name), "error": str(err)[-3000:]})
+            rows.append({"config": name, "flags": CONFIGS[name], "error": str(err)[-3000:]})
             on_row(rows)
             continue
-        row = {"config": name, **described(name),
+        row = {"config": name, "flags": CONFIGS[name], "commit": source_commit(),  # --update adds later commits' rows
                **figures(config_of(args, name, max(1, largest), args.num_gpus, torch.device("cuda"), sizes[0]), sizes,
                          args.num_gpus),
                "max_micro_batch": largest, "out_of_memory": largest == 0,
@@ -615,14 +599,14 @@ def report(args, rows, world_size, env, reference=None):
     columns = [("paper", "paper_formula_gib", 7), ("DS est", "deepspeed_estimate_gpu_gib", 8),
                ("states", "model_states_gib", 8), *([] if searched else [("activ", "activations_gib", 8)]),
                ("peak", "peak_allocated_gib", 8), ("reserved", "peak_reserved_gib", 9), ("host", "host_peak_rss_gib", 7)]
-    print(f"{'configuration':<{NAME_WIDTH}}" + "".join(f"{title:>{width}}" for title, _, width in columns)
+    print(f"{'configuration':<50}" + "".join(f"{title:>{width}}" for title, _, width in columns)
           + (f"{'max batch':>10}{'images/s':>10}{'ratio':>7}" if searched else ""))
     for row in rows:
         if "error" in row:
-            print(f"{row['config']:<{NAME_WIDTH}}FAILED: {row['error'].strip().splitlines()[-1][:100]}")
+            print(f"{row['config']:<50}FAILED: {row['error'].strip().splitlines()[-1][:100]}")
             continue
         shown = [fmt(row.get(key)) for _, key, _ in columns]
-        print(f"{row['config']:<{NAME_WIDTH}}" + "".join(f"{value:>{width}}" for value, (_, _, width) in zip(shown, columns))
+        print(f"{row['config']:<50}" + "".join(f"{value:>{width}}" for value, (_, _, width) in zip(shown, columns))
               + (f"{row['max_micro_batch']:>10}{fmt(row.get('images_per_s')):>10}{fmt(row.get('ratio_to_reference')):>7}"
                  if searched else ""))
     print(f"results: {stem}.json and .png")

@@ -555,17 +555,14 @@ def test_a_bad_zero_stage_is_refused_by_argparse(capsys):
     assert exited.value.code == 2 and "invalid choice: '4' (choose from auto, 0, 1, 2, 3)" in capsys.readouterr().err
 
 
-def test_offload_with_bf16_weights_accumulates_gradients_in_fp32_on_the_device():
-    offload = ["--zero_stage", "2", "--offload_optimizer", "--bf16", "--precision_mode", "half_weights"]
-    accumulating = build(*offload, "--gradient_accumulation_steps", "4", device_type="cuda")
-    assert accumulating["data_types"] == {"grad_accum_dtype": "fp32"}
-    assert "data_types" not in build(*offload, device_type="cuda")  # one micro-batch a step: nothing to add up
-    for argv in (["--zero_stage", "2", "--bf16", "--precision_mode", "half_weights"],  # no offload
+def test_fp32_gradient_accumulation_with_optimizer_offload_and_half_weights_is_refused():
+    # DeepSpeed would skip every step after the first with inf/nan gradients (test_deepspeed_overrides.py)
+    offload = ["--offload_optimizer", "--bf16", "--precision_mode", "half_weights"]
+    for stage in ("1", "2"):
+        with pytest.raises(UsageError, match="DeepSpeed then skips every step after the first one with inf/nan"):
+            build("--zero_stage", stage, *offload, base={"data_types": {"grad_accum_dtype": "float32"}})
+    for argv in (["--zero_stage", "2", "--bf16", "--precision_mode", "half_weights"],  # no offload: it recovers
                  ["--zero_stage", "2", "--offload_optimizer", "--bf16", "--precision_mode", "autocast"],  # fp32 weights
-                 ["--zero_stage", "3", "--offload_optimizer", "--bf16", "--precision_mode", "half_weights"]):
-        assert "data_types" not in build(*argv, "--gradient_accumulation_steps", "4", device_type="cuda"), argv
-    # the user's choice stands, and a data_types that is not an object is refused before DeepSpeed sees it
-    mine = build(*offload, "--gradient_accumulation_steps", "4", base={"data_types": {"grad_accum_dtype": "bf16"}})
-    assert mine["data_types"] == {"grad_accum_dtype": "bf16"}
-    with pytest.raises(UsageError, match="data_types in the DeepSpeed config must be a JSON object"):
-        build(*offload, base={"data_types": "fp32"})
+                 ["--zero_stage", "3", *offload]):
+        assert build(*argv, base={"data_types": {"grad_accum_dtype": "fp32"}})["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert build("--zero_stage", "2", *offload, base={"data_types": {"grad_accum_dtype": "bf16"}})
