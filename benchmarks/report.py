@@ -312,16 +312,56 @@ def capacity(folder, num_gpus=1):
     out += "\nModel states held between steps, GiB: measured / the ZeRO paper's formula / DeepSpeed's estimator:\n\n"
     out += table(["configuration", *models], [
         [config, *[states(rows[config]) if config in rows else "–" for rows in rows_of]] for config in configs])
-    accumulated = [[model, row["config"], f"{row['max_micro_batch']} × {row['global_batch'] // row['max_micro_batch']}"
-                    f" = {row['global_batch']}", *([f"{row['global_batch_images_per_s']:,.0f}",
-                    f"**{row['global_batch_images_per_s'] / r['reference']['images_per_s']:.2f}**"]
-                                                   if row["global_batch_images_per_s"] else ["out of memory", ""])]
-                   for model, rows, (_, r) in zip(models, rows_of, results) for row in rows.values()
-                   if "global_batch" in row]
+    accumulated = accumulation_rows(models, rows_of, results)
     if accumulated:
         out += "\nAt the largest micro-batch with gradient accumulation (one optimizer step per global batch):\n\n"
-        out += table(["model", "configuration", "micro-batch × steps = global batch", "images/s", "ratio"], accumulated)
+        out += table(ACCUMULATION_HEADER, accumulated)
     return out + half_weights_gain(rows_of)
+
+
+ACCUMULATION_HEADER = ["model", "configuration", "micro-batch × steps = global batch", "images/s", "ratio"]
+
+
+def accumulation_rows(models, rows_of, results):
+    """A row per configuration timed with gradient accumulation (memory_profile.py --global_batch)."""
+    return [[model, row["config"], f"{row['max_micro_batch']} × {row['global_batch'] // row['max_micro_batch']}"
+             f" = {row['global_batch']}", *([f"{row['global_batch_images_per_s']:,.0f}",
+             f"**{row['global_batch_images_per_s'] / r['reference']['images_per_s']:.2f}**"]
+                                            if row["global_batch_images_per_s"] else ["out of memory", ""])]
+            for model, rows, (_, r) in zip(models, rows_of, results) for row in rows.values() if "global_batch" in row]
+
+
+def accumulation(folder):
+    """The accumulation table alone, for the memory_profile.py --global_batch JSON in `folder`."""
+    results = sorted(((file, load(f"{folder}/{file.name}")) for file in (RESULTS / folder).glob("memory_*_x1.json")),
+                     key=lambda item: params(item[1]))
+    models = [f"{r['settings']['model']} ({params(r) / 1e6:,.0f} M)" for _, r in results]
+    rows_of = [{row["config"]: row for row in r["results"]} for _, r in results]
+    references = ", ".join(f"{model}: {r['reference']['batch']} · {r['reference']['images_per_s']:,.0f} images/s"
+                           for model, (_, r) in zip(models, results))
+    return ("".join(source(r, f"{folder}/{file.name}") for file, r in results)
+            + f"\nReference, plain PyTorch on the whole GPU: {references}.\n\n"
+            + table(ACCUMULATION_HEADER, accumulation_rows(models, rows_of, results)))
+
+
+def offload_profile(names):
+    """benchmarks/offload_profile.py: where one optimizer step of each configuration goes, in ms."""
+    out, rows = "", []
+    for name in names:
+        result = load(name)
+        out += source(result, name)
+        settings = result["settings"]
+        for config, row in result["results"].items():
+            if "error" in row:
+                continue
+            between, last = row["between_ms"], row["at_step_ms"]
+            rows.append([settings["model"], config, f"{settings['micro_batch']} × {settings['accumulation']}",
+                         f"{between['forward']:.0f}", f"{between['backward']:.0f}", f"{last['backward']:.0f}",
+                         f"{last['step']:.0f}", f"{row['step_ms']:,.0f}", f"{row['images_per_s']:.1f}"])
+    gib = result["settings"]["gpu_memory_gib"]
+    return (out + f"\nbf16, 224 px, held to {gib:g} GiB; ms, the GPU synchronised around each phase:\n\n"
+            + table(["model", "configuration", "micro-batch × steps", "forward", "backward",
+                     "last backward", "last step()", "optimizer step", "images/s"], rows))
 
 
 def half_weights_gain(rows_of):
@@ -355,6 +395,10 @@ TABLES = {
     "data-path-accuracy": data_path_accuracy,
     "max-batch": max_batch,
     "capacity-8gib": lambda: capacity("capacity_8gib"),
+    "capacity-24gib": lambda: capacity("capacity_24gib"),
+    "offload-accumulation": lambda: accumulation("accumulation/capacity_8gib"),
+    "offload-profile": lambda: offload_profile([f"offload_profile/offload_profile_{model}_nvidia_h100_80gb_hbm3.json"
+                                                for model in ("vit_l_16", "vit_h_14")]),
 }
 
 
