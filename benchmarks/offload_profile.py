@@ -13,6 +13,7 @@ offload_profile_<model>_<configuration>.txt of profiler tables per configuration
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -135,7 +136,9 @@ def run_config(args, name):
     for line in result.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
-    return {"error": (result.stderr or result.stdout).strip()[-3000:] or f"exit status {result.returncode}"}
+    said = [line.strip() for line in (result.stderr or result.stdout).splitlines() if line.strip()]
+    raised = [line for line in said if re.search(r"\w(Error|Exception): ", line)]  # not the traceback's paths
+    return {"error": (raised or said or [f"exit status {result.returncode}"])[-1]}
 
 
 def main():
