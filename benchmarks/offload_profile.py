@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import memory_profile  # noqa: E402
 from common import environment, shown  # noqa: E402
 from reproducibility import machine_slug  # noqa: E402
-from throughput import slug_of  # noqa: E402
+from throughput import failed, slug_of  # noqa: E402
 
 DEFAULT_CONFIGS = [memory_profile.PLAIN, "ZeRO-2 + offload optimizer, half weights"]
 PHASES = ("forward", "backward", "step")
@@ -161,7 +161,7 @@ def main():
           f"{'step ms':>9}{'img/s':>7}")
     for name, r in results.items():
         if "error" in r:
-            print(f"{name:<62}FAILED: {r['error'].splitlines()[-1][:100]}")
+            print(failed(name, r, 61))
             continue
         print(f"{name:<62}" + "".join(f"{r['between_ms'][p]:>7.1f}" for p in PHASES)
               + f"{r['at_step_ms']['forward']:>11.1f}{r['at_step_ms']['backward']:>7.1f}{r['at_step_ms']['step']:>8.1f}"
