@@ -299,7 +299,8 @@ def _refuse_fp32_accumulation_with_offload(config):
     gradients: every later step is skipped too, and the run stops learning without a word
     (tests/test_deepspeed_overrides.py pins it)."""
     zero, data_types = config["zero_optimization"], config.get("data_types")
-    if (isinstance(data_types, dict) and data_types.get("grad_accum_dtype") in FP32_NAMES and zero["stage"] in (1, 2) and _offloads(zero, "offload_optimizer") and precision(config) in ("fp16", "bf16")):
+    if (isinstance(data_types, dict) and data_types.get("grad_accum_dtype") in FP32_NAMES and zero["stage"] in (1, 2)
+            and _offloads(zero, "offload_optimizer") and precision(config) in ("fp16", "bf16")):
         raise UsageError("data_types.grad_accum_dtype fp32 with offload_optimizer and fp16/bf16 weights at ZeRO-1/2: "
                          "DeepSpeed then skips every step after the first one with inf/nan gradients; remove "
                          "data_types.grad_accum_dtype, or the offload")
