@@ -127,7 +127,8 @@ def child(args):
 
 
 def run_config(args, name):
-    command = [sys.executable, __file__, "--config", name, "--model", args.model, "--micro_batch", str(args.micro_batch),
+    command = [sys.executable, __file__, "--config", name, "--model", args.model,
+               "--micro_batch", str(args.micro_batch),
                "--accumulation", str(args.accumulation), "--steps", str(args.steps), "--image_size",
                str(args.image_size), "--output_dir", str(args.output_dir),
                *(["--gpu_memory_gib", str(args.gpu_memory_gib)] if args.gpu_memory_gib else [])]

@@ -564,5 +564,6 @@ def test_fp32_gradient_accumulation_with_optimizer_offload_and_half_weights_is_r
     for argv in (["--zero_stage", "2", "--bf16", "--precision_mode", "half_weights"],  # no offload: it recovers
                  ["--zero_stage", "2", "--offload_optimizer", "--bf16", "--precision_mode", "autocast"],  # fp32 weights
                  ["--zero_stage", "3", *offload]):
-        assert build(*argv, base={"data_types": {"grad_accum_dtype": "fp32"}})["data_types"] == {"grad_accum_dtype": "fp32"}
+        fp32 = {"grad_accum_dtype": "fp32"}
+        assert build(*argv, base={"data_types": fp32})["data_types"] == fp32
     assert build("--zero_stage", "2", *offload, base={"data_types": {"grad_accum_dtype": "bf16"}})
