@@ -271,17 +271,22 @@ def params(result):
     return next(row["params"] for row in result["results"] if "params" in row)
 
 
-def capacity(folder, num_gpus=1):
-    """The ladder under one GPU size: every memory_profile.py --find_max_batch JSON of `num_gpus` GPUs in
-    `folder`, models by size."""
+def ladder(folder, num_gpus=1):
+    """Every memory_profile.py --find_max_batch JSON of `num_gpus` GPUs in `folder`, models by size: the
+    (file, result) pairs, the models' column names and each model's rows by configuration."""
     results = sorted(((file, load(f"{folder}/{file.name}"))
                       for file in (RESULTS / folder).glob(f"memory_*_x{num_gpus}.json")), key=lambda item: params(item[1]))
+    models = [f"{r['settings']['model']} ({params(r) / 1e6:,.0f} M)" for _, r in results]
+    return results, models, [{row["config"]: row for row in r["results"]} for _, r in results]
+
+
+def capacity(folder, num_gpus=1):
+    """The ladder under one GPU size, from the JSON in `folder`."""
+    results, models, rows_of = ladder(folder, num_gpus)
     if not results:
         return f"(no results in benchmarks/results/{folder})\n"
     out = "".join(source(result, f"{folder}/{file.name}") for file, result in results)
-    models = [f"{r['settings']['model']} ({params(r) / 1e6:,.0f} M)" for _, r in results]
     configs = list(dict.fromkeys(row["config"] for _, r in results for row in r["results"]))
-    rows_of = [{row["config"]: row for row in r["results"]} for _, r in results]
 
     def speed(row):
         if "error" in row:
@@ -333,10 +338,7 @@ def accumulation_rows(models, rows_of, results):
 
 def accumulation(folder):
     """The accumulation table alone, for the memory_profile.py --global_batch JSON in `folder`."""
-    results = sorted(((file, load(f"{folder}/{file.name}")) for file in (RESULTS / folder).glob("memory_*_x1.json")),
-                     key=lambda item: params(item[1]))
-    models = [f"{r['settings']['model']} ({params(r) / 1e6:,.0f} M)" for _, r in results]
-    rows_of = [{row["config"]: row for row in r["results"]} for _, r in results]
+    results, models, rows_of = ladder(folder)
     references = ", ".join(f"{model}: {r['reference']['batch']} · {r['reference']['images_per_s']:,.0f} images/s"
                            for model, (_, r) in zip(models, results))
     return ("".join(source(r, f"{folder}/{file.name}") for file, r in results)
