@@ -150,10 +150,10 @@ def main():
     env = environment()
     results = {}
     path = args.output_dir / f"offload_profile_{args.model}_{machine_slug(env)}.json"
+    settings = {k: shown([str(v)]) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "config"}
     for name in args.configs:
         results[name] = {"flags": memory_profile.CONFIGS[name], **run_config(args, name)}
         print(f"{name}: {json.dumps(results[name])[:400]}", flush=True)
-        settings = {k: shown([str(v)]) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "config"}
         path.write_text(json.dumps({"environment": env, "settings": settings, "results": results}, indent=2) + "\n")
 
     print(f"\n{env['gpu'] or 'CPU'} | {args.model}, micro-batch {args.micro_batch} x {args.accumulation}, bf16, "

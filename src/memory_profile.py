@@ -51,7 +51,7 @@ from ds_config import build_ds_config, precision
 from failures import UsageError
 from model import build_model, construction_args, shape_model
 from options import parse_args, run_cli
-from reproducibility import environment, machine_slug, shown, source_commit
+from reproducibility import environment, machine_slug, shown, source_commit, usable_cores
 from training import input_dtype
 
 PLAIN = "plain PyTorch"
@@ -437,7 +437,7 @@ def child(args, mode, name, *values, capped=True):
     env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
     if args.num_gpus > 1:  # torchrun sets the ranks'; when one runs out of memory it stops the others (SIGTERM)
         # and would hold each rank to one CPU thread, which offload's CPU Adam runs on: the cores shared instead
-        env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.num_gpus)), **os.environ}
+        env = {"OMP_NUM_THREADS": str(max(1, usable_cores() // args.num_gpus)), **os.environ}
 
     def start(port):
         ranks = (["-m", "torch.distributed.run", "--nproc_per_node", str(args.num_gpus), "--master_port", str(port)]

@@ -47,14 +47,17 @@ def environment(command):
     import torchvision
 
     cuda = torch.cuda.is_available()
-    # the cores this process may run on (taskset), which on a host shared by several runs is not every core
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"gpu": torch.cuda.get_device_name(0) if cuda else None, "cpu_count": cores,
+    return {"gpu": torch.cuda.get_device_name(0) if cuda else None, "cpu_count": usable_cores(),
             "python": platform.python_version(), "torch": torch.__version__,
             "torchvision": torchvision.__version__, "deepspeed": deepspeed.__version__,
             "cuda": torch.version.cuda if cuda else None, "pycache_prefix": sys.pycache_prefix,
             "commit": source_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "command": command}
+
+
+def usable_cores():
+    """The cores this process may run on (taskset): on a host shared by several runs, not every core."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def shown(command):
