@@ -199,8 +199,9 @@ def zero3_settings(name):
     settings = result["settings"]
     return source(result, name) + (
         f"\n{settings['model']}, micro-batch {settings['batch_size']}, {settings['image_size']} px, bf16, "
-        f"{settings['steps']} timed steps; each variant run {settings['repeat']} times in turn, the lower median "
-        f"shown:\n\n") + table(["variant", "images/s", "ratio", "peak GiB", "every run"], rows)
+        f"{settings['steps']} timed steps" + (f"; each variant run {settings['repeat']} times in turn, the lower "
+                                               f"median shown" if settings['repeat'] > 1 else "")
+        + ":\n\n") + table(["variant", "images/s", "ratio", "peak GiB", "every run"], rows)
 
 
 def fp16_offload():
@@ -387,8 +388,10 @@ TABLES = {
     "throughput-gpu": lambda: throughput("throughput_nvidia_h200.json"),
     "throughput-models": lambda: "\n\n".join(throughput(f"throughput_{model}_nvidia_h200.json") for model in (
         "resnet50", "vit_b_16", "convnext_tiny", "swin_v2_t", "efficientnet_b0")),
-    "zero3-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{model}_nvidia_h200.json")
-                                          for model in ("resnet18", "vit_l_16")),
+    "zero3-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{run}_nvidia_h200.json")
+                                          for run in ("resnet18_b256", "vit_l_16_b32")),
+    "zero12-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{run}_nvidia_h100_80gb_hbm3.json")
+                                           for run in ("vit_b_16_b64", "vit_l_16_b32", "vit_l_16_b64")),
     "deepspeed-overrides": lambda: throughput("throughput_nvidia_h100_80gb_hbm3.json"),
     "fp16-offload": fp16_offload,
     "augmentation": augmentation,

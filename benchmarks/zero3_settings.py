@@ -12,10 +12,10 @@ in a process of its own (throughput.py's trainer case), the plain loop in anothe
 
     python benchmarks/zero3_settings.py                                   # resnet18, micro-batch 256
     python benchmarks/zero3_settings.py --model vit_l_16 --batch_size 32 --steps 20 --warmup_steps 5
-    python benchmarks/zero3_settings.py --variants zero2 "zero2 contiguous_gradients off" zero1 \
-        "zero1 contiguous_gradients off" --repeat 2 --output_dir /tmp/zero12    # ZeRO-1/2 only
+    python benchmarks/zero3_settings.py --model vit_b_16 --batch_size 64 --steps 20 --warmup_steps 5 \
+        --variants zero2 "zero2 contiguous_gradients on" zero1 "zero1 contiguous_gradients on"   # ZeRO-1/2 only
 
-Prints a table last; writes benchmarks/results/zero3_settings_<model>_<gpu>.json.
+Prints a table last; writes benchmarks/results/zero3_settings_<model>_b<micro-batch>_<gpu>.json.
 """
 import cProfile
 import json
@@ -44,11 +44,13 @@ def variants(model):
     zero3 = ["--zero_stage", "3", "--bf16"]
     return {
         "zero2": (["--zero_stage", "2", "--bf16"], {}),
-        # ZeRO-1/2 handle each gradient in a Python hook (a copy into the reduce bucket): with neither contiguous
-        # gradients nor gradient partitioning (ZeRO-1) there are no hooks, the reduction runs after the backward
+        # DeepSpeed's contiguous gradients copy each gradient into the reduce bucket and the partition in a Python
+        # hook; the trainer turns them off without offload (ds_config.py). "on" is DeepSpeed's default.
+        "zero2 contiguous_gradients on": (["--zero_stage", "2", "--bf16"], {"contiguous_gradients": True}),
         "zero2 contiguous_gradients off": (["--zero_stage", "2", "--bf16"], {"contiguous_gradients": False}),
         "zero2 overlap_comm on": (["--zero_stage", "2", "--bf16"], {"overlap_comm": True}),
         "zero1": (["--zero_stage", "1", "--bf16"], {}),
+        "zero1 contiguous_gradients on": (["--zero_stage", "1", "--bf16"], {"contiguous_gradients": True}),
         "zero1 contiguous_gradients off": (["--zero_stage", "1", "--bf16"], {"contiguous_gradients": False}),
         "zero3 (trainer: blocks as leaf modules)": (zero3, {}),
         "zero3 DeepSpeed's defaults": (zero3, {**NO_LEAVES, "stage3_module_granularity_threshold": 0}),
@@ -104,7 +106,7 @@ def main():
     if unknown:
         sys.exit(f"error: unknown variant(s): {', '.join(sorted(unknown))}; known: {', '.join(variants(args.model))}")
     env = environment()
-    path = args.output_dir / f"zero3_settings_{args.model}_{machine_slug(env)}.json"
+    path = args.output_dir / f"zero3_settings_{args.model}_b{args.batch_size}_{machine_slug(env)}.json"
     args.output_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     settings = {k: os.path.relpath(v, ROOT) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "case"}

@@ -30,7 +30,8 @@ def test_defaults():
     assert config["gradient_accumulation_steps"] == 1
     assert config["train_batch_size"] == 16
     assert config["zero_optimization"] == {"stage": 0}  # one rank: nothing to partition
-    assert build(world_size=2)["zero_optimization"] == {"stage": 2, "compute_grad_norm": False}  # nothing clips
+    assert build(world_size=2)["zero_optimization"] == {  # nothing clips; no per-parameter gradient copies
+        "stage": 2, "contiguous_gradients": False, "compute_grad_norm": False}
     assert config["gradient_clipping"] == 0.0
     assert "fp16" not in config and "bf16" not in config
     assert config["optimizer"] == {"type": "AdamW", "params": {
@@ -101,7 +102,8 @@ def test_base_json_values_win_over_flag_defaults_and_lose_to_explicit_flags():
     config = build(world_size=2, base=base)
     assert config["train_micro_batch_size_per_gpu"] == 8
     assert config["train_batch_size"] == 8 * 2 * 2
-    assert config["zero_optimization"] == {"stage": 1, "overlap_comm": True, "compute_grad_norm": False}
+    assert config["zero_optimization"] == {"stage": 1, "overlap_comm": True, "contiguous_gradients": False,
+                                           "compute_grad_norm": False}
     assert config["optimizer"]["params"]["lr"] == 0.01
     config = build("--batch_size", "4", "--zero_stage", "3", "--learning_rate", "0.5", world_size=2, base=base)
     assert config["train_micro_batch_size_per_gpu"] == 4
@@ -290,6 +292,18 @@ def test_gradient_norm_is_computed_only_when_something_uses_it():
     for argv in (["--offload_optimizer"], ["--zero_stage", "3"], ["--zero_stage", "0"], ["--fp16", "--precision_mode",
                                                                                            "half_weights"]):
         assert "compute_grad_norm" not in build(*argv, device_type="cuda")["zero_optimization"]
+
+
+@pytest.mark.parametrize("stage", ["1", "2"])
+def test_zero12_gradients_are_not_copied_contiguous_unless_offloaded_or_set(stage):
+    assert build("--zero_stage", stage)["zero_optimization"]["contiguous_gradients"] is False
+    # DeepSpeed turns them on under optimizer offload whatever the config says: the config says so too
+    assert build("--zero_stage", stage, "--offload_optimizer")["zero_optimization"]["contiguous_gradients"] is True
+    for value, expected in ((True, True), (False, False), ("auto", False)):
+        base = {"zero_optimization": {"stage": int(stage), "contiguous_gradients": value}}
+        assert build(base=base)["zero_optimization"]["contiguous_gradients"] is expected
+    for argv in (["--zero_stage", "0"], ["--zero_stage", "3"]):  # no such copies to cut there
+        assert "contiguous_gradients" not in build(*argv)["zero_optimization"]
 
 
 def test_step_syncs_and_zero3_hooks_are_cut_unless_the_base_config_sets_them():
