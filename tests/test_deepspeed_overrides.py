@@ -1,6 +1,7 @@
 """The trainer's replacements of DeepSpeed's ZeRO-1/2 methods (src/deepspeed_overrides.py): they stand
 only over the DeepSpeed source they were checked against, and train to DeepSpeed's own results, overflow
-skips included."""
+skips included. Also the ZeRO-1/2 setting the trainer changes from DeepSpeed's default (contiguous
+gradients off): it trains to the same weights."""
 import pytest
 
 import deepspeed_overrides
@@ -38,7 +39,7 @@ def test_the_overflow_flag_stays_on_the_device_until_the_step_reads_it():
         deepspeed_overrides.uninstall()
 
 
-def train(stage, offload, precision, poison_step, grad_accum_dtype=None):
+def train(stage, offload, precision, poison_step, grad_accum_dtype=None, zero=None):
     """A tiny model through ZeRO-1/2 with gradient accumulation and clipping; the weights after each step,
     the global gradient norms and which steps DeepSpeed skipped."""
     import deepspeed
@@ -50,7 +51,8 @@ def train(stage, offload, precision, poison_step, grad_accum_dtype=None):
     # one-minute compile, and the replaced methods do not touch the optimizer
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ACCUMULATION,
               "gradient_clipping": 0.5, "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "torch_adam": True}},
-              "zero_optimization": {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {})},
+              "zero_optimization": {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {}),
+                                    **(zero or {})},
               **({} if precision == "fp32" else {precision: {"enabled": True}}),
               **({"data_types": {"grad_accum_dtype": grad_accum_dtype}} if grad_accum_dtype else {})}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -69,8 +71,9 @@ def train(stage, offload, precision, poison_step, grad_accum_dtype=None):
         norm = engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
         weights.append([p.detach().float().cpu().clone() for p in engine.module.parameters()])
+    contiguous = engine.optimizer.contiguous_gradients
     engine.destroy()
-    return {"weights": weights, "norms": norms, "skipped": skipped}
+    return {"weights": weights, "norms": norms, "skipped": skipped, "contiguous": contiguous}
 
 
 def both_ways(rank, port, results, cases):
@@ -114,3 +117,33 @@ def test_offload_with_the_overrides_trains_exactly_as_deepspeed_does_on_two_rank
                 assert all(torch.equal(a, b) for a, b in zip(mine, reference)), (case, step)
             if poison is None:  # it trained: the weights moved every step
                 assert not torch.equal(ours["weights"][0][0], ours["weights"][-1][0])
+
+
+def contiguous_both_ways(rank, port, results, cases):
+    import torch
+
+    torch.set_num_threads(1)
+    join_process_group(rank, port, world_size=2)
+    for case in cases:
+        for contiguous in (True, False):
+            results[(case, contiguous, rank)] = train(*case, zero={"contiguous_gradients": contiguous})
+
+
+@pytest.mark.slow  # two processes
+def test_zero12_without_contiguous_gradients_trains_to_the_same_weights_on_two_ranks():
+    # ds_config turns DeepSpeed's contiguous gradients off at ZeRO-1/2 without offload: the gradients are then
+    # reduced from a flattened copy of each bucket, not from the bucket buffer. ZeRO-2 with an infinite loss on
+    # the second step: both ways skip it (bf16 weights check for overflow) and only it.
+    cases = [(1, False, "fp32", None), (2, False, "fp32", None), (2, False, "bf16", 1), (1, False, "bf16", None)]
+    results = spawn_ranks(contiguous_both_ways, 2, cases)
+    import torch
+
+    for case in cases:
+        for rank in range(2):
+            contiguous, flat = results[(case, True, rank)], results[(case, False, rank)]
+            assert contiguous["contiguous"] and not flat["contiguous"]  # DeepSpeed took the setting
+            assert flat["skipped"] == contiguous["skipped"] == [step == case[3] for step in range(STEPS)], case
+            assert flat["norms"] == pytest.approx(contiguous["norms"], rel=1e-5), case
+            for step, (mine, reference) in enumerate(zip(flat["weights"], contiguous["weights"])):
+                assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(mine, reference)), (case, step)
+            assert not torch.equal(flat["weights"][0][0], flat["weights"][-1][0])  # it trained
