@@ -6,6 +6,8 @@ whole GPU (the GPU's own work); then torch.profiler's busiest operations over on
 Each configuration (memory_profile.py's names) runs in a process of its own, built as the trainer builds it.
 
     python benchmarks/offload_profile.py --model vit_h_14 --micro_batch 11 --accumulation 8 --gpu_memory_gib 8
+    python benchmarks/offload_profile.py --model vit_h_14 --micro_batch 11 --accumulation 8 --gpu_memory_gib 8 \
+        --overrides 1 overflow_on_device,grad_norm_on_device   # with and without one of the trainer's overrides
 
 Prints a table last; writes benchmarks/results/offload_profile_<model>_<gpu>.json and one
 offload_profile_<model>_<configuration>.txt of profiler tables per configuration.
@@ -45,6 +47,9 @@ def get_args_parser():
     parser.add_argument("--gpu_memory_gib", type=float, default=None, help="hold PyTorch to this much GPU memory")
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(memory_profile.CONFIGS),
                         metavar="NAME", help="memory_profile.py's configuration names")
+    parser.add_argument("--overrides", nargs="+", default=["1"], metavar="VALUE",
+                        help="run each DeepSpeed configuration under each of these TRAINER_DEEPSPEED_OVERRIDES "
+                             "values (1: all of src/deepspeed_overrides.py's groups, 0: none, or a list of groups)")
     parser.add_argument("--output_dir", type=Path, default=ROOT / "benchmarks" / "results")
     parser.add_argument("--config", help=argparse.SUPPRESS)  # the child process of one configuration
     return parser
@@ -116,7 +121,9 @@ def child(args):
             f"By the host's own time:\n{table.table(sort_by='self_cpu_time_total', row_limit=25)}\n")
     if device.type == "cuda":
         text += f"By the GPU's own time:\n{table.table(sort_by='self_cuda_time_total', row_limit=15)}\n"
-    path = args.output_dir / f"offload_profile_{args.model}_{slug_of(args.config)}.txt"
+    overrides = os.environ.get("TRAINER_DEEPSPEED_OVERRIDES", "1")
+    path = args.output_dir / (f"offload_profile_{args.model}_{slug_of(args.config)}"
+                              + ("" if plain or overrides == "1" else f"_overrides_{slug_of(overrides)}") + ".txt")
     path.write_text(text)
     print("RESULT " + json.dumps({
         "between_ms": between, "at_step_ms": at_step, "step_ms": step_ms,
@@ -126,14 +133,14 @@ def child(args):
     memory_profile.exit_now(0)
 
 
-def run_config(args, name):
+def run_config(args, name, overrides="1"):
     command = [sys.executable, __file__, "--config", name, "--model", args.model,
                "--micro_batch", str(args.micro_batch),
                "--accumulation", str(args.accumulation), "--steps", str(args.steps), "--image_size",
                str(args.image_size), "--output_dir", str(args.output_dir),
                *(["--gpu_memory_gib", str(args.gpu_memory_gib)] if args.gpu_memory_gib else [])]
-    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "RANK": "0", "LOCAL_RANK": "0",
-                                                                          "WORLD_SIZE": "1"})
+    result = subprocess.run(command, capture_output=True, text=True, env={
+        **os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "TRAINER_DEEPSPEED_OVERRIDES": overrides})
     for line in result.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[7:])
@@ -152,9 +159,13 @@ def main():
     path = args.output_dir / f"offload_profile_{args.model}_{machine_slug(env)}.json"
     settings = {k: shown([str(v)]) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "config"}
     for name in args.configs:
-        results[name] = {"flags": memory_profile.CONFIGS[name], **run_config(args, name)}
-        print(f"{name}: {json.dumps(results[name])[:400]}", flush=True)
-        path.write_text(json.dumps({"environment": env, "settings": settings, "results": results}, indent=2) + "\n")
+        plain = memory_profile.CONFIGS[name] is None
+        for overrides in args.overrides[:1] if plain else args.overrides:
+            key = name if plain or len(args.overrides) == 1 else f"{name} [overrides: {overrides}]"
+            results[key] = {"flags": memory_profile.CONFIGS[name], **({} if plain else {"overrides": overrides}),
+                            **run_config(args, name, overrides)}
+            print(f"{key}: {json.dumps(results[key])[:400]}", flush=True)
+            path.write_text(json.dumps({"environment": env, "settings": settings, "results": results}, indent=2) + "\n")
 
     print(f"\n{env['gpu'] or 'CPU'} | {args.model}, micro-batch {args.micro_batch} x {args.accumulation}, bf16, "
           f"{args.image_size} px" + (f", held to {args.gpu_memory_gib:g} GiB" if args.gpu_memory_gib else ""))

@@ -1,5 +1,5 @@
-"""The one place where the trainer replaces DeepSpeed code: two host synchronisations per parameter in the
-ZeRO-1/2 optimizer-offload path, which stall the GPU once for every parameter of every step.
+"""The one place where the trainer replaces DeepSpeed code: host synchronisations per parameter in the
+ZeRO-1/2 optimizer-offload path, which stall the GPU once for every parameter of every step (or micro-batch).
 
 - `update_offload_overflow_tracker` runs in the backward hook of each parameter and tests its gradient with
   `if self._has_inf_or_nan(grad)`: a device-to-host copy per parameter, even where nothing reads the result
@@ -7,11 +7,17 @@ ZeRO-1/2 optimizer-offload path, which stall the GPU once for every parameter of
   read once a step, in `has_overflow`, and is not computed at all without the overflow check.
 - `complete_grad_norm_calculation_for_cpu_offload` sums the per-parameter norms with `.item()` on each;
   here they are summed on the device (in float64, as the Python float sum was) and read once.
+- `async_accumulate_grad_in_cpu_via_gpu` (gradient accumulation) first waits on the host for the previous
+  parameter's copies to the CPU: DeepSpeed's guard for pageable CPU buffers, which a copy to the GPU may read
+  before the GPU has written them. The trainer pins them (`pin_memory: true`), and copies from pinned memory
+  run in stream order, so with pinned buffers and every pending copy on the current stream it does not wait.
+  Later waits (the boundary micro-batch, the step) still see those copies.
 
 Results are the same as DeepSpeed's (tests/test_deepspeed_overrides.py trains with and without them).
 The replacements are installed only over the exact DeepSpeed source they were written against (a hash of
 each replaced function); another DeepSpeed keeps its own code, and the guard test fails so the change is
-read. TRAINER_DEEPSPEED_OVERRIDES=0 keeps DeepSpeed's code (benchmarks measure both ways).
+read. TRAINER_DEEPSPEED_OVERRIDES=0 keeps DeepSpeed's code (benchmarks measure both ways); a comma-separated
+list of GROUPS' names installs those only.
 """
 import hashlib
 import inspect
@@ -19,12 +25,21 @@ import os
 
 import torch
 
+from failures import UsageError
+
 # sha256 of inspect.getsource of each replaced method, DeepSpeed 0.19.8
 CHECKED_SOURCES = {
     "update_offload_overflow_tracker": "0cb67c0a3f669a354cd71a18f8a4c04e5ecc48394e9000b6cb9196bf7c6b4834",
     "has_overflow": "cadc27a13cb7e9775093993e15b41aaebb2ff98d48bd86a271b8558914d05d2d",
     "complete_grad_norm_calculation_for_cpu_offload": "7051c8064246f3254081bb35ed8620c440234fc782139a56f774ed7ef676e211",
+    "async_accumulate_grad_in_cpu_via_gpu": "8d3c25962356b40e71db7a1ffe4ccc99b6d9a6700a1a8787a5dfa8cdaca22e27",
+    # not replaced: what the replacement above relies on
+    "_wait_for_offload_copies": "e509dd0ad7458a37cb44ca56850b9f99a22d2dde0e74ca13e68fea177675567c",
+    "_record_offload_copy": "8467947f2bbabdfdefff9db72363306cc800cc36e65ad4fb553e5ba2956e24db",
 }
+GROUPS = {"overflow_on_device": ("update_offload_overflow_tracker", "has_overflow"),
+          "grad_norm_on_device": ("complete_grad_norm_calculation_for_cpu_offload",),
+          "pinned_accumulation_without_wait": ("async_accumulate_grad_in_cpu_via_gpu",)}
 
 
 def source_hash(function):
@@ -42,7 +57,15 @@ def changed_sources():
 
 
 def enabled():
-    return os.environ.get("TRAINER_DEEPSPEED_OVERRIDES", "1") != "0"
+    """The names of GROUPS to install (TRAINER_DEEPSPEED_OVERRIDES: unset or 1 all, 0 none, or a list)."""
+    value = os.environ.get("TRAINER_DEEPSPEED_OVERRIDES", "1").strip()
+    if value in ("1", "0"):
+        return set(GROUPS) if value == "1" else set()
+    names = {name.strip() for name in value.split(",") if name.strip()}
+    if names - set(GROUPS):
+        raise UsageError(f"TRAINER_DEEPSPEED_OVERRIDES: unknown {', '.join(sorted(names - set(GROUPS)))}; "
+                         f"known: 0, 1, {', '.join(GROUPS)}")
+    return names
 
 
 def install():
@@ -53,7 +76,8 @@ def install():
 
     if hasattr(DeepSpeedZeroOptimizer, "_trainer_originals"):
         return True
-    if not enabled() or changed_sources():
+    groups = enabled()
+    if not groups or changed_sources():
         return False
     originals = {name: getattr(DeepSpeedZeroOptimizer, name) for name in CHECKED_SOURCES}
     has_inf_or_nan, dist = stage_1_and_2.has_inf_or_nan, stage_1_and_2.dist
@@ -93,9 +117,22 @@ def install():
             total_norm = -1.0
         return torch.tensor(total_norm, device=self.device, dtype=torch.float)
 
-    DeepSpeedZeroOptimizer.update_offload_overflow_tracker = update_offload_overflow_tracker
-    DeepSpeedZeroOptimizer.has_overflow = has_overflow
-    DeepSpeedZeroOptimizer.complete_grad_norm_calculation_for_cpu_offload = complete_grad_norm_calculation_for_cpu_offload
+    def async_accumulate_grad_in_cpu_via_gpu(self, param):
+        current = stage_1_and_2.get_accelerator().current_stream()
+        if not (self.cpu_offload_pin_memory and all(stream == current for stream in self._pending_offload_events)):
+            return originals["async_accumulate_grad_in_cpu_via_gpu"](self, param)
+        pending, self._pending_offload_events = self._pending_offload_events, {}  # nothing for its wait to wait on
+        try:
+            return originals["async_accumulate_grad_in_cpu_via_gpu"](self, param)
+        finally:  # this copy's event, recorded after the earlier ones on the same stream, stands for them all
+            self._pending_offload_events = {**pending, **self._pending_offload_events}
+
+    replacements = {"update_offload_overflow_tracker": update_offload_overflow_tracker, "has_overflow": has_overflow,
+                    "complete_grad_norm_calculation_for_cpu_offload": complete_grad_norm_calculation_for_cpu_offload,
+                    "async_accumulate_grad_in_cpu_via_gpu": async_accumulate_grad_in_cpu_via_gpu}
+    for group in groups:
+        for name in GROUPS[group]:
+            setattr(DeepSpeedZeroOptimizer, name, replacements[name])
     DeepSpeedZeroOptimizer._trainer_originals = originals
     return True
 

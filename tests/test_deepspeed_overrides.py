@@ -39,6 +39,50 @@ def test_the_overflow_flag_stays_on_the_device_until_the_step_reads_it():
         deepspeed_overrides.uninstall()
 
 
+def test_accumulation_waits_for_earlier_copies_only_where_a_buffer_is_pageable_or_another_stream_wrote():
+    import types
+
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    assert deepspeed_overrides.install()
+    originals = DeepSpeedZeroOptimizer._trainer_originals
+    deepspeeds = originals["async_accumulate_grad_in_cpu_via_gpu"]
+    current, other = get_accelerator().current_stream(), "another stream"
+    seen = []
+
+    def deepspeeds_stand_in(self, param):  # what DeepSpeed's method would wait on, then its copy's event
+        seen.append(dict(self._pending_offload_events))
+        self._pending_offload_events[current] = f"copy of {param}"
+
+    originals["async_accumulate_grad_in_cpu_via_gpu"] = deepspeeds_stand_in
+    try:
+        accumulate = DeepSpeedZeroOptimizer.async_accumulate_grad_in_cpu_via_gpu
+        pinned = types.SimpleNamespace(cpu_offload_pin_memory=True, _pending_offload_events={current: "copy of a"})
+        accumulate(pinned, "b")
+        assert seen.pop() == {} and pinned._pending_offload_events == {current: "copy of b"}
+        for pin, pending in ((False, {current: "copy of a"}), (True, {other: "copy of a"})):
+            optimizer = types.SimpleNamespace(cpu_offload_pin_memory=pin, _pending_offload_events=dict(pending))
+            accumulate(optimizer, "b")
+            assert seen.pop() == pending  # DeepSpeed's own wait
+    finally:
+        originals["async_accumulate_grad_in_cpu_via_gpu"] = deepspeeds
+        deepspeed_overrides.uninstall()
+
+
+@pytest.mark.parametrize("value, groups", [("1", set(deepspeed_overrides.GROUPS)), ("0", set()),
+                                           ("overflow_on_device, grad_norm_on_device",
+                                            {"overflow_on_device", "grad_norm_on_device"})])
+def test_the_environment_picks_the_overrides(monkeypatch, value, groups):
+    from failures import UsageError
+
+    monkeypatch.setenv("TRAINER_DEEPSPEED_OVERRIDES", value)
+    assert deepspeed_overrides.enabled() == groups
+    monkeypatch.setenv("TRAINER_DEEPSPEED_OVERRIDES", "overflow_on_device,nonsense")
+    with pytest.raises(UsageError, match="unknown nonsense"):
+        deepspeed_overrides.enabled()
+
+
 def train(stage, offload, precision, poison_step, grad_accum_dtype=None, zero=None):
     """A tiny model through ZeRO-1/2 with gradient accumulation and clipping; the weights after each step,
     the global gradient norms and which steps DeepSpeed skipped."""
@@ -51,7 +95,7 @@ def train(stage, offload, precision, poison_step, grad_accum_dtype=None, zero=No
     # one-minute compile, and the replaced methods do not touch the optimizer
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ACCUMULATION,
               "gradient_clipping": 0.5, "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "torch_adam": True}},
-              "zero_optimization": {"stage": stage, **({"offload_optimizer": {"device": "cpu"}} if offload else {}),
+              "zero_optimization": {"stage": stage, **({"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {}),
                                     **(zero or {})},
               **({} if precision == "fp32" else {precision: {"enabled": True}}),
               **({"data_types": {"grad_accum_dtype": grad_accum_dtype}} if grad_accum_dtype else {})}
