@@ -10,10 +10,11 @@ ZeRO-1/2 optimizer-offload path, which stall the GPU once for every parameter of
 - `async_accumulate_grad_in_cpu_via_gpu` (gradient accumulation) first waits on the host for the previous
   parameter's copies to the CPU: DeepSpeed's guard for pageable CPU buffers, which a copy to the GPU may read
   before the GPU has written them. The trainer pins them (`pin_memory: true`), and copies from pinned memory
-  run in stream order, so with pinned buffers and every pending copy on the current stream it does not wait.
-  Later waits (the boundary micro-batch, the step) still see those copies.
+  run in stream order, so where the buffer it reads is pinned (or not made yet) and every pending copy is on
+  the current stream it does not wait. The host reads those buffers only in step(), whose wait still sees them.
 
-Results are the same as DeepSpeed's (tests/test_deepspeed_overrides.py trains with and without them).
+Results are the same as DeepSpeed's (tests/test_deepspeed_overrides.py trains with and without them; on the
+CPU, which records no copy events, the accumulation wait has nothing to skip: a unit test checks its logic).
 The replacements are installed only over the exact DeepSpeed source they were written against (a hash of
 each replaced function); another DeepSpeed keeps its own code, and the guard test fails so the change is
 read. TRAINER_DEEPSPEED_OVERRIDES=0 keeps DeepSpeed's code (benchmarks measure both ways); a comma-separated
@@ -58,7 +59,7 @@ def changed_sources():
 
 def enabled():
     """The names of GROUPS to install (TRAINER_DEEPSPEED_OVERRIDES: unset or 1 all, 0 none, or a list)."""
-    value = os.environ.get("TRAINER_DEEPSPEED_OVERRIDES", "1").strip()
+    value = os.environ.get("TRAINER_DEEPSPEED_OVERRIDES", "").strip() or "1"
     if value in ("1", "0"):
         return set(GROUPS) if value == "1" else set()
     names = {name.strip() for name in value.split(",") if name.strip()}
@@ -119,7 +120,9 @@ def install():
 
     def async_accumulate_grad_in_cpu_via_gpu(self, param):
         current = stage_1_and_2.get_accelerator().current_stream()
-        if not (self.cpu_offload_pin_memory and all(stream == current for stream in self._pending_offload_events)):
+        source = self.accumulated_grads_in_cpu.get(self.get_param_id(param))  # what its copy to the GPU reads
+        pinned = source is None or source.is_pinned()  # none yet: made here, not written by the GPU before
+        if not (pinned and all(stream == current for stream in self._pending_offload_events)):
             return originals["async_accumulate_grad_in_cpu_via_gpu"](self, param)
         pending, self._pending_offload_events = self._pending_offload_events, {}  # nothing for its wait to wait on
         try:

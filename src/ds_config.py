@@ -228,8 +228,8 @@ ZERO3_LEAF_BLOCKS = tuple(f"torchvision.models.{name}" for name in (
 # Families without a repeated block: naming leaf modules there only earns DeepSpeed's "matched no modules".
 WITHOUT_BLOCKS = ("alexnet", "vgg")
 
-# DeepSpeed allocates these buffers at their full size whatever the model: ZeRO-1/2 two reduce buckets
-# of 5e8 elements, 3.7 GiB in fp32 for ResNet18's 11 M parameters, allocated in the backward pass, where
+# DeepSpeed allocates these buffers at their full size whatever the model: ZeRO-1/2 with contiguous
+# gradients (the trainer keeps them under offload and overlap_comm) two reduce buckets of 5e8 elements, 3.7 GiB in fp32 for ResNet18's 11 M parameters, allocated in the backward pass, where
 # memory peaks. A bucket larger than the model buys nothing, and one larger than DeepSpeed's own stage-3
 # prefetch bucket (5e7 elements, 191 MiB in fp32; PyTorch DDP's buckets are 25 MiB) buys no bandwidth,
 # so unset ones are capped at both.
@@ -265,9 +265,10 @@ def _resolve_zero(config, args, num_params=None, world_size=1, resumed_stage=Non
     # ZeRO-1/2's contiguous gradients (DeepSpeed's default) copy every gradient into the reduce bucket and again
     # into the partition, per parameter, in Python hooks; without them the bucket is flattened once for its
     # reduction. Measured on an H100 (benchmarks/zero3_settings.py): vit_b_16 ZeRO-2 at micro-batch 64 0.71x of
-    # plain PyTorch with them, 1.02x without, at a lower peak. DeepSpeed turns them back on under optimizer offload.
+    # plain PyTorch with them, 1.02x without, at a lower peak. DeepSpeed turns them back on under optimizer
+    # offload; with overlap_comm, its path without them synchronises the whole device before every bucket.
     if stage in (1, 2) and zero.get("contiguous_gradients", AUTO) == AUTO:
-        zero["contiguous_gradients"] = _offloads(zero, "offload_optimizer")
+        zero["contiguous_gradients"] = _offloads(zero, "offload_optimizer") or zero.get("overlap_comm") is True
     if stage == 3 and "leaf_module" not in zero and not model.startswith(WITHOUT_BLOCKS):
         zero["leaf_module"] = {"classes": list(ZERO3_LEAF_BLOCKS)}
     if stage == 3 and zero.get("stage3_module_granularity_threshold", AUTO) == AUTO:

@@ -39,7 +39,7 @@ def test_the_overflow_flag_stays_on_the_device_until_the_step_reads_it():
         deepspeed_overrides.uninstall()
 
 
-def test_accumulation_waits_for_earlier_copies_only_where_a_buffer_is_pageable_or_another_stream_wrote():
+def test_accumulation_waits_for_earlier_copies_only_where_its_buffer_is_pageable_or_another_stream_wrote():
     import types
 
     from deepspeed.accelerator import get_accelerator
@@ -58,12 +58,18 @@ def test_accumulation_waits_for_earlier_copies_only_where_a_buffer_is_pageable_o
     originals["async_accumulate_grad_in_cpu_via_gpu"] = deepspeeds_stand_in
     try:
         accumulate = DeepSpeedZeroOptimizer.async_accumulate_grad_in_cpu_via_gpu
-        pinned = types.SimpleNamespace(cpu_offload_pin_memory=True, _pending_offload_events={current: "copy of a"})
-        accumulate(pinned, "b")
-        assert seen.pop() == {} and pinned._pending_offload_events == {current: "copy of b"}
-        for pin, pending in ((False, {current: "copy of a"}), (True, {other: "copy of a"})):
-            optimizer = types.SimpleNamespace(cpu_offload_pin_memory=pin, _pending_offload_events=dict(pending))
-            accumulate(optimizer, "b")
+
+        def optimizer(pinned, pending):  # the CPU buffer of parameter "b", if made, and the copies not waited on
+            buffers = {} if pinned is None else {"b": types.SimpleNamespace(is_pinned=lambda: pinned)}
+            return types.SimpleNamespace(accumulated_grads_in_cpu=buffers, get_param_id=lambda param: param,
+                                         _pending_offload_events=dict(pending))
+
+        for pinned in (True, None):
+            skipping = optimizer(pinned, {current: "copy of a"})
+            accumulate(skipping, "b")
+            assert seen.pop() == {} and skipping._pending_offload_events == {current: "copy of b"}
+        for pinned, pending in ((False, {current: "copy of a"}), (True, {other: "copy of a"})):
+            accumulate(optimizer(pinned, pending), "b")
             assert seen.pop() == pending  # DeepSpeed's own wait
     finally:
         originals["async_accumulate_grad_in_cpu_via_gpu"] = deepspeeds
@@ -169,16 +175,22 @@ def contiguous_both_ways(rank, port, results, cases):
     torch.set_num_threads(1)
     join_process_group(rank, port, world_size=2)
     for case in cases:
+        *args, zero = case
         for contiguous in (True, False):
-            results[(case, contiguous, rank)] = train(*case, zero={"contiguous_gradients": contiguous})
+            results[(case, contiguous, rank)] = train(*args, zero={**dict(zero), "contiguous_gradients": contiguous})
 
 
 @pytest.mark.slow  # two processes
 def test_zero12_without_contiguous_gradients_trains_to_the_same_weights_on_two_ranks():
     # ds_config turns DeepSpeed's contiguous gradients off at ZeRO-1/2 without offload: the gradients are then
     # reduced from a flattened copy of each bucket, not from the bucket buffer. ZeRO-2 with an infinite loss on
-    # the second step: both ways skip it (bf16 weights check for overflow) and only it.
-    cases = [(1, False, "fp32", None), (2, False, "fp32", None), (2, False, "bf16", 1), (1, False, "bf16", None)]
+    # the second step: both ways skip it (bf16 weights check for overflow) and only it. Buckets of 64 elements
+    # are reduced during the backward, other ranks' gradients freed after each; bf16 weights with fp32
+    # accumulation take DeepSpeed's own path without contiguous gradients.
+    small = (("reduce_bucket_size", 64), ("allgather_bucket_size", 64))
+    cases = [(1, False, "fp32", None, None, ()), (2, False, "fp32", None, None, ()), (2, False, "bf16", 1, None, ()),
+             (1, False, "bf16", None, None, ()), (2, False, "fp32", None, None, small),
+             (1, False, "fp32", None, None, small), (2, False, "bf16", None, "fp32", small)]
     results = spawn_ranks(contiguous_both_ways, 2, cases)
     import torch
 

@@ -102,7 +102,7 @@ def test_base_json_values_win_over_flag_defaults_and_lose_to_explicit_flags():
     config = build(world_size=2, base=base)
     assert config["train_micro_batch_size_per_gpu"] == 8
     assert config["train_batch_size"] == 8 * 2 * 2
-    assert config["zero_optimization"] == {"stage": 1, "overlap_comm": True, "contiguous_gradients": False,
+    assert config["zero_optimization"] == {"stage": 1, "overlap_comm": True, "contiguous_gradients": True,
                                            "compute_grad_norm": False}
     assert config["optimizer"]["params"]["lr"] == 0.01
     config = build("--batch_size", "4", "--zero_stage", "3", "--learning_rate", "0.5", world_size=2, base=base)
@@ -299,6 +299,9 @@ def test_zero12_gradients_are_not_copied_contiguous_unless_offloaded_or_set(stag
     assert build("--zero_stage", stage)["zero_optimization"]["contiguous_gradients"] is False
     # DeepSpeed turns them on under optimizer offload whatever the config says: the config says so too
     assert build("--zero_stage", stage, "--offload_optimizer")["zero_optimization"]["contiguous_gradients"] is True
+    # with overlap_comm DeepSpeed's path without them synchronises the device before every bucket
+    overlapped = {"zero_optimization": {"stage": int(stage), "overlap_comm": True}}
+    assert build(base=overlapped)["zero_optimization"]["contiguous_gradients"] is True
     for value, expected in ((True, True), (False, False), ("auto", False)):
         base = {"zero_optimization": {"stage": int(stage), "contiguous_gradients": value}}
         assert build(base=base)["zero_optimization"]["contiguous_gradients"] is expected
