@@ -229,10 +229,11 @@ ZERO3_LEAF_BLOCKS = tuple(f"torchvision.models.{name}" for name in (
 WITHOUT_BLOCKS = ("alexnet", "vgg")
 
 # DeepSpeed allocates these buffers at their full size whatever the model: ZeRO-1/2 with contiguous
-# gradients (the trainer keeps them under offload and overlap_comm) two reduce buckets of 5e8 elements, 3.7 GiB in fp32 for ResNet18's 11 M parameters, allocated in the backward pass, where
-# memory peaks. A bucket larger than the model buys nothing, and one larger than DeepSpeed's own stage-3
-# prefetch bucket (5e7 elements, 191 MiB in fp32; PyTorch DDP's buckets are 25 MiB) buys no bandwidth,
-# so unset ones are capped at both.
+# gradients (the trainer keeps them under offload and overlap_comm) two reduce buckets of 5e8 elements,
+# 3.7 GiB in fp32 for ResNet18's 11 M parameters, allocated in the backward pass, where memory peaks. A
+# bucket larger than the model buys nothing, and one larger than DeepSpeed's own stage-3 prefetch bucket
+# (5e7 elements, 191 MiB in fp32; PyTorch DDP's buckets are 25 MiB) buys no bandwidth, so unset ones are
+# capped at both.
 BUCKETS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
 BUCKET_CAP = 50_000_000
 # ZeRO-1/2 assert allgather_bucket_size % 2 == 0 (nccl_start_alignment_factor: 4 bytes of fp16), and a

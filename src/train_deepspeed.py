@@ -88,6 +88,7 @@ def main(argv=None):
     if "LOCAL_RANK" in os.environ:  # started by a launcher: stop (and save) when it dies
         die_with_parent_call(os.getppid())()
     args = parse_args(get_args_parser, argv)
+    deepspeed_overrides.enabled()  # refuses a bad TRAINER_DEEPSPEED_OVERRIDES before any folder is made
     check_writable(args.checkpoint_dir, "--checkpoint_dir")
     check_writable(args.log_dir, "--log_dir")
     base_config = load_base_config(args.deepspeed_config)

@@ -5,7 +5,7 @@ gradients off): it trains to the same weights."""
 import pytest
 
 import deepspeed_overrides
-from conftest import join_process_group, spawn_ranks
+from conftest import assert_usage_error_in_process, data_args, join_process_group, spawn_ranks
 
 STEPS, ACCUMULATION = 3, 2
 
@@ -89,6 +89,17 @@ def test_the_environment_picks_the_overrides(monkeypatch, value, groups):
         deepspeed_overrides.enabled()
 
 
+def test_the_training_script_refuses_a_bad_overrides_value_before_making_any_folder(tiny_data, tmp_path, monkeypatch,
+                                                                                   capsys):
+    import train_deepspeed
+
+    monkeypatch.setenv("TRAINER_DEEPSPEED_OVERRIDES", "nonsense")
+    argv = [*data_args(tiny_data), "--checkpoint_dir", str(tmp_path / "checkpoints"),
+            "--log_dir", str(tmp_path / "logs")]
+    assert_usage_error_in_process(train_deepspeed.main, argv, capsys, "TRAINER_DEEPSPEED_OVERRIDES: unknown nonsense")
+    assert list(tmp_path.iterdir()) == []
+
+
 def train(stage, offload, precision, poison_step, grad_accum_dtype=None, zero=None):
     """A tiny model through ZeRO-1/2 with gradient accumulation and clipping; the weights after each step,
     the global gradient norms and which steps DeepSpeed skipped."""
@@ -101,7 +112,8 @@ def train(stage, offload, precision, poison_step, grad_accum_dtype=None, zero=No
     # one-minute compile, and the replaced methods do not touch the optimizer
     config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ACCUMULATION,
               "gradient_clipping": 0.5, "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "torch_adam": True}},
-              "zero_optimization": {"stage": stage, **({"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {}),
+              "zero_optimization": {"stage": stage,
+                                    **({"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {}),
                                     **(zero or {})},
               **({} if precision == "fp32" else {precision: {"enabled": True}}),
               **({"data_types": {"grad_accum_dtype": grad_accum_dtype}} if grad_accum_dtype else {})}
