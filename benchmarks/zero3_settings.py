@@ -59,6 +59,7 @@ def variants(model):
         "zero3 persistence 1e6": (zero3, {"stage3_param_persistence_threshold": 1_000_000}),
         "zero3 everything persistent": (zero3, {"stage3_param_persistence_threshold": 10**12}),
         "zero3 overlap_comm off": (zero3, {"overlap_comm": False}),
+        "zero3 contiguous_gradients off": (zero3, {"contiguous_gradients": False}),  # as ZeRO-1/2 gained
         **({"zero3 leaf layer1-4": (zero3, {"leaf_module": {"names": ["layer1", "layer2", "layer3", "layer4"]}})}
            if model.startswith("resnet") else {}),
     }
