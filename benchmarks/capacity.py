@@ -11,6 +11,7 @@ last: the ones docs/memory.md shows, which benchmarks/report.py generates from t
     python benchmarks/capacity.py --models vit_h_14 regnet_y_128gf --gib 8
     python benchmarks/capacity.py --models vit_l_16 --gib 8 --global_batch 512   # offload with accumulation
     python benchmarks/capacity.py --models vit_l_16 vit_h_14 --gib 8 --num_gpus 2 --configs ZeRO-3   # sharded on 2
+    python benchmarks/capacity.py --gib 8 24 --configs ZeRO-2 --replace   # measure one configuration again
 """
 import argparse
 import json
@@ -45,6 +46,9 @@ def get_args_parser():
     parser.add_argument("--update", action="store_true",
                         help="go on from each model's earlier JSON: measure only the configurations it lacks "
                              "(memory_profile.py --update), as after a run that was cut short")
+    parser.add_argument("--replace", action="store_true",
+                        help="measure --configs again and replace their rows in each model's earlier JSON, keeping "
+                             "the others (after a change that affects them)")
     return parser
 
 
@@ -57,7 +61,7 @@ def main(argv=None):
     for gib in args.gib:
         for model in args.models:
             configs = args.configs
-            if args.update:
+            if args.update and not args.replace:
                 done = {row["config"] for path in (args.output_dir / folder(gib)).glob(f"memory_{model}_*_x{args.num_gpus}.json")
                         for row in json.loads(path.read_text())["results"]}
                 configs = [name for name in configs if name not in done]
@@ -68,7 +72,7 @@ def main(argv=None):
                        "--steps", str(args.steps), "--num_gpus", str(args.num_gpus), "--configs", *configs,
                        "--output_dir", str(args.output_dir / folder(gib)),
                        *(["--global_batch", str(args.global_batch)] if args.global_batch else []),
-                       *(["--update"] if args.update else [])]
+                       *(["--update"] if args.update or args.replace else [])]
             started = time.perf_counter()
             print(f"== {model} under {gib:g} GiB", flush=True)
             status = subprocess.run(command).returncode
