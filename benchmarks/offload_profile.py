@@ -8,6 +8,8 @@ Each configuration (memory_profile.py's names) runs in a process of its own, bui
     python benchmarks/offload_profile.py --model vit_h_14 --micro_batch 11 --accumulation 8 --gpu_memory_gib 8
     python benchmarks/offload_profile.py --model vit_h_14 --micro_batch 11 --accumulation 8 --gpu_memory_gib 8 \
         --overrides 1 overflow_on_device,grad_norm_on_device   # with and without one of the trainer's overrides
+    python benchmarks/offload_profile.py --model vit_h_14 --micro_batch 11 --accumulation 8 --gpu_memory_gib 8 \
+        --coalesce   # also with DeepSpeed's coalesce_grad_reduction: one reduction per optimizer step
 
 Prints a table last; writes benchmarks/results/offload_profile_<model>_<gpu>.json and one
 offload_profile_<model>_<configuration>.txt of profiler tables per configuration.
@@ -50,8 +52,13 @@ def get_args_parser():
     parser.add_argument("--overrides", nargs="+", default=["1"], metavar="VALUE",
                         help="run each DeepSpeed configuration under each of these TRAINER_DEEPSPEED_OVERRIDES "
                              "values (1: all of src/deepspeed_overrides.py's groups, 0: none, or a list of groups)")
+    parser.add_argument("--coalesce", action="store_true",
+                        help="also run each DeepSpeed configuration inside DeepSpeed's engine.coalesce_grad_reduction(): "
+                             "the micro-batches before the last keep their gradients on the GPU, without ZeRO's "
+                             "per-parameter hooks, and one reduction (and copy to the CPU) ends the step")
     parser.add_argument("--output_dir", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--config", help=argparse.SUPPRESS)  # the child process of one configuration
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--coalesced", action="store_true", help=argparse.SUPPRESS)  # this child coalesces  # the child process of one configuration
     return parser
 
 
@@ -60,12 +67,17 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def timed_step(engine, batch, accumulation, plain, device):
+def timed_step(engine, batch, accumulation, plain, device, coalesced=False):
     """One optimizer step of `accumulation` micro-batches: {phase: seconds} for the micro-batches between
-    steps ("... between", averaged) and the one that ends the step ("... at the step")."""
+    steps ("... between", averaged) and the one that ends the step ("... at the step"). `coalesced`: inside
+    DeepSpeed's coalesce_grad_reduction(), whose exit (one reduction of the summed gradients) counts as the
+    last micro-batch's step, with step() called once, as DeepSpeed's own tests of it do."""
     images, labels = batch
     between = {phase: 0.0 for phase in PHASES}
     last = {}
+    block = engine.coalesce_grad_reduction() if coalesced else None
+    if block is not None:
+        block.__enter__()
     for micro in range(accumulation):
         times = {}
         synchronize(device)
@@ -74,11 +86,18 @@ def timed_step(engine, batch, accumulation, plain, device):
         synchronize(device)
         times["forward"] = time.perf_counter() - started
         started = time.perf_counter()
+        if block is not None:
+            engine.set_gradient_accumulation_boundary(micro == accumulation - 1)
         engine.backward(loss)
         synchronize(device)
         times["backward"] = time.perf_counter() - started
         started = time.perf_counter()
-        if not plain:  # DeepSpeed's step() counts micro-batches and steps the optimizer at the boundary
+        if block is not None:
+            if micro == accumulation - 1:
+                block.__exit__(None, None, None)
+                engine.step()
+                engine.set_gradient_accumulation_boundary(False)
+        elif not plain:  # DeepSpeed's step() counts micro-batches and steps the optimizer at the boundary
             engine.step()
         elif micro == accumulation - 1:
             engine.step()
@@ -107,15 +126,16 @@ def child(args):
     config = memory_profile.config_of(profile_args, args.config, args.micro_batch, 1, device, params, args.accumulation)
     engine = memory_profile.new_engine(profile_args, args.config, config, device, 1)
     batch = memory_profile.synthetic_batch(profile_args, config, args.micro_batch, device)
-    timed_step(engine, batch, args.accumulation, plain, device)  # allocates the optimizer state, tunes cuDNN
-    runs = [timed_step(engine, batch, args.accumulation, plain, device) for _ in range(args.steps)]
+    coalesced = args.coalesced and not plain
+    timed_step(engine, batch, args.accumulation, plain, device, coalesced)  # allocates the optimizer state, tunes cuDNN
+    runs = [timed_step(engine, batch, args.accumulation, plain, device, coalesced) for _ in range(args.steps)]
     between = {phase: sum(run[0][phase] for run in runs) / len(runs) * 1e3 for phase in PHASES}
     at_step = {phase: sum(run[1][phase] for run in runs) / len(runs) * 1e3 for phase in PHASES}
     step_ms = sum(between.values()) * (args.accumulation - 1) + sum(at_step.values())
     activities = [torch.profiler.ProfilerActivity.CPU] + (
         [torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.profiler.profile(activities=activities) as profiler:
-        timed_step(engine, batch, args.accumulation, plain, device)
+        timed_step(engine, batch, args.accumulation, plain, device, coalesced)
     table = profiler.key_averages()
     text = (f"{args.model}, {args.config}, micro-batch {args.micro_batch} x {args.accumulation}, one optimizer step\n\n"
             f"By the host's own time:\n{table.table(sort_by='self_cpu_time_total', row_limit=25)}\n")
@@ -123,7 +143,8 @@ def child(args):
         text += f"By the GPU's own time:\n{table.table(sort_by='self_cuda_time_total', row_limit=15)}\n"
     overrides = os.environ.get("TRAINER_DEEPSPEED_OVERRIDES", "1")
     path = args.output_dir / (f"offload_profile_{args.model}_{slug_of(args.config)}"
-                              + ("" if plain or overrides == "1" else f"_overrides_{slug_of(overrides)}") + ".txt")
+                              + ("" if plain or overrides == "1" else f"_overrides_{slug_of(overrides)}")
+                              + ("_coalesced" if coalesced else "") + ".txt")
     path.write_text(text)
     print("RESULT " + json.dumps({
         "between_ms": between, "at_step_ms": at_step, "step_ms": step_ms,
@@ -133,12 +154,13 @@ def child(args):
     memory_profile.exit_now(0)
 
 
-def run_config(args, name, overrides="1"):
+def run_config(args, name, overrides="1", coalesced=False):
     command = [sys.executable, __file__, "--config", name, "--model", args.model,
                "--micro_batch", str(args.micro_batch),
                "--accumulation", str(args.accumulation), "--steps", str(args.steps), "--image_size",
                str(args.image_size), "--output_dir", str(args.output_dir),
-               *(["--gpu_memory_gib", str(args.gpu_memory_gib)] if args.gpu_memory_gib else [])]
+               *(["--gpu_memory_gib", str(args.gpu_memory_gib)] if args.gpu_memory_gib else []),
+               *(["--coalesced"] if coalesced else [])]
     result = subprocess.run(command, capture_output=True, text=True, env={
         **os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "TRAINER_DEEPSPEED_OVERRIDES": overrides})
     for line in result.stdout.splitlines():
@@ -160,10 +182,14 @@ def main():
     settings = {k: shown([str(v)]) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "config"}
     for name in args.configs:
         plain = memory_profile.CONFIGS[name] is None
-        for overrides in args.overrides[:1] if plain else args.overrides:
-            key = name if plain or len(args.overrides) == 1 else f"{name} [overrides: {overrides}]"
-            results[key] = {"flags": memory_profile.CONFIGS[name], **({} if plain else {"overrides": overrides}),
-                            **run_config(args, name, overrides)}
+        ways = [(overrides, coalesced) for overrides in (args.overrides[:1] if plain else args.overrides)
+                for coalesced in ([False, True] if args.coalesce and not plain else [False])]
+        for overrides, coalesced in ways:
+            key = name + ("" if plain or len(args.overrides) == 1 else f" [overrides: {overrides}]") + (
+                " [coalesced]" if coalesced else "")
+            results[key] = {"flags": memory_profile.CONFIGS[name],
+                            **({} if plain else {"overrides": overrides, "coalesced": coalesced}),
+                            **run_config(args, name, overrides, coalesced)}
             print(f"{key}: {json.dumps(results[key])[:400]}", flush=True)
             path.write_text(json.dumps({"environment": env, "settings": settings, "results": results}, indent=2) + "\n")
 
