@@ -95,6 +95,7 @@ def timed_step(engine, batch, accumulation, plain, device, coalesced=False):
         if block is not None:
             if micro == accumulation - 1:
                 block.__exit__(None, None, None)
+                engine.set_gradient_accumulation_boundary(True)  # the exit puts back the boundary it found
                 engine.step()
                 engine.set_gradient_accumulation_boundary(False)
         elif not plain:  # DeepSpeed's step() counts micro-batches and steps the optimizer at the boundary

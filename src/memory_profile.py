@@ -20,7 +20,8 @@ helpers print) and the ZeRO paper's per-GPU model-state formulas for Adam: 16Ψ,
 With --find_max_batch it searches each configuration's largest micro-batch instead and times the steps
 there, on one GPU or, with --num_gpus N, on N ranks of this host (each try a torchrun of its own); with
 --gpu_memory_gib, as on smaller GPUs, and then plain PyTorch (DDP on N) on the whole GPUs at --batch_size is
-the speed every configuration is compared with.
+the speed every configuration is compared with. The configurations named ", coalesced" (measured only when
+named in --configs) run each step's micro-batches inside DeepSpeed's coalesce_grad_reduction().
 
     python src/memory_profile.py --model resnet18 --batch_size 64 --bf16
     deepspeed --num_gpus 2 src/memory_profile.py --model wide_resnet50_2 --bf16
@@ -70,6 +71,12 @@ CONFIGS = {
     "ZeRO-3 + offload optimizer + params, half weights": ["--zero_stage", "3", "--offload_optimizer",
                                                           "--offload_param", *HALF_WEIGHTS],
 }
+# The same run inside DeepSpeed's engine.coalesce_grad_reduction(): the micro-batches of a step sum their gradients
+# on the GPU, without ZeRO's per-parameter hooks, and one reduction ends the step. A try then runs two
+# micro-batches a step, so that its peak holds those gradients.
+COALESCED = ", coalesced"
+for _name in ("ZeRO-2", "ZeRO-2 + offload optimizer", "ZeRO-2 + offload optimizer, half weights"):
+    CONFIGS[_name + COALESCED] = CONFIGS[_name]
 GIB = 2**30
 OUT_OF_MEMORY = 3  # exit status of a --probe or --search process whose last try ran out of memory
 
@@ -86,7 +93,8 @@ def get_args_parser():
     parser.add_argument("--precision_mode", choices=["auto", "autocast", "half_weights"], default="auto",
                         help="as the trainer's flag: autocast keeps fp32 weights, half_weights DeepSpeed's fp16/bf16 "
                              "(the configurations named 'half weights' always use them)")
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="NAME",
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), metavar="NAME",
+                        default=[name for name in CONFIGS if not name.endswith(COALESCED)],
                         help=f"configurations to measure (default: all): {', '.join(CONFIGS)}")
     parser.add_argument("--steps", type=int, default=3, help="training steps per configuration (timed ones with "
                                                              "--find_max_batch)")
@@ -288,19 +296,30 @@ def synthetic_batch(args, config, micro_batch, device):
     return images, torch.randint(0, args.num_classes, (micro_batch,), device=device)
 
 
-def train_steps(engine, batch, steps, accumulation=1):
+def train_steps(engine, batch, steps, accumulation=1, coalesced=False):
     """`steps` optimizer steps of `accumulation` micro-batches each; returns the seconds they took and the
-    memory held between steps after each."""
+    memory held between steps after each. `coalesced`: each step's micro-batches inside DeepSpeed's
+    coalesce_grad_reduction(), and step() once after it, as DeepSpeed's own tests of it do."""
     images, labels = batch
     cuda = images.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(images.device)
     started, held = time.perf_counter(), []
     for _ in range(steps):
-        for _ in range(accumulation):  # DeepSpeed's step() steps the optimizer at the accumulation boundary only
-            loss = F.cross_entropy(engine(images).float(), labels)
-            engine.backward(loss)
+        if coalesced:
+            with engine.coalesce_grad_reduction():
+                for micro in range(accumulation):
+                    loss = F.cross_entropy(engine(images).float(), labels)
+                    engine.set_gradient_accumulation_boundary(micro == accumulation - 1)
+                    engine.backward(loss)
+            engine.set_gradient_accumulation_boundary(True)  # the block's exit puts back the one it found
             engine.step()
+            engine.set_gradient_accumulation_boundary(False)
+        else:
+            for _ in range(accumulation):  # DeepSpeed's step() steps the optimizer at the accumulation boundary only
+                loss = F.cross_entropy(engine(images).float(), labels)
+                engine.backward(loss)
+                engine.step()
         held.append(torch.cuda.memory_allocated(images.device) if cuda else None)
     if cuda:
         torch.cuda.synchronize(images.device)
@@ -318,12 +337,14 @@ def figures(config, sizes, world_size):
 
 def measure(args, name, world_size, device, counters, sizes):
     """One configuration's figures on this rank at --batch_size; `sizes`: (parameters, largest layer's)."""
-    config = config_of(args, name, args.batch_size, world_size, device, sizes[0])
+    coalesced = name.endswith(COALESCED)  # two micro-batches a step, so that the peak holds their gradients
+    config = config_of(args, name, args.batch_size, world_size, device, sizes[0], 2 if coalesced else 1)
     counters.reset()
     started = time.perf_counter()
     engine = new_engine(args, name, config, device, world_size)
     after_init = counters.since_reset(counters.allocated())
-    _, held = train_steps(engine, synthetic_batch(args, config, args.batch_size, device), args.steps)
+    _, held = train_steps(engine, synthetic_batch(args, config, args.batch_size, device), args.steps,
+                          2 if coalesced else 1, coalesced)
     peaks = counters.peaks()
     release(engine)
     model_states = counters.since_reset(held[-1])
@@ -340,17 +361,18 @@ def is_out_of_memory(err):
         text in str(err) for text in ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")))
 
 
-def timed_try(engine, config, micro_batch, args, device, counters, timed_steps, accumulation=1):
+def timed_try(engine, config, micro_batch, args, device, counters, timed_steps, accumulation=1, coalesced=False):
     """Two steps at `micro_batch` (whether it fits, and the peak), then `timed_steps` timed ones: the try's figures."""
     counters.reset()
     counters.baseline = 0  # the whole process's figures: the engine's states count
     batch = synthetic_batch(args, config, micro_batch, device)
     # the first step allocates the optimizer state (and tunes cuDNN), the second runs with it
-    train_steps(engine, batch, 2 if accumulation == 1 else 1, accumulation)
-    seconds, held = train_steps(engine, batch, timed_steps, accumulation) if timed_steps else (None, [None])
+    train_steps(engine, batch, 2 if accumulation == 1 else 1, accumulation, coalesced)
+    seconds, held = (train_steps(engine, batch, timed_steps, accumulation, coalesced) if timed_steps
+                     else (None, [None]))
     peaks = counters.peaks()
     allocated = held[-1] if held[-1] is not None else counters.allocated()
-    return {"batch": micro_batch, "fits": True, "accumulation": accumulation,
+    return {"batch": micro_batch, "fits": True, "accumulation": accumulation, **({"coalesced": True} if coalesced else {}),
             "images_per_s": micro_batch * accumulation * timed_steps / seconds if seconds else None,
             "model_states_gib": None if allocated is None else allocated / GIB,
             "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if counters.cuda else 0,
@@ -386,6 +408,8 @@ def tries(args, device, sizes, name, first, following, accumulation=1):
     until None, each said on a TRY line; status OUT_OF_MEMORY at the first that runs out of memory."""
     micro_batch, started = first, time.perf_counter()
     rank, world_size = distributed.rank(), distributed.world_size()
+    coalesced = name.endswith(COALESCED)
+    accumulation = max(accumulation, 2) if coalesced else accumulation
     config = config_of(args, name, micro_batch, world_size, device, sizes[0], accumulation)
     counters = MemoryCounters(device)
     try:
@@ -394,7 +418,8 @@ def tries(args, device, sizes, name, first, following, accumulation=1):
         while micro_batch is not None:
             # 1 and 2 only start the line a search predicts from: untimed (a search ending there times it apart)
             timed_steps = args.steps if micro_batch > 2 or not args.search else 0
-            attempt = timed_try(engine, config, micro_batch, args, device, counters, timed_steps, accumulation)
+            attempt = timed_try(engine, config, micro_batch, args, device, counters, timed_steps, accumulation,
+                                coalesced)
             attempt = over_ranks(attempt, device, world_size)  # every rank then picks the same next micro-batch
             if rank == 0:
                 say("TRY", {**attempt, "engine_s": engine_s, "process_s": time.perf_counter() - started})

@@ -100,9 +100,12 @@ def test_the_training_script_refuses_a_bad_overrides_value_before_making_any_fol
     assert list(tmp_path.iterdir()) == []
 
 
-def train(stage, offload, precision, poison_step, grad_accum_dtype=None, zero=None):
+def train(stage, offload, precision, poison_step, grad_accum_dtype=None, zero=None, coalesced=False):
     """A tiny model through ZeRO-1/2 with gradient accumulation and clipping; the weights after each step,
-    the global gradient norms and which steps DeepSpeed skipped."""
+    the global gradient norms and which steps DeepSpeed skipped. `coalesced`: each step's micro-batches
+    inside DeepSpeed's coalesce_grad_reduction(), step() once after it."""
+    import contextlib
+
     import deepspeed
     import torch
 
@@ -121,14 +124,22 @@ def train(stage, offload, precision, poison_step, grad_accum_dtype=None, zero=No
     generator = torch.Generator().manual_seed(engine.global_rank)
     weights, norms, skipped = [], [], []
     for step in range(STEPS):
-        for _ in range(ACCUMULATION):
-            inputs = torch.randn(4, 8, generator=generator).to(engine.device, next(engine.parameters()).dtype)
-            labels = torch.randint(0, 3, (4,), generator=generator).to(engine.device)
-            loss = torch.nn.functional.cross_entropy(engine(inputs).float(), labels)
-            if step == poison_step:
-                loss = loss * float("inf")
-            engine.backward(loss)
+        with engine.coalesce_grad_reduction() if coalesced else contextlib.nullcontext():
+            for micro in range(ACCUMULATION):
+                inputs = torch.randn(4, 8, generator=generator).to(engine.device, next(engine.parameters()).dtype)
+                labels = torch.randint(0, 3, (4,), generator=generator).to(engine.device)
+                loss = torch.nn.functional.cross_entropy(engine(inputs).float(), labels)
+                if step == poison_step:
+                    loss = loss * float("inf")
+                if coalesced:
+                    engine.set_gradient_accumulation_boundary(micro == ACCUMULATION - 1)
+                engine.backward(loss)
+                if not coalesced:
+                    engine.step()
+        if coalesced:  # the block's exit puts back the boundary it found
+            engine.set_gradient_accumulation_boundary(True)
             engine.step()
+            engine.set_gradient_accumulation_boundary(False)
         skipped.append(bool(engine.optimizer.overflow))
         norm = engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
@@ -215,3 +226,35 @@ def test_zero12_without_contiguous_gradients_trains_to_the_same_weights_on_two_r
             for step, (mine, reference) in enumerate(zip(flat["weights"], contiguous["weights"])):
                 assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(mine, reference)), (case, step)
             assert not torch.equal(flat["weights"][0][0], flat["weights"][-1][0])  # it trained
+
+
+def coalesced_both_ways(rank, port, results, cases):
+    import torch
+
+    torch.set_num_threads(1)
+    join_process_group(rank, port, world_size=2)
+    assert deepspeed_overrides.install()  # as the trainer runs
+    for case in cases:
+        for coalesced in (False, True):
+            results[(case, coalesced, rank)] = train(*case, coalesced=coalesced)
+    deepspeed_overrides.uninstall()
+
+
+@pytest.mark.slow  # two processes
+def test_coalesced_accumulation_trains_as_deepspeeds_step_by_step_accumulation_on_two_ranks():
+    # offload_profile.py and memory_profile.py measure DeepSpeed's coalesce_grad_reduction() (the micro-batches'
+    # gradients summed on the device, one reduction a step) against its accumulation micro-batch by micro-batch,
+    # with the trainer's overrides: both must train to the same weights and skip the same steps.
+    cases = [(2, True, "bf16", 1), (2, True, "fp32", None), (1, True, "fp32", None), (2, False, "fp32", None)]
+    results = spawn_ranks(coalesced_both_ways, 2, cases)
+    import torch
+
+    for case in cases:
+        for rank in range(2):
+            stepwise, coalesced = results[(case, False, rank)], results[(case, True, rank)]
+            assert coalesced["skipped"] == stepwise["skipped"] == [step == case[3] for step in range(STEPS)], case
+            tolerance = 1e-2 if case[2] == "bf16" else 1e-5  # the sums' order differs; bf16 rounds each
+            assert coalesced["norms"] == pytest.approx(stepwise["norms"], rel=tolerance), case
+            for step, (mine, reference) in enumerate(zip(coalesced["weights"], stepwise["weights"])):
+                assert all(torch.allclose(a, b, rtol=tolerance, atol=tolerance) for a, b in zip(mine, reference)), (
+                    case, step, max((a - b).abs().max().item() for a, b in zip(mine, reference)))

@@ -178,6 +178,14 @@ def test_a_search_process_trains_real_steps_and_a_broken_one_is_an_error():
         memory_profile.child(args, "probe", memory_profile.PLAIN, "2")
 
 
+def test_a_coalesced_configuration_tries_two_micro_batches_a_step_inside_deepspeeds_coalescing():
+    args = memory_profile.get_args_parser().parse_args(["--image_size", "64", "--bf16", "--steps", "1"])
+    tries, finished = memory_profile.child(args, "probe", "ZeRO-2 + offload optimizer, half weights, coalesced", "3")
+    assert finished and [(t["batch"], t["accumulation"], t["coalesced"]) for t in tries] == [(3, 2, True)]
+    assert tries[0]["images_per_s"] > 0
+    assert "ZeRO-2, coalesced" not in args.configs  # measured only when named
+
+
 @pytest.mark.slow
 def test_a_search_on_two_ranks_says_each_try_once_with_the_figures_of_both():
     # torchrun's two gloo ranks: rank 0 says each try, its peaks the larger of the two ranks'
