@@ -57,8 +57,8 @@ def get_args_parser():
                              "the micro-batches before the last keep their gradients on the GPU, without ZeRO's "
                              "per-parameter hooks, and one reduction (and copy to the CPU) ends the step")
     parser.add_argument("--output_dir", type=Path, default=ROOT / "benchmarks" / "results")
-    parser.add_argument("--config", help=argparse.SUPPRESS)
-    parser.add_argument("--coalesced", action="store_true", help=argparse.SUPPRESS)  # this child coalesces  # the child process of one configuration
+    parser.add_argument("--config", help=argparse.SUPPRESS)  # the child process of one configuration
+    parser.add_argument("--coalesced", action="store_true", help=argparse.SUPPRESS)  # and it coalesces
     return parser
 
 
@@ -95,9 +95,7 @@ def timed_step(engine, batch, accumulation, plain, device, coalesced=False):
         if block is not None:
             if micro == accumulation - 1:
                 block.__exit__(None, None, None)
-                engine.set_gradient_accumulation_boundary(True)  # the exit puts back the boundary it found
-                engine.step()
-                engine.set_gradient_accumulation_boundary(False)
+                memory_profile.step_after_coalescing(engine)
         elif not plain:  # DeepSpeed's step() counts micro-batches and steps the optimizer at the boundary
             engine.step()
         elif micro == accumulation - 1:

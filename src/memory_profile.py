@@ -312,9 +312,7 @@ def train_steps(engine, batch, steps, accumulation=1, coalesced=False):
                     loss = F.cross_entropy(engine(images).float(), labels)
                     engine.set_gradient_accumulation_boundary(micro == accumulation - 1)
                     engine.backward(loss)
-            engine.set_gradient_accumulation_boundary(True)  # the block's exit puts back the one it found
-            engine.step()
-            engine.set_gradient_accumulation_boundary(False)
+            step_after_coalescing(engine)
         else:
             for _ in range(accumulation):  # DeepSpeed's step() steps the optimizer at the accumulation boundary only
                 loss = F.cross_entropy(engine(images).float(), labels)
@@ -359,6 +357,14 @@ def is_out_of_memory(err):
     # some of DeepSpeed's allocations report it as a plain RuntimeError, cuBLAS and cuDNN as their own status
     return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and any(
         text in str(err) for text in ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")))
+
+
+def step_after_coalescing(engine):
+    """The optimizer step after coalesce_grad_reduction()'s block. Its exit puts back the accumulation boundary
+    it found, so with gradient_accumulation_steps > 1 step() must be told that this is one, or it steps nothing."""
+    engine.set_gradient_accumulation_boundary(True)
+    engine.step()
+    engine.set_gradient_accumulation_boundary(False)
 
 
 def timed_try(engine, config, micro_batch, args, device, counters, timed_steps, accumulation=1, coalesced=False):
