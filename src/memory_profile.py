@@ -72,8 +72,7 @@ CONFIGS = {
                                                           "--offload_param", *HALF_WEIGHTS],
 }
 # The same run inside DeepSpeed's engine.coalesce_grad_reduction(): the micro-batches of a step sum their gradients
-# on the GPU, without ZeRO's per-parameter hooks, and one reduction ends the step. A try then runs two
-# micro-batches a step, so that its peak holds those gradients.
+# on the GPU, without ZeRO's per-parameter hooks, and one reduction ends the step (see coalesced_accumulation).
 COALESCED = ", coalesced"
 for _name in ("ZeRO-2", "ZeRO-2 + offload optimizer", "ZeRO-2 + offload optimizer, half weights"):
     CONFIGS[_name + COALESCED] = CONFIGS[_name]
@@ -333,16 +332,23 @@ def figures(config, sizes, world_size):
             "deepspeed_estimate_cpu_gib": None if estimate_cpu is None else estimate_cpu / GIB}
 
 
+def coalesced_accumulation(name, accumulation=1):
+    """(whether configuration `name` coalesces, the micro-batches a step it runs): a coalesced one at least two,
+    so that its peak holds their summed gradients."""
+    coalesced = name.endswith(COALESCED)
+    return coalesced, max(accumulation, 2) if coalesced else accumulation
+
+
 def measure(args, name, world_size, device, counters, sizes):
     """One configuration's figures on this rank at --batch_size; `sizes`: (parameters, largest layer's)."""
-    coalesced = name.endswith(COALESCED)  # two micro-batches a step, so that the peak holds their gradients
-    config = config_of(args, name, args.batch_size, world_size, device, sizes[0], 2 if coalesced else 1)
+    coalesced, accumulation = coalesced_accumulation(name)
+    config = config_of(args, name, args.batch_size, world_size, device, sizes[0], accumulation)
     counters.reset()
     started = time.perf_counter()
     engine = new_engine(args, name, config, device, world_size)
     after_init = counters.since_reset(counters.allocated())
     _, held = train_steps(engine, synthetic_batch(args, config, args.batch_size, device), args.steps,
-                          2 if coalesced else 1, coalesced)
+                          accumulation, coalesced)
     peaks = counters.peaks()
     release(engine)
     model_states = counters.since_reset(held[-1])
@@ -414,8 +420,7 @@ def tries(args, device, sizes, name, first, following, accumulation=1):
     until None, each said on a TRY line; status OUT_OF_MEMORY at the first that runs out of memory."""
     micro_batch, started = first, time.perf_counter()
     rank, world_size = distributed.rank(), distributed.world_size()
-    coalesced = name.endswith(COALESCED)
-    accumulation = max(accumulation, 2) if coalesced else accumulation
+    coalesced, accumulation = coalesced_accumulation(name, accumulation)
     config = config_of(args, name, micro_batch, world_size, device, sizes[0], accumulation)
     counters = MemoryCounters(device)
     try:

@@ -100,10 +100,11 @@ def test_the_training_script_refuses_a_bad_overrides_value_before_making_any_fol
     assert list(tmp_path.iterdir()) == []
 
 
-def train(stage, offload, precision, poison_step, grad_accum_dtype=None, zero=None, coalesced=False):
+def train(stage, offload, precision, poison_step, grad_accum_dtype=None, zero=(), contiguous=None, coalesced=False):
     """A tiny model through ZeRO-1/2 with gradient accumulation and clipping; the weights after each step,
-    the global gradient norms and which steps DeepSpeed skipped. `coalesced`: each step's micro-batches
-    inside DeepSpeed's coalesce_grad_reduction(), step() once after it."""
+    the global gradient norms and which steps DeepSpeed skipped. `zero`: (key, value) pairs of
+    zero_optimization; `contiguous`: its contiguous_gradients, if given; `coalesced`: each step's
+    micro-batches inside DeepSpeed's coalesce_grad_reduction(), step() once after it."""
     import contextlib
 
     import deepspeed
@@ -117,7 +118,8 @@ def train(stage, offload, precision, poison_step, grad_accum_dtype=None, zero=No
               "gradient_clipping": 0.5, "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "torch_adam": True}},
               "zero_optimization": {"stage": stage,
                                     **({"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {}),
-                                    **(zero or {})},
+                                    **dict(zero),
+                                    **({} if contiguous is None else {"contiguous_gradients": contiguous})},
               **({} if precision == "fp32" else {precision: {"enabled": True}}),
               **({"data_types": {"grad_accum_dtype": grad_accum_dtype}} if grad_accum_dtype else {})}
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -149,18 +151,20 @@ def train(stage, offload, precision, poison_step, grad_accum_dtype=None, zero=No
     return {"weights": weights, "norms": norms, "skipped": skipped, "contiguous": contiguous}
 
 
-def both_ways(rank, port, results, cases):
+def each_way(rank, port, results, cases, ways):
+    """Every case trained every way on this rank; `ways`: name -> (the trainer's overrides installed?,
+    train()'s keyword arguments)."""
     import torch
 
     torch.set_num_threads(1)
     join_process_group(rank, port, world_size=2)
     for case in cases:
-        for overridden in (False, True):
+        for way, (overridden, kwargs) in ways.items():
             if overridden:
                 assert deepspeed_overrides.install()
             else:
                 deepspeed_overrides.uninstall()
-            results[(case, overridden, rank)] = train(*case)
+            results[(case, way, rank)] = train(*case, **kwargs)
     deepspeed_overrides.uninstall()
 
 
@@ -175,7 +179,7 @@ def test_offload_with_the_overrides_trains_exactly_as_deepspeed_does_on_two_rank
     # has changed: drop the refusal (ds_config._refuse_fp32_accumulation_with_offload) and this exception.
     cases = [(2, True, "fp32", None), (2, True, "bf16", None), (2, True, "bf16", 1), (1, False, "bf16", 1),
              (2, True, "bf16", 1, "fp32")]
-    results = spawn_ranks(both_ways, 2, cases)
+    results = spawn_ranks(each_way, 2, cases, {False: (False, {}), True: (True, {})})
     import torch
 
     for case in cases:
@@ -192,17 +196,6 @@ def test_offload_with_the_overrides_trains_exactly_as_deepspeed_does_on_two_rank
                 assert not torch.equal(ours["weights"][0][0], ours["weights"][-1][0])
 
 
-def contiguous_both_ways(rank, port, results, cases):
-    import torch
-
-    torch.set_num_threads(1)
-    join_process_group(rank, port, world_size=2)
-    for case in cases:
-        *args, zero = case
-        for contiguous in (True, False):
-            results[(case, contiguous, rank)] = train(*args, zero={**dict(zero), "contiguous_gradients": contiguous})
-
-
 @pytest.mark.slow  # two processes
 def test_zero12_without_contiguous_gradients_trains_to_the_same_weights_on_two_ranks():
     # ds_config turns DeepSpeed's contiguous gradients off at ZeRO-1/2 without offload: the gradients are then
@@ -214,7 +207,8 @@ def test_zero12_without_contiguous_gradients_trains_to_the_same_weights_on_two_r
     cases = [(1, False, "fp32", None, None, ()), (2, False, "fp32", None, None, ()), (2, False, "bf16", 1, None, ()),
              (1, False, "bf16", None, None, ()), (2, False, "fp32", None, None, small),
              (1, False, "fp32", None, None, small), (2, False, "bf16", None, "fp32", small)]
-    results = spawn_ranks(contiguous_both_ways, 2, cases)
+    results = spawn_ranks(each_way, 2, cases, {contiguous: (False, {"contiguous": contiguous})
+                                               for contiguous in (True, False)})
     import torch
 
     for case in cases:
@@ -228,25 +222,14 @@ def test_zero12_without_contiguous_gradients_trains_to_the_same_weights_on_two_r
             assert not torch.equal(flat["weights"][0][0], flat["weights"][-1][0])  # it trained
 
 
-def coalesced_both_ways(rank, port, results, cases):
-    import torch
-
-    torch.set_num_threads(1)
-    join_process_group(rank, port, world_size=2)
-    assert deepspeed_overrides.install()  # as the trainer runs
-    for case in cases:
-        for coalesced in (False, True):
-            results[(case, coalesced, rank)] = train(*case, coalesced=coalesced)
-    deepspeed_overrides.uninstall()
-
-
 @pytest.mark.slow  # two processes
 def test_coalesced_accumulation_trains_as_deepspeeds_step_by_step_accumulation_on_two_ranks():
     # offload_profile.py and memory_profile.py measure DeepSpeed's coalesce_grad_reduction() (the micro-batches'
     # gradients summed on the device, one reduction a step) against its accumulation micro-batch by micro-batch,
     # with the trainer's overrides: both must train to the same weights and skip the same steps.
     cases = [(2, True, "bf16", 1), (2, True, "fp32", None), (1, True, "fp32", None), (2, False, "fp32", None)]
-    results = spawn_ranks(coalesced_both_ways, 2, cases)
+    # with the trainer's overrides installed, as it runs
+    results = spawn_ranks(each_way, 2, cases, {coalesced: (True, {"coalesced": coalesced}) for coalesced in (False, True)})
     import torch
 
     for case in cases:
