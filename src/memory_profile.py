@@ -53,7 +53,7 @@ from failures import UsageError
 from model import build_model, construction_args, shape_model
 from options import parse_args, run_cli
 from reproducibility import environment, machine_slug, shown, source_commit, usable_cores
-from training import input_dtype
+from training import GradientAccumulation, input_dtype
 
 PLAIN = "plain PyTorch"
 HALF_WEIGHTS = ["--precision_mode", "half_weights"]
@@ -297,26 +297,22 @@ def synthetic_batch(args, config, micro_batch, device):
 
 def train_steps(engine, batch, steps, accumulation=1, coalesced=False):
     """`steps` optimizer steps of `accumulation` micro-batches each; returns the seconds they took and the
-    memory held between steps after each. `coalesced`: each step's micro-batches inside DeepSpeed's
-    coalesce_grad_reduction(), and step() once after it, as DeepSpeed's own tests of it do."""
+    memory held between steps after each. `coalesced`: as the trainer coalesces (training.GradientAccumulation)."""
     images, labels = batch
     cuda = images.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(images.device)
     started, held = time.perf_counter(), []
+    accumulating = None if isinstance(engine, PlainEngine) else GradientAccumulation(engine, coalesced)
     for _ in range(steps):
-        if coalesced:
-            with engine.coalesce_grad_reduction():
-                for micro in range(accumulation):
-                    loss = F.cross_entropy(engine(images).float(), labels)
-                    engine.set_gradient_accumulation_boundary(micro == accumulation - 1)
-                    engine.backward(loss)
-            step_after_coalescing(engine)
-        else:
-            for _ in range(accumulation):  # DeepSpeed's step() steps the optimizer at the accumulation boundary only
-                loss = F.cross_entropy(engine(images).float(), labels)
+        for micro in range(accumulation):  # DeepSpeed's step() steps the optimizer at the accumulation boundary only
+            loss = F.cross_entropy(engine(images).float(), labels)
+            if accumulating is None:
                 engine.backward(loss)
                 engine.step()
+            else:
+                accumulating.backward(loss, micro == accumulation - 1)
+                accumulating.step(micro == accumulation - 1)
         held.append(torch.cuda.memory_allocated(images.device) if cuda else None)
     if cuda:
         torch.cuda.synchronize(images.device)
@@ -363,14 +359,6 @@ def is_out_of_memory(err):
     # some of DeepSpeed's allocations report it as a plain RuntimeError, cuBLAS and cuDNN as their own status
     return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and any(
         text in str(err) for text in ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED")))
-
-
-def step_after_coalescing(engine):
-    """The optimizer step after coalesce_grad_reduction()'s block. Its exit puts back the accumulation boundary
-    it found, so with gradient_accumulation_steps > 1 step() must be told that this is one, or it steps nothing."""
-    engine.set_gradient_accumulation_boundary(True)
-    engine.step()
-    engine.set_gradient_accumulation_boundary(False)
 
 
 def timed_try(engine, config, micro_batch, args, device, counters, timed_steps, accumulation=1, coalesced=False):
@@ -599,8 +587,10 @@ def write_results(args, rows, world_size, env, reference=None):
     replace the configurations it measured again); returns (all rows, the reference)."""
     earlier_rows, earlier_reference, commands = earlier_results(args, env, world_size)
     measured = {row["config"] for row in rows}
+    order = list(CONFIGS)
+    # a configuration this script no longer has (an earlier JSON's row) keeps its place after the known ones
     rows = sorted([row for row in earlier_rows if row["config"] not in measured] + rows,
-                  key=lambda row: list(CONFIGS).index(row["config"]))
+                  key=lambda row: order.index(row["config"]) if row["config"] in order else len(order))
     reference = reference or earlier_reference
     for row in rows:
         if reference and reference.get("images_per_s") and row.get("images_per_s"):

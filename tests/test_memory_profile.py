@@ -275,6 +275,11 @@ def test_every_configuration_gets_its_largest_batch_its_speed_and_the_reference(
     saved = json.loads((tmp_path / "memory_resnet18_some_gpu_x1.json").read_text())
     assert [row["max_micro_batch"] for row in saved["results"]] == [0, 2, 7, 48] and saved["reference"] == reference
     assert saved["environment"]["commands"] == ["python src/memory_profile.py", "python src/memory_profile.py --update"]
+    # a row of a configuration this script no longer has stays, after the known ones
+    path = tmp_path / "memory_resnet18_some_gpu_x1.json"
+    path.write_text(json.dumps({**saved, "results": [{"config": "retired", "max_micro_batch": 3}, *saved["results"]]}))
+    memory_profile.report(args, memory_profile.largest_batches(args, (PSI, PSI)), 1, env)
+    assert [row["config"] for row in json.loads(path.read_text())["results"]] == [*by_name, "retired"]
     args.gpu_memory_gib = 24
     with pytest.raises(memory_profile.UsageError, match="measured with another --gpu_memory_gib"):
         memory_profile.report(args, [], 1, env)
