@@ -34,6 +34,7 @@ import memory_profile  # noqa: E402
 from common import environment, shown  # noqa: E402
 from reproducibility import machine_slug  # noqa: E402
 from throughput import failed, slug_of  # noqa: E402
+from training import GradientAccumulation  # noqa: E402
 
 DEFAULT_CONFIGS = [memory_profile.PLAIN, "ZeRO-2 + offload optimizer, half weights"]
 PHASES = ("forward", "backward", "step")
@@ -69,15 +70,13 @@ def synchronize(device):
 
 def timed_step(engine, batch, accumulation, plain, device, coalesced=False):
     """One optimizer step of `accumulation` micro-batches: {phase: seconds} for the micro-batches between
-    steps ("... between", averaged) and the one that ends the step ("... at the step"). `coalesced`: inside
-    DeepSpeed's coalesce_grad_reduction(), whose exit (one reduction of the summed gradients) counts as the
-    last micro-batch's step, with step() called once, as DeepSpeed's own tests of it do."""
+    steps ("... between", averaged) and the one that ends the step ("... at the step"). `coalesced`: as the
+    trainer coalesces (training.GradientAccumulation); the one reduction of the summed gradients counts as the
+    last micro-batch's step."""
     images, labels = batch
     between = {phase: 0.0 for phase in PHASES}
     last = {}
-    block = engine.coalesce_grad_reduction() if coalesced else None
-    if block is not None:
-        block.__enter__()
+    steps = None if plain else GradientAccumulation(engine, coalesced)
     for micro in range(accumulation):
         times = {}
         synchronize(device)
@@ -86,18 +85,15 @@ def timed_step(engine, batch, accumulation, plain, device, coalesced=False):
         synchronize(device)
         times["forward"] = time.perf_counter() - started
         started = time.perf_counter()
-        if block is not None:
-            engine.set_gradient_accumulation_boundary(micro == accumulation - 1)
-        engine.backward(loss)
+        if steps is None:
+            engine.backward(loss)
+        else:
+            steps.backward(loss, micro == accumulation - 1)
         synchronize(device)
         times["backward"] = time.perf_counter() - started
         started = time.perf_counter()
-        if block is not None:
-            if micro == accumulation - 1:
-                block.__exit__(None, None, None)
-                memory_profile.step_after_coalescing(engine)
-        elif not plain:  # DeepSpeed's step() counts micro-batches and steps the optimizer at the boundary
-            engine.step()
+        if steps is not None:  # DeepSpeed's step() steps the optimizer at the boundary
+            steps.step(micro == accumulation - 1)
         elif micro == accumulation - 1:
             engine.step()
         synchronize(device)

@@ -172,7 +172,7 @@ def trainer_case(flags, args, device, profile=None):
     import deepspeed_overrides
     import train_deepspeed
     from distributed import init_distributed
-    from ds_config import build_ds_config, load_base_config, precision
+    from ds_config import build_ds_config, coalesces_grad_reduction, load_base_config, precision
     from model import build_model
     from options import parse_args
     from training import input_dtype, train_one_epoch
@@ -192,11 +192,12 @@ def trainer_case(flags, args, device, profile=None):
         engine.compile()
     dtype = input_dtype(precision(config))
     batch = synthetic_batch(args, device, dtype)
-    train_one_epoch(engine, [batch] * args.warmup_steps, 0, dtype, args.warmup_steps)
+    coalesced = coalesces_grad_reduction(train_args.coalesce_grad_reduction, config)
+    train_one_epoch(engine, [batch] * args.warmup_steps, 0, dtype, args.warmup_steps, coalesced=coalesced)
     reset_peak_memory(device)
-    metrics = train_one_epoch(engine, [batch] * args.steps, 1, dtype, args.steps)
+    metrics = train_one_epoch(engine, [batch] * args.steps, 1, dtype, args.steps, coalesced=coalesced)
     if profile is not None:
-        profile.runcall(train_one_epoch, engine, [batch] * args.steps, 2, dtype, args.steps)
+        profile.runcall(train_one_epoch, engine, [batch] * args.steps, 2, dtype, args.steps, coalesced=coalesced)
     return {"images_per_s": metrics["images_per_s"], "precision": precision(config),
             "peak_gpu_memory_gib": peak_memory(device), "zero_optimization": config["zero_optimization"]}
 

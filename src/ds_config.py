@@ -297,6 +297,28 @@ def auto_stage(world_size, zero):
     return 2 if world_size > 1 or _offloads(zero, "offload_optimizer") else 0
 
 
+def coalesces_grad_reduction(mode, config):
+    """Whether the training loop runs each optimizer step's micro-batches inside DeepSpeed's
+    engine.coalesce_grad_reduction() (training.GradientAccumulation), for --coalesce_grad_reduction `mode`.
+
+    With optimizer offload, DeepSpeed's ZeRO-1/2 otherwise copy every micro-batch's gradients to the CPU through
+    per-parameter hooks (docs/memory.md#offload-with-gradient-accumulation); coalesced, the micro-batches sum
+    them on the GPU, which holds one more copy of them. Without offload the gain is not measured: auto leaves it off."""
+    zero = config["zero_optimization"]
+    if mode == "on":
+        if zero["stage"] == 0:
+            raise UsageError("--coalesce_grad_reduction on needs --zero_stage 1, 2 or 3: DeepSpeed coalesces the "
+                             "reduction of ZeRO's gradient partitions")
+        # DeepSpeed wraps this combination in its BF16_Optimizer, which coalesce_grad_reduction() does not support
+        if (zero["stage"] == 1 and precision(config) == "bf16" and not _offloads(zero, "offload_optimizer")
+                and (config.get("data_types") or {}).get("grad_accum_dtype") in FP32_NAMES):
+            raise UsageError("--coalesce_grad_reduction on: DeepSpeed does not coalesce ZeRO-1 with bf16 weights and "
+                             "data_types.grad_accum_dtype fp32; use --zero_stage 2 or drop grad_accum_dtype")
+    if mode == "off" or zero["stage"] == 0 or config["gradient_accumulation_steps"] == 1:
+        return False
+    return mode == "on" or (zero["stage"] in (1, 2) and _offloads(zero, "offload_optimizer"))
+
+
 def _round_up(value, multiple):
     return -(-value // multiple) * multiple
 

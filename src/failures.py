@@ -108,9 +108,10 @@ def _smallest_factor(n):
     return next(f for f in range(2, n + 1) if n % f == 0)
 
 
-def out_of_memory_advice(ds_config, data_on_device=False, detail=""):
-    """The flags to try next after the GPU ran out of memory, from the run's resolved DeepSpeed config:
-    one line, cheapest change first, with the numbers worked out."""
+def out_of_memory_advice(ds_config, data_on_device=False, detail="", coalesced=False):
+    """The flags to try next after the GPU ran out of memory, from the run's resolved DeepSpeed config
+    (`coalesced`: whether it coalesces the gradient reduction): one line, cheapest change first, with the
+    numbers worked out."""
     from ds_config import precision  # ds_config imports options only; keep this module light to import
 
     micro = ds_config["train_micro_batch_size_per_gpu"]
@@ -128,6 +129,8 @@ def out_of_memory_advice(ds_config, data_on_device=False, detail=""):
         steps.append("--bf16 (or --fp16)")
     if data_on_device:
         steps.append("--data_on_device off (frees the GPU copy of the dataset)")
+    if coalesced:
+        steps.append("--coalesce_grad_reduction off (frees the GPU copy of the summed gradients; slower)")
     if "offload_optimizer" not in offloads:
         steps.append("--offload_optimizer" + (" --zero_stage 2" if stage == 0 else ""))
     if "offload_param" not in offloads:
@@ -142,15 +145,15 @@ def out_of_memory_advice(ds_config, data_on_device=False, detail=""):
 
 
 @contextlib.contextmanager
-def advise_on_out_of_memory(ds_config, data_on_device):
+def advise_on_out_of_memory(ds_config, data_on_device, coalesced=False):
     """Stop with the next flags to try, instead of a traceback, when the GPU runs out of memory."""
     import torch
 
     try:
         yield
     except torch.OutOfMemoryError as err:
-        raise OutOfMemory(out_of_memory_advice(ds_config, data_on_device, str(err))) from None
+        raise OutOfMemory(out_of_memory_advice(ds_config, data_on_device, str(err), coalesced)) from None
     except RuntimeError as err:  # DeepSpeed's own allocations and CUDA calls report it as a plain RuntimeError
         if "out of memory" not in str(err).lower():
             raise
-        raise OutOfMemory(out_of_memory_advice(ds_config, data_on_device, str(err))) from None
+        raise OutOfMemory(out_of_memory_advice(ds_config, data_on_device, str(err), coalesced)) from None

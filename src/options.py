@@ -105,6 +105,11 @@ def add_training_args(parser):
     ds.add_argument("--offload_param", action=argparse.BooleanOptionalAction, default=False,
                     help="keep parameters on the CPU (ZeRO 3)")
     ds.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    ds.add_argument("--coalesce_grad_reduction", choices=["auto", "on", "off"], default="auto",
+                    help="with gradient accumulation at ZeRO 1-3: sum an optimizer step's micro-batch gradients on "
+                         "the GPU and reduce (and offload) them once, through DeepSpeed's coalesce_grad_reduction, "
+                         "instead of after every micro-batch; holds one more copy of the gradients on the GPU. "
+                         "auto: on with --offload_optimizer at ZeRO 1-2 (several times faster there), else off")
     ds.add_argument("--sync_bn", action=argparse.BooleanOptionalAction, default=False,
                     help="batch-norm statistics over all ranks' micro-batches (like SyncBatchNorm); without it "
                          "each rank normalises with its own and the running statistics are averaged over "

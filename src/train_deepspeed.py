@@ -26,7 +26,7 @@ from image_cache import OFF, cache_root  # noqa: E402
 from distributed import (any_rank, differing, exit_now, init_distributed, local_device, patient_group,  # noqa: E402
                          rank_zero_only, shut_down)
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_with_deepspeed,  # noqa: E402
-                       load_base_config, lr_schedule, precision, resolve_scheduler)
+                       coalesces_grad_reduction, load_base_config, lr_schedule, precision, resolve_scheduler)
 from failures import UsageError, advise_on_out_of_memory, check_writable  # noqa: E402
 from finetune import BodyLearningRate, parameter_groups  # noqa: E402
 from history import HISTORY_FILE, TrainingHistory, epoch_line  # noqa: E402
@@ -112,6 +112,7 @@ def main(argv=None):
                                 resumed_precision=saved_precision(resume_from))
     check_device_support(ds_config, device_type)
     check_monitor_support(ds_config)
+    coalesced = coalesces_grad_reduction(args.coalesce_grad_reduction, ds_config)
     if args.deepspeed_config:
         check_with_deepspeed(ds_config, args.deepspeed_config)
     zero_stage = ds_config["zero_optimization"]["stage"]
@@ -143,7 +144,7 @@ def main(argv=None):
     if args.sync_bn and not synchronize_batch_norm(model):
         say(f"--sync_bn: {model_name} has no batch norm, so there is nothing to synchronise")
     # Out of memory from here on (the engine's buffers, the dataset on the GPU) ends with the next flags to try.
-    with advise_on_out_of_memory(ds_config, tier == "device"), ThreadPoolExecutor(1) as decoder:
+    with advise_on_out_of_memory(ds_config, tier == "device", coalesced), ThreadPoolExecutor(1) as decoder:
         if on_device:  # decodes on the GPU while DeepSpeed sets up (one of them waits on the host most of the time)
             decoding = decoder.submit(build_device_loaders, train_set, val_set, micro_batch, args.image_size, rank,
                                       world_size, args.seed, device, dtype, args.device_train_size, data_check.records,
@@ -209,7 +210,8 @@ def main(argv=None):
                      "warmup_epochs": args.warmup_epochs, "label_smoothing": args.label_smoothing,
                      "early_stopping_patience": args.early_stopping_patience,
                      "backbone_lr_scale": args.backbone_lr_scale,
-                     "freeze_backbone_epochs": args.freeze_backbone_epochs},
+                     "freeze_backbone_epochs": args.freeze_backbone_epochs,
+                     "coalesce_grad_reduction": coalesced},
         "deepspeed": ds_config,
     }
     history = TrainingHistory(Path(args.log_dir) / HISTORY_FILE, run_config)
@@ -237,7 +239,8 @@ def main(argv=None):
     prepare_csv_files(engine, start_epoch if resume_from is not None else None)
     say(f"{model_name}: {data_check.train.num_images} train / {data_check.val.num_images} val images, {len(train_set.classes)} classes; "
         f"{world_size} rank(s) on {device_type}, ZeRO-{zero_stage}, {run_config['precision']}, "
-        f"global batch {ds_config['train_batch_size']}")
+        f"global batch {ds_config['train_batch_size']}"
+        + (f" ({accumulation} micro-batches a step, their gradients reduced once)" if coalesced else ""))
 
     # What is built by now lives until the end: the cyclic garbage collector need not walk it again (a full
     # collection over what torch, torchvision and DeepSpeed leave took 0.17 s on 2 CPU cores).
@@ -247,14 +250,15 @@ def main(argv=None):
         return {"next_epoch": next_epoch, "next_step": next_step, "next_sample": next_step * samples_per_micro_batch,
                 "carried": carried, "history": history.data, "rng": rng_state()}
 
-    with StopOnSignal(engine.device, world_size) as stop, advise_on_out_of_memory(ds_config, tier == "device"):
+    with (StopOnSignal(engine.device, world_size) as stop,
+          advise_on_out_of_memory(ds_config, tier == "device", coalesced)):
         for epoch in range(start_epoch, args.epochs + 1):
             epoch_started = time.perf_counter()
             if body_lr is not None:
                 body_lr.set_epoch(epoch)
             loader = train_loader.epoch(epoch, start_batch=start_step)
             train = train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step, carried, stop,
-                                    args.label_smoothing, health, on_first_step=clock.first_step)
+                                    args.label_smoothing, health, on_first_step=clock.first_step, coalesced=coalesced)
             if train.get("interrupted"):
                 at = {"epoch": epoch, "step": train["step"], "samples": train["step"] * samples_per_micro_batch}
                 saver.save(epoch - 1, {**extra_info, "interrupted_at": at},

@@ -1,5 +1,6 @@
 """One training epoch and one evaluation pass over a DeepSpeed engine; metrics are plain dicts. Also the
 engine's LR scheduler built again for the steps that run."""
+import contextlib
 import time
 
 import torch
@@ -72,8 +73,44 @@ class LaggingReadout:
         return self.shown
 
 
+class GradientAccumulation:
+    """Each micro-batch's backward and step() through DeepSpeed. Micro-batch by micro-batch, DeepSpeed reduces
+    the gradients after every backward and steps the optimizer at the accumulation boundary. `coalesced`: an
+    optimizer step's micro-batches run inside DeepSpeed's engine.coalesce_grad_reduction(), which sums their
+    gradients on the device without ZeRO's per-parameter hooks and reduces them once as it ends; step() once
+    after it (ds_config.coalesces_grad_reduction says when)."""
+
+    def __init__(self, engine, coalesced=False):
+        self.engine, self.coalesced = engine, coalesced
+        self.block, self.inside = contextlib.ExitStack(), False
+
+    def backward(self, loss, ends_step):
+        """engine.backward(loss) for a micro-batch; `ends_step`: the last of its optimizer step."""
+        if self.coalesced:
+            if not self.inside:
+                self.block.enter_context(self.engine.coalesce_grad_reduction())
+                self.inside = True
+            self.engine.set_gradient_accumulation_boundary(ends_step)
+        self.engine.backward(loss)
+
+    def step(self, ends_step):
+        if not self.coalesced:
+            self.engine.step()
+        elif ends_step:
+            self.close()
+            # The block's exit put back the boundary it found: step() must be told this is one, or it steps nothing.
+            self.engine.set_gradient_accumulation_boundary(True)
+            self.engine.step()
+            self.engine.set_gradient_accumulation_boundary(None)  # DeepSpeed's own count again
+
+    def close(self):
+        """End an open block: its gradients are reduced, and no step taken (an epoch cut short mid-step)."""
+        self.block.close()
+        self.inside = False
+
+
 def train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step=0, carried=None, stop=None,
-                    label_smoothing=0.0, health=None, on_first_step=None):
+                    label_smoothing=0.0, health=None, on_first_step=None, coalesced=False):
     """Train micro-batches start_step .. micro_batches-1 of `loader`; return metrics summed over ranks
     (the loss is the one trained on, label smoothing included).
 
@@ -81,7 +118,7 @@ def train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step=0, c
     {"interrupted": True, "step": ..., "carried": ...} instead, for a checkpoint to carry on from.
     `health` (a numerics.StepHealth kept across epochs) counts non-finite losses and skipped fp16 steps,
     and raises Diverged when the loss stays non-finite. `on_first_step(device)` is called after the
-    epoch's first step.
+    epoch's first step. `coalesced`: see GradientAccumulation.
     """
     engine.train()
     health = health or StepHealth(engine, max_nonfinite_steps=0)
@@ -97,6 +134,7 @@ def train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step=0, c
     step = start_step
     readout = LaggingReadout(engine.device)
     batches = iter(loader)
+    steps = GradientAccumulation(engine, coalesced)
     while step < micro_batches:
         waiting = time.perf_counter()
         batch = next(batches, None)
@@ -108,9 +146,10 @@ def train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step=0, c
         loss = F.cross_entropy(logits.float(), labels, label_smoothing=label_smoothing)
         lr = engine.get_lr()[0]
         health.observe(loss)
-        engine.backward(loss)
+        ends_step = (step + 1) % accumulation == 0
+        steps.backward(loss, ends_step)
         health.before_step()
-        engine.step()
+        steps.step(ends_step)
         health.after_step()
         totals.add(loss * labels.numel(), logits, labels)
         if on_first_step is not None and step == start_step:
@@ -130,6 +169,7 @@ def train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step=0, c
                                  lr=f"{lr:.2e}")
         if stop is not None and step % accumulation == 0 and step < micro_batches and stop.requested():
             break
+    steps.close()  # a loader that ran out mid-step
     progress.close()
     counts = health.end_epoch(epoch, step)  # nonfinite_steps, skipped_steps
     average_buffers(engine.module)  # one model to validate and save, also when stopped mid-epoch

@@ -38,7 +38,9 @@ def tiny_data(tmp_path_factory):
 TRAINED_EPOCHS = 2
 TRAINED_RUNS = {
     "zero0": ["--zero_stage", "0"],
-    "zero1-bf16-accumulation": ["--zero_stage", "1", "--bf16", "--gradient_accumulation_steps", "2"],
+    # optimizer offload with accumulation: the gradient reduction coalesced (--coalesce_grad_reduction auto)
+    "zero1-bf16-offload-accumulation": ["--zero_stage", "1", "--bf16", "--offload_optimizer",
+                                        "--gradient_accumulation_steps", "2"],
     "zero2-2ranks": ["--zero_stage", "2", "--num_gpus", "2", "--sync_bn"],
     "zero3": ["--zero_stage", "3"],
 }

@@ -104,11 +104,11 @@ def train(stage, offload, precision, poison_step, grad_accum_dtype=None, zero=()
     """A tiny model through ZeRO-1/2 with gradient accumulation and clipping; the weights after each step,
     the global gradient norms and which steps DeepSpeed skipped. `zero`: (key, value) pairs of
     zero_optimization; `contiguous`: its contiguous_gradients, if given; `coalesced`: each step's
-    micro-batches inside DeepSpeed's coalesce_grad_reduction(), step() once after it."""
-    import contextlib
-
+    micro-batches coalesced as the trainer does (training.GradientAccumulation)."""
     import deepspeed
     import torch
+
+    from training import GradientAccumulation
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
@@ -125,23 +125,16 @@ def train(stage, offload, precision, poison_step, grad_accum_dtype=None, zero=()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     generator = torch.Generator().manual_seed(engine.global_rank)
     weights, norms, skipped = [], [], []
+    accumulating = GradientAccumulation(engine, coalesced)
     for step in range(STEPS):
-        with engine.coalesce_grad_reduction() if coalesced else contextlib.nullcontext():
-            for micro in range(ACCUMULATION):
-                inputs = torch.randn(4, 8, generator=generator).to(engine.device, next(engine.parameters()).dtype)
-                labels = torch.randint(0, 3, (4,), generator=generator).to(engine.device)
-                loss = torch.nn.functional.cross_entropy(engine(inputs).float(), labels)
-                if step == poison_step:
-                    loss = loss * float("inf")
-                if coalesced:
-                    engine.set_gradient_accumulation_boundary(micro == ACCUMULATION - 1)
-                engine.backward(loss)
-                if not coalesced:
-                    engine.step()
-        if coalesced:  # as the benchmarks step after the block
-            from memory_profile import step_after_coalescing
-
-            step_after_coalescing(engine)
+        for micro in range(ACCUMULATION):
+            inputs = torch.randn(4, 8, generator=generator).to(engine.device, next(engine.parameters()).dtype)
+            labels = torch.randint(0, 3, (4,), generator=generator).to(engine.device)
+            loss = torch.nn.functional.cross_entropy(engine(inputs).float(), labels)
+            if step == poison_step:
+                loss = loss * float("inf")
+            accumulating.backward(loss, micro == ACCUMULATION - 1)
+            accumulating.step(micro == ACCUMULATION - 1)
         skipped.append(bool(engine.optimizer.overflow))
         norm = engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
@@ -224,10 +217,12 @@ def test_zero12_without_contiguous_gradients_trains_to_the_same_weights_on_two_r
 
 @pytest.mark.slow  # two processes
 def test_coalesced_accumulation_trains_as_deepspeeds_step_by_step_accumulation_on_two_ranks():
-    # offload_profile.py and memory_profile.py measure DeepSpeed's coalesce_grad_reduction() (the micro-batches'
-    # gradients summed on the device, one reduction a step) against its accumulation micro-batch by micro-batch,
-    # with the trainer's overrides: both must train to the same weights and skip the same steps.
-    cases = [(2, True, "bf16", 1), (2, True, "fp32", None), (1, True, "fp32", None), (2, False, "fp32", None)]
+    # The trainer coalesces with optimizer offload (--coalesce_grad_reduction auto), or at any ZeRO stage when
+    # asked: the micro-batches' gradients summed on the device, one reduction a step, against DeepSpeed's
+    # accumulation micro-batch by micro-batch, with the trainer's overrides: both must train to the same weights
+    # and skip the same steps.
+    cases = [(2, True, "bf16", 1), (2, True, "fp32", None), (1, True, "fp32", None), (2, False, "fp32", None),
+             (3, True, "fp32", None)]
     # with the trainer's overrides installed, as it runs
     results = spawn_ranks(each_way, 2, cases, {coalesced: (True, {"coalesced": coalesced}) for coalesced in (False, True)})
     import torch

@@ -4,7 +4,8 @@ import json
 import pytest
 
 from conftest import ROOT
-from ds_config import (build_ds_config, check_device_support, check_monitor_support, load_base_config,
+from ds_config import (build_ds_config, check_device_support, check_monitor_support, coalesces_grad_reduction,
+                       load_base_config,
                        lr_schedule, num_parameters, precision, resolve_scheduler, steps_per_epoch, ZERO3_LEAF_BLOCKS)
 from failures import UsageError
 from options import add_training_args, parse_args
@@ -292,6 +293,32 @@ def test_gradient_norm_is_computed_only_when_something_uses_it():
     for argv in (["--offload_optimizer"], ["--zero_stage", "3"], ["--zero_stage", "0"], ["--fp16", "--precision_mode",
                                                                                            "half_weights"]):
         assert "compute_grad_norm" not in build(*argv, device_type="cuda")["zero_optimization"]
+
+
+@pytest.mark.parametrize("mode, argv, expected", [
+    ("auto", ["--zero_stage", "2", "--offload_optimizer", "--gradient_accumulation_steps", "4"], True),
+    ("auto", ["--zero_stage", "1", "--offload_optimizer", "--gradient_accumulation_steps", "3", "--bf16"], True),
+    ("auto", ["--zero_stage", "2", "--offload_optimizer"], False),  # one micro-batch a step: nothing to coalesce
+    ("auto", ["--zero_stage", "2", "--gradient_accumulation_steps", "4"], False),  # no offload: not measured
+    ("auto", ["--zero_stage", "3", "--offload_optimizer", "--gradient_accumulation_steps", "4"], False),
+    ("auto", ["--gradient_accumulation_steps", "4"], False),  # ZeRO-0 on one rank
+    ("off", ["--zero_stage", "2", "--offload_optimizer", "--gradient_accumulation_steps", "4"], False),
+    ("on", ["--zero_stage", "3", "--gradient_accumulation_steps", "2"], True),
+    ("on", ["--zero_stage", "1", "--gradient_accumulation_steps", "2"], True),
+    ("on", ["--zero_stage", "2"], False),
+])
+def test_the_gradient_reduction_is_coalesced_with_offload_and_accumulation_or_when_asked(mode, argv, expected):
+    assert coalesces_grad_reduction(mode, build(*argv)) is expected
+
+
+def test_coalescing_where_deepspeed_cannot_is_refused():
+    with pytest.raises(UsageError, match="--coalesce_grad_reduction on needs --zero_stage 1, 2 or 3"):
+        coalesces_grad_reduction("on", build("--zero_stage", "0", "--gradient_accumulation_steps", "2"))
+    base = {"data_types": {"grad_accum_dtype": "fp32"}}
+    config = build("--zero_stage", "1", "--bf16", "--gradient_accumulation_steps", "2", base=base)
+    with pytest.raises(UsageError, match="DeepSpeed does not coalesce ZeRO-1 with bf16 weights"):
+        coalesces_grad_reduction("on", config)
+    assert coalesces_grad_reduction("auto", config) is False
 
 
 @pytest.mark.parametrize("stage", ["1", "2"])

@@ -49,6 +49,9 @@ def test_training_run_writes_history_and_checkpoints(name, trained, tiny_data):
     assert config["sync_bn"] == ("--sync_bn" in TRAINED_RUNS[name])
     ds = config["deepspeed"]
     assert ds["train_batch_size"] == 4 * ds["gradient_accumulation_steps"] * config["world_size"]
+    coalesced = "offload-accumulation" in name
+    assert config["training"]["coalesce_grad_reduction"] is coalesced
+    assert ("2 micro-batches a step, their gradients reduced once" in result.stdout) is coalesced
 
     epochs = history["epochs"]
     assert [e["epoch"] for e in epochs] == list(range(1, TRAINED_EPOCHS + 1))

@@ -149,6 +149,14 @@ def test_out_of_memory_advice_names_the_next_flags(argv, advice):
     assert line.endswith(advice)
 
 
+def test_out_of_memory_advice_offers_to_stop_coalescing_before_offloading_parameters():
+    config = config_of("--batch_size", "1", "--bf16", "--zero_stage", "2", "--offload_optimizer",
+                       "--gradient_accumulation_steps", "8")
+    assert out_of_memory_advice(config, coalesced=True).endswith(
+        "1) --coalesce_grad_reduction off (frees the GPU copy of the summed gradients; slower); "
+        "2) --zero_stage 3 --offload_param")
+
+
 def test_out_of_memory_with_nothing_left_to_try():
     config = config_of("--batch_size", "1", "--bf16", "--zero_stage", "3", "--offload_optimizer", "--offload_param")
     assert out_of_memory_advice(config).startswith("out of GPU memory at micro-batch 1 with every offload on")
