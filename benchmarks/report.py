@@ -404,6 +404,8 @@ TABLES = {
     "offload-accumulation": lambda: accumulation("accumulation/capacity_8gib"),
     "offload-profile": lambda: offload_profile([f"offload_profile/offload_profile_{model}_nvidia_h100_80gb_hbm3.json"
                                                 for model in ("vit_l_16", "vit_h_14")]),
+    "offload-coalesce-profile": lambda: offload_profile(["offload_profile/coalesce/offload_profile_vit_h_14_nvidia_h200.json"]),
+    "zero12-second-run": lambda: zero3_settings("zero12_second_run/zero3_settings_vit_b_16_b64_nvidia_h100_80gb_hbm3.json"),
 }
 
 
