@@ -170,6 +170,7 @@ def train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step=0, c
         if stop is not None and step % accumulation == 0 and step < micro_batches and stop.requested():
             break
     steps.close()  # a loader that ran out mid-step
+    del batches  # its DataLoader workers shut down here, inside the epoch's time rather than after it
     progress.close()
     counts = health.end_epoch(epoch, step)  # nonfinite_steps, skipped_steps
     average_buffers(engine.module)  # one model to validate and save, also when stopped mid-epoch
