@@ -113,6 +113,9 @@ def main(argv=None):
     check_device_support(ds_config, device_type)
     check_monitor_support(ds_config)
     coalesced = coalesces_grad_reduction(args.coalesce_grad_reduction, ds_config)
+    if args.coalesce_grad_reduction == "on" and not coalesced:
+        say("--coalesce_grad_reduction on: one micro-batch a step (--gradient_accumulation_steps 1), so nothing "
+            "to coalesce")
     if args.deepspeed_config:
         check_with_deepspeed(ds_config, args.deepspeed_config)
     zero_stage = ds_config["zero_optimization"]["stage"]

@@ -77,6 +77,8 @@ BAD_INPUT = [
     (["--fp16"], "fp16 needs a GPU"),
     (["--zero_stage", "2", "--offload_param"], "offload_param needs ZeRO stage 3"),
     (["--zero_stage", "0", "--offload_optimizer"], "offload_optimizer needs ZeRO stage 1, 2 or 3"),
+    (["--coalesce_grad_reduction", "on", "--zero_stage", "0", "--gradient_accumulation_steps", "2"],
+     "--coalesce_grad_reduction on needs --zero_stage 1, 2 or 3"),
     (["--deepspeed_config", "missing.json"], "--deepspeed_config missing.json: file not found"),
     (["--batch_size", "100"], "too few"),
     (["--pretrained", "missing.pth"], "--pretrained missing.pth: no such file, and not a weights name of resnet18"),
