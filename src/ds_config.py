@@ -301,9 +301,10 @@ def coalesces_grad_reduction(mode, config):
     """Whether the training loop runs each optimizer step's micro-batches inside DeepSpeed's
     engine.coalesce_grad_reduction() (training.GradientAccumulation), for --coalesce_grad_reduction `mode`.
 
-    With optimizer offload, DeepSpeed's ZeRO-1/2 otherwise copy every micro-batch's gradients to the CPU through
-    per-parameter hooks (docs/memory.md#offload-with-gradient-accumulation); coalesced, the micro-batches sum
-    them on the GPU, which holds one more copy of them. Without offload the gain is not measured: auto leaves it off."""
+    With optimizer offload, DeepSpeed's ZeRO-1/2 otherwise copy every micro-batch's gradients to the CPU
+    through per-parameter hooks (docs/memory.md, "Offload with gradient accumulation"); coalesced, the
+    micro-batches sum them on the GPU, which holds one more copy of them. Without offload the gain is not
+    measured: auto leaves it off."""
     zero = config["zero_optimization"]
     if mode == "on":
         if zero["stage"] == 0:
