@@ -104,12 +104,18 @@ def checkpoint_engines():
     return out
 
 
+def error_line(text):
+    """The exception's line of a child's output (its last line naming an ...Error), else its last line."""
+    lines = [line.split("]:")[-1].strip() for line in text.strip().splitlines()]
+    return next((line for line in reversed(lines) if re.match(r"[\w.]*(Error|Exception)\b", line)), lines[-1])[:120]
+
+
 def ratio_rows(result, notes):
     """[label, images/s, ratio, peak GiB, notes(r)] for each measurement of a result with reference ratios."""
     rows = []
     for label, r in result["results"].items():
         if "error" in r:
-            rows.append([label, "failed", "", "", ""])
+            rows.append([label, f"failed: {error_line(r['error'])}", "", "", ""])
             continue
         ratio = r.get("ratio_to_reference")
         rows.append([label, f"{r['images_per_s']:,.0f}", f"**{ratio:.2f}**" if ratio else "1 (reference)",
@@ -196,12 +202,18 @@ def host_batches(name):
 def zero3_settings(name):
     result = load(name)
     rows = ratio_rows(result, lambda r: ", ".join(f"{value:,.0f}" for value in r.get("runs_images_per_s", []) if value))
+    header = ["variant", "images/s", "ratio", "peak GiB", "every run"]
+    compiled = [r.get("ratio_to_compiled_reference") for r in result["results"].values()]
+    if any(compiled):  # the compiled variants against the compiled plain loop too
+        header.insert(3, "ratio to compiled plain")
+        for row, ratio in zip(rows, compiled):
+            row.insert(3, f"**{ratio:.2f}**" if ratio else "")
     settings = result["settings"]
     return source(result, name) + (
         f"\n{settings['model']}, micro-batch {settings['batch_size']}, {settings['image_size']} px, bf16, "
         f"{settings['steps']} timed steps" + (f"; each variant run {settings['repeat']} times in turn, the lower "
                                                f"median shown" if settings['repeat'] > 1 else "")
-        + ":\n\n") + table(["variant", "images/s", "ratio", "peak GiB", "every run"], rows)
+        + ":\n\n") + table(header, rows)
 
 
 def fp16_offload():
@@ -405,6 +417,12 @@ TABLES = {
     "offload-profile": lambda: offload_profile([f"offload_profile/offload_profile_{model}_nvidia_h100_80gb_hbm3.json"
                                                 for model in ("vit_l_16", "vit_h_14")]),
     "offload-coalesce-profile": lambda: offload_profile(["offload_profile/coalesce/offload_profile_vit_h_14_nvidia_h200.json"]),
+    "zero3-contiguous": lambda: "\n\n".join(zero3_settings(f"zero3_contiguous/zero3_settings_{run}_nvidia_h200.json")
+                                            for run in ("resnet18_b256", "vit_l_16_b32")),
+    "zero3-compile": lambda: "\n\n".join(zero3_settings(f"zero3_compile/{run}_nvidia_h200.json") for run in (
+        "with_leaf_modules/zero3_settings_vit_l_16_b32", "zero3_settings_vit_l_16_b32", "zero3_settings_resnet18_b256")),
+    "offload-end-to-end": lambda: "\n\n".join(throughput(f"offload_end_to_end/{run}.json") for run in (
+        "run1/throughput_nvidia_h100_80gb_hbm3", "run2/throughput_nvidia_h100_80gb_hbm3", "run1/throughput_nvidia_h200")),
     "zero12-second-run": lambda: zero3_settings("zero12_second_run/zero3_settings_vit_b_16_b64_nvidia_h100_80gb_hbm3.json"),
 }
 

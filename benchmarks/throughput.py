@@ -249,19 +249,27 @@ def run_case_of(script, kind, name, args):
         return {"error": f"over {args.case_timeout} s"}
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     if result.returncode != 0 or not lines:
-        return {"error": (result.stdout + result.stderr)[-3000:]}
+        # the tail of its output, with paths relative to the project and the import path, as in write_profile
+        return {"error": relative_paths((result.stdout + result.stderr)[-3000:])}
     return json.loads(lines[-1][len("RESULT "):])
 
 
 def write_profile(profile, path):
-    """A cProfile.Profile's top 40 functions by their own time, as text; file names relative to the import
-    path (deepspeed/..., torch/...), not to where this machine installed them."""
+    """A cProfile.Profile's top 40 functions by their own time, then by their time with what they call, as
+    text; file names relative to the import path (deepspeed/..., torch/...), not to where this machine
+    installed them."""
     text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40)
-    text = text.getvalue()
-    for folder in sorted({entry for entry in sys.path if entry}, key=len, reverse=True):
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40).sort_stats("cumulative").print_stats(40)
+    path.write_text(relative_paths(text.getvalue()))
+
+
+def relative_paths(text):
+    """`text` with the project's folder, then the import path's others, left out of its file names."""
+    text = text.replace(f"{ROOT}/", "")
+    others = {entry for entry in sys.path if entry and not entry.startswith(str(ROOT))}
+    for folder in sorted(others, key=len, reverse=True):
         text = text.replace(folder.rstrip("/") + "/", "")
-    path.write_text(text)
+    return text
 
 
 def slug_of(name):

@@ -14,6 +14,11 @@ in a process of its own (throughput.py's trainer case), the plain loop in anothe
     python benchmarks/zero3_settings.py --model vit_l_16 --batch_size 32 --steps 20 --warmup_steps 5
     python benchmarks/zero3_settings.py --model vit_b_16 --batch_size 64 --steps 20 --warmup_steps 5 \
         --variants zero2 "zero2 contiguous_gradients on" zero1 "zero1 contiguous_gradients on"   # ZeRO-1/2 only
+    python benchmarks/zero3_settings.py --model vit_l_16 --batch_size 32 --steps 20 --warmup_steps 10 \
+        --case_timeout 420 --variants "zero3 torch.compile" "zero3 DeepCompile"   # + the compiled plain loop
+
+A variant that compiles (--compile) is also compared with the plain loop under torch.compile, measured in
+the same run.
 
 Prints a table last; writes benchmarks/results/zero3_settings_<model>_b<micro-batch>_<gpu>.json.
 """
@@ -36,11 +41,12 @@ from common import environment, fmt, shown  # noqa: E402
 from reproducibility import machine_slug  # noqa: E402
 
 REFERENCE = "torch bf16 channels_last"
+COMPILED = "torch bf16 channels_last compile"  # measured too where a variant compiles, the fair reference for it
 NO_LEAVES = {"leaf_module": {"classes": []}}  # a config's own leaf_module (here: none) replaces the trainer's
 
 
 def variants(model):
-    """name -> (trainer flags, zero_optimization keys of the base config)."""
+    """name -> (trainer flags, zero_optimization keys of the base config[, other keys of the base config])."""
     zero3 = ["--zero_stage", "3", "--bf16"]
     return {
         "zero2": (["--zero_stage", "2", "--bf16"], {}),
@@ -59,6 +65,12 @@ def variants(model):
         "zero3 everything persistent": (zero3, {"stage3_param_persistence_threshold": 10**12}),
         "zero3 overlap_comm off": (zero3, {"overlap_comm": False}),
         "zero3 contiguous_gradients off": (zero3, {"contiguous_gradients": False}),  # as ZeRO-1/2 gained
+        # torch.compile through engine.compile(): the model's graph compiled, DeepSpeed's hooks still around it
+        "zero3 torch.compile": ([*zero3, "--compile"], {}),
+        # DeepCompile (CUDA only) takes the gathers, releases and reductions out of the Python hooks and into
+        # the compiled graph, with prefetching scheduled from a profile of the first steps. Without leaf modules:
+        # it leaves their reduce hooks in place, and the first backward fails in them (KeyError: torch.float32).
+        "zero3 DeepCompile": ([*zero3, "--compile"], NO_LEAVES, {"compile": {"deepcompile": True}}),
         **({"zero3 leaf layer1-4": (zero3, {"leaf_module": {"names": ["layer1", "layer2", "layer3", "layer4"]}})}
            if model.startswith("resnet") else {}),
     }
@@ -74,14 +86,14 @@ def summary(runs):
 
 def child(name, args):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == REFERENCE:
-        result = throughput.reference_case(throughput.REFERENCES[REFERENCE], args, device)
+    if name in (REFERENCE, COMPILED):
+        result = throughput.reference_case(throughput.REFERENCES[name], args, device)
     else:
-        flags, zero = variants(args.model)[name]
+        flags, zero, *top = variants(args.model)[name]
         profile = cProfile.Profile() if args.profile else None  # the host's time in --steps more steps
         with tempfile.TemporaryDirectory() as tmp:
             base = Path(tmp) / "base.json"
-            base.write_text(json.dumps({"zero_optimization": zero}))
+            base.write_text(json.dumps({"zero_optimization": zero, **(top[0] if top else {})}))
             result = throughput.trainer_case([*flags, "--deepspeed_config", str(base)], args, device, profile)
         if profile is not None:
             throughput.write_profile(profile, args.output_dir / f"zero3_profile_{args.model}_{throughput.slug_of(name)}.txt")
@@ -103,6 +115,8 @@ def main():
         return child(json.loads(args.case)[1], args)
     names = [REFERENCE, *(args.variants or variants(args.model))]
     unknown = set(names) - {REFERENCE, *variants(args.model)}
+    if any("--compile" in variants(args.model)[name][0] for name in names if name not in unknown | {REFERENCE}):
+        names.insert(1, COMPILED)
     if unknown:
         sys.exit(f"error: unknown variant(s): {', '.join(sorted(unknown))}; known: {', '.join(variants(args.model))}")
     env = environment()
@@ -117,21 +131,24 @@ def main():
             runs[name].append({**throughput.run_case_of(__file__, "variant", name, args),
                                "wall_s": round(time.perf_counter() - started, 1)})
             results[name] = summary(runs[name])
-            if name != REFERENCE:
-                flags, zero = variants(args.model)[name]
-                results[name].update(flags=flags, changed=zero,
+            if name not in (REFERENCE, COMPILED):
+                flags, zero, *top = variants(args.model)[name]
+                results[name].update(flags=flags, changed=zero, **({"base_config": top[0]} if top else {}),
                                      ratio_to_reference=throughput.ratio(results, name, REFERENCE))
+                if "--compile" in flags:
+                    results[name]["ratio_to_compiled_reference"] = throughput.ratio(results, name, COMPILED)
             print(f"{name}: {json.dumps(runs[name][-1])[:300]}", flush=True)
         path.write_text(json.dumps({"environment": env, "settings": settings, "results": results}, indent=2) + "\n")
 
     print(f"\n{env['gpu'] or 'CPU'} | torch {env['torch']} | DeepSpeed {env['deepspeed']} | {args.model}, "
           f"micro-batch {args.batch_size}, {args.image_size} px, bf16")
-    print(f"{'variant':<40}{'images/s':>9}{'ratio':>7}{'peak GiB':>9}  runs")
+    print(f"{'variant':<40}{'images/s':>9}{'ratio':>7}{'compiled':>9}{'peak GiB':>9}  runs")
     for name, r in results.items():
         if "error" in r:
             print(throughput.failed(name, r, 40))
             continue
         print(f"{name:<40}{r['images_per_s']:>9.0f}{fmt(r.get('ratio_to_reference')):>7}"
+              f"{fmt(r.get('ratio_to_compiled_reference')):>9}"
               f"{fmt(r['peak_gpu_memory_gib']):>9}  {' '.join(f'{v:.0f}' for v in r.get('runs_images_per_s', []) if v)}")
     print(f"results: {shown([str(path)])}")
 

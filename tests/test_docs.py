@@ -30,6 +30,21 @@ def test_every_report_table_names_its_machine_versions_commit_date_and_file():
                         match[3]), (path, match[2])
 
 
+def test_a_failed_measurement_shows_its_exception_line():
+    traceback = ("Traceback (most recent call last):\n[rank0]:   File \"x.py\", line 1, in f\n"
+                 "[rank0]: torch._inductor.exc.InductorError: RuntimeError: a dimension of length 0\n\n"
+                 "Epoch 0 train:   0%|          | 0/10 [00:22<?, ?it/s]\n")
+    assert report.error_line(traceback) == "torch._inductor.exc.InductorError: RuntimeError: a dimension of length 0"
+    assert report.error_line("[rank0]: KeyError: torch.float32\n") == "KeyError: torch.float32"
+    assert report.error_line("killed\nover 240 s\n") == "over 240 s"  # no exception named: the last line
+
+
+def test_a_measurement_s_error_names_files_relative_to_the_project():
+    import throughput
+    text = f'File "{ROOT}/benchmarks/zero3_settings.py", line 91, in child'
+    assert throughput.relative_paths(text) == 'File "benchmarks/zero3_settings.py", line 91, in child'
+
+
 def test_the_readme_is_short_and_its_quickstart_holds_two_commands():
     text = (ROOT / "README.md").read_text()
     assert len(text.encode()) <= README_LIMIT
