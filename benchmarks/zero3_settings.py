@@ -49,6 +49,7 @@ def variants(model):
     """name -> (trainer flags, zero_optimization keys of the base config[, other keys of the base config])."""
     zero3 = ["--zero_stage", "3", "--bf16"]
     return {
+        "zero0": (["--zero_stage", "0", "--bf16"], {}),
         "zero2": (["--zero_stage", "2", "--bf16"], {}),
         # DeepSpeed's contiguous gradients copy each gradient into the reduce bucket and the partition in a Python
         # hook; the trainer turns them off without offload (ds_config.py). In the JSON of commit c183514 "zero1"
