@@ -423,7 +423,8 @@ TABLES = {
         "with_leaf_modules/zero3_settings_vit_l_16_b32", "zero3_settings_vit_l_16_b32", "zero3_settings_resnet18_b256")),
     "offload-end-to-end": lambda: "\n\n".join(throughput(f"offload_end_to_end/{run}.json") for run in (
         "run1/throughput_nvidia_h100_80gb_hbm3", "run2/throughput_nvidia_h100_80gb_hbm3", "run1/throughput_nvidia_h200")),
-    "zero12-second-run": lambda: zero3_settings("zero12_second_run/zero3_settings_vit_b_16_b64_nvidia_h100_80gb_hbm3.json"),
+    "zero12-second-run": lambda: "\n\n".join(zero3_settings(f"zero12_second_run/zero3_settings_{run}_nvidia_h100_80gb_hbm3.json")
+                                             for run in ("vit_b_16_b64", "vit_l_16_b32")),
 }
 
 
