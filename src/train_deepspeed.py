@@ -256,7 +256,8 @@ def main(argv=None):
     with (StopOnSignal(engine.device, world_size) as stop,
           advise_on_out_of_memory(ds_config, tier == "device", coalesced)):
         for epoch in range(start_epoch, args.epochs + 1):
-            epoch_started = time.perf_counter()
+            # a resumed epoch's time before the stop counts, as it does in the epoch's training time
+            epoch_started = time.perf_counter() - (carried or {}).get("time_s", 0.0)
             if body_lr is not None:
                 body_lr.set_epoch(epoch)
             loader = train_loader.epoch(epoch, start_batch=start_step)
