@@ -121,7 +121,7 @@ def child(args):
     config = memory_profile.config_of(profile_args, args.config, args.micro_batch, 1, device, params, args.accumulation)
     engine = memory_profile.new_engine(profile_args, args.config, config, device, 1)
     batch = memory_profile.synthetic_batch(profile_args, config, args.micro_batch, device)
-    coalesced = args.coalesced and not plain
+    coalesced = memory_profile.coalesces(args.config, config, "on" if args.coalesced else None)
     timed_step(engine, batch, args.accumulation, plain, device, coalesced)  # allocates the optimizer state, tunes cuDNN
     runs = [timed_step(engine, batch, args.accumulation, plain, device, coalesced) for _ in range(args.steps)]
     between = {phase: sum(run[0][phase] for run in runs) / len(runs) * 1e3 for phase in PHASES}
@@ -182,7 +182,8 @@ def main():
         for overrides, coalesced in ways:
             key = name + ("" if plain or len(args.overrides) == 1 else f" [overrides: {overrides}]") + (
                 " [coalesced]" if coalesced else "")
-            results[key] = {"flags": memory_profile.CONFIGS[name],
+            flags = memory_profile.CONFIGS[name]
+            results[key] = {"flags": memory_profile.with_coalescing(flags, "on") if coalesced else flags,
                             **({} if plain else {"overrides": overrides, "coalesced": coalesced}),
                             **run_config(args, name, overrides, coalesced)}
             print(f"{key}: {json.dumps(results[key])[:400]}", flush=True)

@@ -21,7 +21,8 @@ With --find_max_batch it searches each configuration's largest micro-batch inste
 there, on one GPU or, with --num_gpus N, on N ranks of this host (each try a torchrun of its own); with
 --gpu_memory_gib, as on smaller GPUs, and then plain PyTorch (DDP on N) on the whole GPUs at --batch_size is
 the speed every configuration is compared with. The configurations named ", coalesced" (measured only when
-named in --configs) run each step's micro-batches inside DeepSpeed's coalesce_grad_reduction().
+named in --configs) run with the trainer's --coalesce_grad_reduction on: each step's micro-batches inside
+DeepSpeed's coalesce_grad_reduction(); the ZeRO-2 offload ones without it, with off: DeepSpeed's own way.
 
     python src/memory_profile.py --model resnet18 --batch_size 64 --bf16
     deepspeed --num_gpus 2 src/memory_profile.py --model wide_resnet50_2 --bf16
@@ -48,7 +49,7 @@ import train_deepspeed
 from data import batch_memory_format
 import distributed
 from distributed import exit_now, init_distributed, rank_zero_only, run_on_free_port, shut_down
-from ds_config import build_ds_config, precision
+from ds_config import build_ds_config, coalesces_grad_reduction, precision
 from failures import UsageError
 from model import build_model, construction_args, shape_model
 from options import parse_args, run_cli
@@ -57,6 +58,16 @@ from training import GradientAccumulation, input_dtype
 
 PLAIN = "plain PyTorch"
 HALF_WEIGHTS = ["--precision_mode", "half_weights"]
+NOT_COALESCED = ["--coalesce_grad_reduction", "off"]
+
+
+def with_coalescing(flags, mode):
+    """Trainer `flags` with --coalesce_grad_reduction `mode` in place of any they give."""
+    kept = [flag for i, flag in enumerate(flags)
+            if "--coalesce_grad_reduction" not in (flag, flags[i - 1] if i else None)]
+    return [*kept, "--coalesce_grad_reduction", mode]
+
+
 # name -> trainer flags (None: plain PyTorch, no DeepSpeed)
 CONFIGS = {
     PLAIN: None,
@@ -64,18 +75,20 @@ CONFIGS = {
     "ZeRO-1": ["--zero_stage", "1"],
     "ZeRO-2": ["--zero_stage", "2"],
     "ZeRO-3": ["--zero_stage", "3"],
-    "ZeRO-2 + offload optimizer": ["--zero_stage", "2", "--offload_optimizer"],
+    # With accumulation (--global_batch), DeepSpeed's way: every micro-batch's gradients through the CPU
+    "ZeRO-2 + offload optimizer": ["--zero_stage", "2", "--offload_optimizer", *NOT_COALESCED],
     "ZeRO-3 + offload optimizer + params": ["--zero_stage", "3", "--offload_optimizer", "--offload_param"],
     # DeepSpeed's fp16/bf16 weights move half the bytes of fp32 weights between the CPU and the GPU
-    "ZeRO-2 + offload optimizer, half weights": ["--zero_stage", "2", "--offload_optimizer", *HALF_WEIGHTS],
+    "ZeRO-2 + offload optimizer, half weights": ["--zero_stage", "2", "--offload_optimizer", *HALF_WEIGHTS,
+                                                 *NOT_COALESCED],
     "ZeRO-3 + offload optimizer + params, half weights": ["--zero_stage", "3", "--offload_optimizer",
                                                           "--offload_param", *HALF_WEIGHTS],
 }
-# The same run inside DeepSpeed's engine.coalesce_grad_reduction(): the micro-batches of a step sum their gradients
-# on the GPU, without ZeRO's per-parameter hooks, and one reduction ends the step (see coalesced_accumulation).
+# The same run inside DeepSpeed's engine.coalesce_grad_reduction() (--coalesce_grad_reduction on): the micro-batches
+# of a step sum their gradients on the GPU, without ZeRO's per-parameter hooks, and one reduction ends the step.
 COALESCED = ", coalesced"
 for _name in ("ZeRO-2", "ZeRO-2 + offload optimizer", "ZeRO-2 + offload optimizer, half weights"):
-    CONFIGS[_name + COALESCED] = CONFIGS[_name]
+    CONFIGS[_name + COALESCED] = with_coalescing(CONFIGS[_name], "on")
 GIB = 2**30
 OUT_OF_MEMORY = 3  # exit status of a --probe or --search process whose last try ran out of memory
 
@@ -328,17 +341,29 @@ def figures(config, sizes, world_size):
             "deepspeed_estimate_cpu_gib": None if estimate_cpu is None else estimate_cpu / GIB}
 
 
-def coalesced_accumulation(name, accumulation=1):
-    """(whether configuration `name` coalesces, the micro-batches a step it runs): a coalesced one at least two,
-    so that its peak holds their summed gradients."""
-    coalesced = name.endswith(COALESCED)
-    return coalesced, max(accumulation, 2) if coalesced else accumulation
+def coalescing_mode(name):
+    """Configuration `name`'s --coalesce_grad_reduction (the trainer's default where its flags leave it out)."""
+    flags = CONFIGS[name] or []
+    return flags[flags.index("--coalesce_grad_reduction") + 1] if "--coalesce_grad_reduction" in flags else "auto"
+
+
+def accumulation_of(name, accumulation=1):
+    """The micro-batches a step configuration `name` runs: one that asks to coalesce at least two, so that its
+    peak holds their summed gradients."""
+    return max(accumulation, 2) if coalescing_mode(name) == "on" else accumulation
+
+
+def coalesces(name, config, mode=None):
+    """Whether configuration `name`, built as `config`, coalesces its steps' micro-batches, as the trainer decides
+    (for --coalesce_grad_reduction `mode`, default the configuration's own)."""
+    return CONFIGS[name] is not None and coalesces_grad_reduction(mode or coalescing_mode(name), config)
 
 
 def measure(args, name, world_size, device, counters, sizes):
     """One configuration's figures on this rank at --batch_size; `sizes`: (parameters, largest layer's)."""
-    coalesced, accumulation = coalesced_accumulation(name)
+    accumulation = accumulation_of(name)
     config = config_of(args, name, args.batch_size, world_size, device, sizes[0], accumulation)
+    coalesced = coalesces(name, config)
     counters.reset()
     started = time.perf_counter()
     engine = new_engine(args, name, config, device, world_size)
@@ -408,8 +433,9 @@ def tries(args, device, sizes, name, first, following, accumulation=1):
     until None, each said on a TRY line; status OUT_OF_MEMORY at the first that runs out of memory."""
     micro_batch, started = first, time.perf_counter()
     rank, world_size = distributed.rank(), distributed.world_size()
-    coalesced, accumulation = coalesced_accumulation(name, accumulation)
+    accumulation = accumulation_of(name, accumulation)
     config = config_of(args, name, micro_batch, world_size, device, sizes[0], accumulation)
+    coalesced = coalesces(name, config)
     counters = MemoryCounters(device)
     try:
         engine = new_engine(args, name, config, device, world_size)

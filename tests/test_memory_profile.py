@@ -186,6 +186,21 @@ def test_a_coalesced_configuration_tries_two_micro_batches_a_step_inside_deepspe
     assert "ZeRO-2, coalesced" not in args.configs  # measured only when named
 
 
+def test_the_configurations_coalesce_as_the_trainer_decides_from_their_flags():
+    args = memory_profile.get_args_parser().parse_args(["--image_size", "64", "--bf16"])
+    config = memory_profile.trainer_config(args, ["--zero_stage", "2", "--offload_optimizer"], 4, 1,
+                                           torch.device("cpu"), 1000, accumulation=2)
+    # the trainer's auto would coalesce this one: the plain offload names measure DeepSpeed's own way
+    assert memory_profile.coalescing_mode("ZeRO-2 + offload optimizer") == "off"
+    assert not memory_profile.coalesces("ZeRO-2 + offload optimizer", config)
+    assert memory_profile.coalesces("ZeRO-2 + offload optimizer, coalesced", config)
+    assert memory_profile.coalesces("ZeRO-2 + offload optimizer", config, "on")  # offload_profile.py --coalesce
+    assert memory_profile.CONFIGS["ZeRO-2 + offload optimizer, half weights, coalesced"] == [
+        "--zero_stage", "2", "--offload_optimizer", "--precision_mode", "half_weights", "--coalesce_grad_reduction", "on"]
+    assert memory_profile.accumulation_of("ZeRO-2, coalesced") == 2 and memory_profile.accumulation_of("ZeRO-2") == 1
+    assert not memory_profile.coalesces(memory_profile.PLAIN, config)
+
+
 @pytest.mark.slow
 def test_a_search_on_two_ranks_says_each_try_once_with_the_figures_of_both():
     # torchrun's two gloo ranks: rank 0 says each try, its peaks the larger of the two ranks'
