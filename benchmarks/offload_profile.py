@@ -139,10 +139,10 @@ def child(args):
     overrides = os.environ.get("TRAINER_DEEPSPEED_OVERRIDES", "1")
     path = args.output_dir / (f"offload_profile_{args.model}_{slug_of(args.config)}"
                               + ("" if plain or overrides == "1" else f"_overrides_{slug_of(overrides)}")
-                              + ("_coalesced" if coalesced else "") + ".txt")
+                              + ("_coalesced" if args.coalesced else "") + ".txt")
     path.write_text(text)
     print("RESULT " + json.dumps({
-        "between_ms": between, "at_step_ms": at_step, "step_ms": step_ms,
+        "coalesced": coalesced, "between_ms": between, "at_step_ms": at_step, "step_ms": step_ms,
         "images_per_s": args.micro_batch * args.accumulation / step_ms * 1e3,
         "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None,
         "profile": shown([str(path)])}), flush=True)
@@ -176,13 +176,14 @@ def main():
     path = args.output_dir / f"offload_profile_{args.model}_{machine_slug(env)}.json"
     settings = {k: shown([str(v)]) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "config"}
     for name in args.configs:
-        plain = memory_profile.CONFIGS[name] is None
+        flags = memory_profile.CONFIGS[name]
+        plain = flags is None
+        both = args.coalesce and not plain and flags[flags.index("--zero_stage") + 1] != "0"  # none at ZeRO-0
         ways = [(overrides, coalesced) for overrides in (args.overrides[:1] if plain else args.overrides)
-                for coalesced in ([False, True] if args.coalesce and not plain else [False])]
+                for coalesced in ([False, True] if both else [False])]
         for overrides, coalesced in ways:
             key = name + ("" if plain or len(args.overrides) == 1 else f" [overrides: {overrides}]") + (
                 " [coalesced]" if coalesced else "")
-            flags = memory_profile.CONFIGS[name]
             results[key] = {"flags": memory_profile.with_coalescing(flags, "on") if coalesced else flags,
                             **({} if plain else {"overrides": overrides, "coalesced": coalesced}),
                             **run_config(args, name, overrides, coalesced)}

@@ -106,7 +106,7 @@ def checkpoint_engines():
 
 def error_line(text):
     """The exception's line of a child's output (its last line naming an ...Error), else its last line."""
-    lines = [line.split("]:")[-1].strip() for line in text.strip().splitlines()]
+    lines = [re.sub(r"^\[rank\d+\]:", "", line).strip() for line in text.strip().splitlines()] or ["?"]
     return next((line for line in reversed(lines) if re.match(r"[\w.]*(Error|Exception)\b", line)), lines[-1])[:120]
 
 
@@ -204,10 +204,13 @@ def zero3_settings(name):
     rows = ratio_rows(result, lambda r: ", ".join(f"{value:,.0f}" for value in r.get("runs_images_per_s", []) if value))
     header = ["variant", "images/s", "ratio", "peak GiB", "every run"]
     compiled = [r.get("ratio_to_compiled_reference") for r in result["results"].values()]
-    if any(compiled):  # the compiled variants against the compiled plain loop too
+    if any(compiled):  # the compiled variants against the compiled plain loop too, which is against the eager one
         header.insert(3, "ratio to compiled plain")
-        for row, ratio in zip(rows, compiled):
-            row.insert(3, f"**{ratio:.2f}**" if ratio else "")
+        eager = result["results"]["torch bf16 channels_last"]["images_per_s"]
+        for row, (label, r), ratio in zip(rows, result["results"].items(), compiled):
+            if label == "torch bf16 channels_last compile":
+                row[2], ratio = f"**{r['images_per_s'] / eager:.2f}**", "1 (reference)"
+            row.insert(3, f"**{ratio:.2f}**" if isinstance(ratio, float) else ratio or "")
     settings = result["settings"]
     return source(result, name) + (
         f"\n{settings['model']}, micro-batch {settings['batch_size']}, {settings['image_size']} px, bf16, "

@@ -256,20 +256,19 @@ def run_case_of(script, kind, name, args):
 
 def write_profile(profile, path):
     """A cProfile.Profile's top 40 functions by their own time, then by their time with what they call, as
-    text; file names relative to the import path (deepspeed/..., torch/...), not to where this machine
-    installed them."""
+    text; file names as relative_paths gives them, not where this machine installed them."""
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40).sort_stats("cumulative").print_stats(40)
     path.write_text(relative_paths(text.getvalue()))
 
 
 def relative_paths(text):
-    """`text` with the project's folder, then the import path's others, left out of its file names."""
-    text = text.replace(f"{ROOT}/", "")
-    others = {entry for entry in sys.path if entry and not entry.startswith(str(ROOT))}
-    for folder in sorted(others, key=len, reverse=True):
-        text = text.replace(folder.rstrip("/") + "/", "")
-    return text
+    """`text` with the import path's folders (a virtual environment's too, wherever it is) left out of its file
+    names, then the project's: deepspeed/..., src/training.py."""
+    project = {str(ROOT), str(ROOT / "src"), str(ROOT / "benchmarks")}
+    for folder in sorted({entry.rstrip("/") for entry in sys.path if entry} - project, key=len, reverse=True):
+        text = text.replace(folder + "/", "")
+    return text.replace(f"{ROOT}/", "")
 
 
 def slug_of(name):

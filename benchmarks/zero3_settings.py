@@ -43,6 +43,8 @@ from reproducibility import machine_slug  # noqa: E402
 REFERENCE = "torch bf16 channels_last"
 COMPILED = "torch bf16 channels_last compile"  # measured too where a variant compiles, the fair reference for it
 NO_LEAVES = {"leaf_module": {"classes": []}}  # a config's own leaf_module (here: none) replaces the trainer's
+# measured only when named: minutes of compiling each, and DeepCompile needs CUDA
+COMPILING = {"zero3 torch.compile", "zero3 DeepCompile"}
 
 
 def variants(model):
@@ -105,7 +107,8 @@ def get_args_parser():
     parser = throughput.get_args_parser()
     parser.description = __doc__
     parser.set_defaults(output_dir=ROOT / "benchmarks" / "results")
-    parser.add_argument("--variants", nargs="+", metavar="NAME", help="only these (default: all)")
+    parser.add_argument("--variants", nargs="+", metavar="NAME",
+                        help=f"only these (default: all but {' and '.join(sorted(COMPILING))})")
     parser.add_argument("--repeat", type=int, default=1, help="measure each variant this many times (the median)")
     return parser
 
@@ -114,7 +117,7 @@ def main():
     args = get_args_parser().parse_args()
     if args.case:
         return child(json.loads(args.case)[1], args)
-    names = [REFERENCE, *(args.variants or variants(args.model))]
+    names = [REFERENCE, *(args.variants or [name for name in variants(args.model) if name not in COMPILING])]
     unknown = set(names) - {REFERENCE, *variants(args.model)}
     if any("--compile" in variants(args.model)[name][0] for name in names if name not in unknown | {REFERENCE}):
         names.insert(1, COMPILED)

@@ -37,12 +37,19 @@ def test_a_failed_measurement_shows_its_exception_line():
     assert report.error_line(traceback) == "torch._inductor.exc.InductorError: RuntimeError: a dimension of length 0"
     assert report.error_line("[rank0]: KeyError: torch.float32\n") == "KeyError: torch.float32"
     assert report.error_line("killed\nover 240 s\n") == "over 240 s"  # no exception named: the last line
+    assert report.error_line("[rank1]: ValueError: a ]: b") == "ValueError: a ]: b"
+    assert report.error_line(" \n") == "?"
 
 
-def test_a_measurement_s_error_names_files_relative_to_the_project():
+def test_a_measurement_s_error_names_files_relative_to_the_project(monkeypatch):
     import throughput
-    text = f'File "{ROOT}/benchmarks/zero3_settings.py", line 91, in child'
-    assert throughput.relative_paths(text) == 'File "benchmarks/zero3_settings.py", line 91, in child'
+    site = f"{ROOT}/.venv/lib/python3.11/site-packages"  # a virtual environment inside the project
+    monkeypatch.setattr(sys, "path", [*sys.path, site, "/tmp/site"])
+    text = (f'File "{ROOT}/benchmarks/zero3_settings.py", line 91, in child\n'
+            f'File "{site}/deepspeed/runtime/engine.py", line 1\nFile "/tmp/site/torch/nn/module.py", line 2')
+    assert throughput.relative_paths(text) == ('File "benchmarks/zero3_settings.py", line 91, in child\n'
+                                               'File "deepspeed/runtime/engine.py", line 1\n'
+                                               'File "torch/nn/module.py", line 2')
 
 
 def test_the_readme_is_short_and_its_quickstart_holds_two_commands():

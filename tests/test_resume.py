@@ -138,7 +138,8 @@ def test_sigterm_mid_epoch_saves_and_resumes_exactly_with_the_data_on_the_device
     assert metrics(tmp_path) == metrics(uninterrupted_on_device)
     assert history(tmp_path)["best"] == history(uninterrupted_on_device)["best"]
     resumed_epoch = history(tmp_path)["epochs"][1]  # its time before the stop is in both figures
-    assert resumed_epoch["epoch_wall_s"] > resumed_epoch["epoch_time_s"] + resumed_epoch["validation_s"]
+    assert resumed_epoch["epoch_wall_s"] >= sum(resumed_epoch[key] for key in ("epoch_time_s", "validation_s",
+                                                                              "checkpoint_s"))
 
     # The same checkpoint on 2 ranks, the global batch kept (ZeRO-2: through a universal checkpoint; the exact
     # state is checked in test_universal.py): it goes on at the same sample and learning rate.
