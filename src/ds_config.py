@@ -134,6 +134,9 @@ def build_ds_config(args, world_size, num_train_images, base=None, device_type="
             f"the training set has {num_train_images} images: too few for {world_size} rank(s) x "
             f"micro-batch {micro} x {accumulation} accumulation step(s); lower --batch_size")
 
+    if uses_deepcompile(config, args) and device_type != "cuda":  # DeepSpeed builds its op with CUDA headers
+        raise UsageError("DeepCompile (compile.deepcompile with --compile) needs a CUDA GPU: remove it from the "
+                         "DeepSpeed config or pass --no-compile")
     _resolve_zero(config, args, num_params, world_size, resumed_stage)
     _resolve_precision(config, args, device_type, num_params, resumed_precision)
     _resolve_optimizer(config, args, device_type)
@@ -270,7 +273,17 @@ def _resolve_zero(config, args, num_params=None, world_size=1, resumed_stage=Non
     # offload; with overlap_comm, its path without them synchronises the whole device before every bucket.
     if stage in (1, 2) and zero.get("contiguous_gradients", AUTO) == AUTO:
         zero["contiguous_gradients"] = _offloads(zero, "offload_optimizer") or zero.get("overlap_comm") is True
-    if stage == 3 and "leaf_module" not in zero and not model.startswith(WITHOUT_BLOCKS):
+    # DeepCompile gathers ZeRO-3's parameters inside the compiled graph and removes ZeRO-3's hooks, but not the
+    # leaf modules' gradient hooks, in which the first backward then fails (DeepSpeed 0.19.8: KeyError
+    # torch.float32; docs/performance.md, "What stands in the way of ZeRO-3 on one GPU").
+    deepcompile = stage == 3 and uses_deepcompile(config, args)
+    leaves = zero.get("leaf_module")
+    if deepcompile and isinstance(leaves, dict) and any(leaves.get(key) for key in ("classes", "names",
+                                                                                    "name_suffixes")):
+        raise UsageError("DeepCompile (compile.deepcompile with --compile) does not run with ZeRO-3 leaf modules: "
+                         "DeepSpeed keeps their gradient hooks and the first backward fails in them; remove "
+                         "zero_optimization.leaf_module from the DeepSpeed config")
+    if stage == 3 and "leaf_module" not in zero and not deepcompile and not model.startswith(WITHOUT_BLOCKS):
         zero["leaf_module"] = {"classes": list(ZERO3_LEAF_BLOCKS)}
     if stage == 3 and zero.get("stage3_module_granularity_threshold", AUTO) == AUTO:
         zero["stage3_module_granularity_threshold"] = 0  # DeepSpeed's: the leaf modules make the units
@@ -286,6 +299,12 @@ def _resolve_zero(config, args, num_params=None, world_size=1, resumed_stage=Non
         raise UsageError("offload_optimizer needs ZeRO stage 1, 2 or 3 (this run uses stage 0)")
     if "offload_param" in zero and stage != 3:
         zero.pop("offload_param")
+
+
+def uses_deepcompile(config, args):
+    """Whether DeepSpeed's DeepCompile runs: compile.deepcompile in the config, and --compile to call it."""
+    section = config.get("compile")
+    return bool(getattr(args, "compile", False)) and isinstance(section, dict) and section.get("deepcompile") is True
 
 
 def auto_stage(world_size, zero):

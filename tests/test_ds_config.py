@@ -351,6 +351,22 @@ def test_step_syncs_and_zero3_hooks_are_cut_unless_the_base_config_sets_them():
     assert build(base={"zero_optimization": {"stage": 3, "leaf_module": own}})["zero_optimization"]["leaf_module"] == own
 
 
+def test_deepcompile_runs_zero3_without_leaf_modules_and_only_on_a_gpu():
+    deepcompile = {"compile": {"deepcompile": True}}
+    zero3 = build("--zero_stage", "3", "--compile", base=deepcompile, device_type="cuda")["zero_optimization"]
+    assert "leaf_module" not in zero3  # DeepSpeed's default classes match no torchvision module
+    # without --compile DeepCompile never runs: the trainer's leaf modules stay
+    assert "leaf_module" in build("--zero_stage", "3", base=deepcompile, device_type="cuda")["zero_optimization"]
+    own = {**deepcompile, "zero_optimization": {"leaf_module": {"names": ["layer1"]}}}
+    with pytest.raises(UsageError, match="DeepCompile .* does not run with ZeRO-3 leaf modules.*remove"):
+        build("--zero_stage", "3", "--compile", base=own, device_type="cuda")
+    none = {**deepcompile, "zero_optimization": {"leaf_module": {"classes": []}}}  # as zero3_settings.py runs it
+    assert build("--zero_stage", "3", "--compile", base=none, device_type="cuda")
+    with pytest.raises(UsageError, match="DeepCompile .* needs a CUDA GPU.*--no-compile"):
+        build("--zero_stage", "3", "--compile", base=deepcompile, device_type="cpu")
+    assert build("--zero_stage", "2", "--compile", base={"compile": {"deepcompile": False}}, device_type="cpu")
+
+
 def scheduled_lrs(config, steps):
     """The learning rate DeepSpeed's scheduler of `config` sets at each of `steps` optimizer steps."""
     import torch
