@@ -24,8 +24,8 @@ sys.path.insert(0, str(ROOT / "src"))
 from checkpoints import check_resumable, find_checkpoint, run_settings, saved_precision, saved_stage  # noqa: E402
 from data_check import check_data, decodes_every_file  # noqa: E402
 from distributed import free_port  # noqa: E402
-from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_with_deepspeed,  # noqa: E402
-                       coalesces_grad_reduction, load_base_config, num_parameters)
+from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_trainer_support,  # noqa: E402
+                       check_with_deepspeed, coalesces_grad_reduction, load_base_config, num_parameters)
 from failures import UsageError, check_writable, stop_on_write_error  # noqa: E402
 from files import write_json_atomic  # noqa: E402
 import run_folders  # noqa: E402
@@ -232,6 +232,7 @@ def main(argv=None):
                              resumed_stage=saved_stage(resume_from), resumed_precision=saved_precision(resume_from))
     check_device_support(config, device_type)
     check_monitor_support(config)
+    check_trainer_support(config, args)
     coalesces_grad_reduction(args.coalesce_grad_reduction, config)  # refuses what DeepSpeed cannot coalesce
     if args.deepspeed_config:
         check_with_deepspeed(config, args.deepspeed_config)

@@ -134,9 +134,6 @@ def build_ds_config(args, world_size, num_train_images, base=None, device_type="
             f"the training set has {num_train_images} images: too few for {world_size} rank(s) x "
             f"micro-batch {micro} x {accumulation} accumulation step(s); lower --batch_size")
 
-    if uses_deepcompile(config, args) and device_type != "cuda":  # DeepSpeed builds its op with CUDA headers
-        raise UsageError("DeepCompile (compile.deepcompile with --compile) needs a CUDA GPU: remove it from the "
-                         "DeepSpeed config or pass --no-compile")
     _resolve_zero(config, args, num_params, world_size, resumed_stage)
     _resolve_precision(config, args, device_type, num_params, resumed_precision)
     _resolve_optimizer(config, args, device_type)
@@ -273,16 +270,10 @@ def _resolve_zero(config, args, num_params=None, world_size=1, resumed_stage=Non
     # offload; with overlap_comm, its path without them synchronises the whole device before every bucket.
     if stage in (1, 2) and zero.get("contiguous_gradients", AUTO) == AUTO:
         zero["contiguous_gradients"] = _offloads(zero, "offload_optimizer") or zero.get("overlap_comm") is True
-    # DeepCompile gathers ZeRO-3's parameters inside the compiled graph and removes ZeRO-3's hooks, but not the
-    # leaf modules' gradient hooks, in which the first backward then fails (DeepSpeed 0.19.8: KeyError
-    # torch.float32; docs/performance.md, "What stands in the way of ZeRO-3 on one GPU").
+    # DeepCompile (benchmarks/zero3_settings.py; the trainer refuses it, check_trainer_support) gathers ZeRO-3's
+    # parameters inside the compiled graph and removes ZeRO-3's hooks, but not the leaf modules' gradient hooks,
+    # in which the first backward then fails (DeepSpeed 0.19.8: KeyError torch.float32).
     deepcompile = stage == 3 and uses_deepcompile(config, args)
-    leaves = zero.get("leaf_module")
-    if deepcompile and isinstance(leaves, dict) and any(leaves.get(key) for key in ("classes", "names",
-                                                                                    "name_suffixes")):
-        raise UsageError("DeepCompile (compile.deepcompile with --compile) does not run with ZeRO-3 leaf modules: "
-                         "DeepSpeed keeps their gradient hooks and the first backward fails in them; remove "
-                         "zero_optimization.leaf_module from the DeepSpeed config")
     if stage == 3 and "leaf_module" not in zero and not deepcompile and not model.startswith(WITHOUT_BLOCKS):
         zero["leaf_module"] = {"classes": list(ZERO3_LEAF_BLOCKS)}
     if stage == 3 and zero.get("stage3_module_granularity_threshold", AUTO) == AUTO:
@@ -470,6 +461,14 @@ def check_monitor_support(config):
     if config.get("tensorboard", {}).get("enabled") is True and importlib.util.find_spec("tensorboard") is None:
         raise UsageError("TensorBoard logging needs the tensorboard package: pip install tensorboard "
                          "(or use --csv_monitor)")
+
+
+def check_trainer_support(config, args):
+    """Refuse what DeepSpeed takes but the trainer's run cannot get through."""
+    if uses_deepcompile(config, args):
+        raise UsageError("DeepCompile (compile.deepcompile with --compile) is not supported: on a GPU it trained "
+                         "ZeRO-3 but its compiled model failed in validation, and it needs CUDA; pass --no-compile "
+                         "or remove compile.deepcompile from the DeepSpeed config")
 
 
 def check_device_support(config, device_type):

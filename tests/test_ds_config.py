@@ -4,9 +4,8 @@ import json
 import pytest
 
 from conftest import ROOT
-from ds_config import (build_ds_config, check_device_support, check_monitor_support, coalesces_grad_reduction,
-                       load_base_config,
-                       lr_schedule, num_parameters, precision, resolve_scheduler, steps_per_epoch, ZERO3_LEAF_BLOCKS)
+from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_trainer_support,
+                       coalesces_grad_reduction, load_base_config, lr_schedule, num_parameters, precision, resolve_scheduler, steps_per_epoch, ZERO3_LEAF_BLOCKS)
 from failures import UsageError
 from options import add_training_args, parse_args
 
@@ -351,20 +350,19 @@ def test_step_syncs_and_zero3_hooks_are_cut_unless_the_base_config_sets_them():
     assert build(base={"zero_optimization": {"stage": 3, "leaf_module": own}})["zero_optimization"]["leaf_module"] == own
 
 
-def test_deepcompile_runs_zero3_without_leaf_modules_and_only_on_a_gpu():
+def test_deepcompile_gets_zero3_without_leaf_modules_and_the_trainer_refuses_it():
     deepcompile = {"compile": {"deepcompile": True}}
-    zero3 = build("--zero_stage", "3", "--compile", base=deepcompile, device_type="cuda")["zero_optimization"]
-    assert "leaf_module" not in zero3  # DeepSpeed's default classes match no torchvision module
-    # without --compile DeepCompile never runs: the trainer's leaf modules stay
-    assert "leaf_module" in build("--zero_stage", "3", base=deepcompile, device_type="cuda")["zero_optimization"]
-    own = {**deepcompile, "zero_optimization": {"leaf_module": {"names": ["layer1"]}}}
-    with pytest.raises(UsageError, match="DeepCompile .* does not run with ZeRO-3 leaf modules.*remove"):
-        build("--zero_stage", "3", "--compile", base=own, device_type="cuda")
-    none = {**deepcompile, "zero_optimization": {"leaf_module": {"classes": []}}}  # as zero3_settings.py runs it
-    assert build("--zero_stage", "3", "--compile", base=none, device_type="cuda")
-    with pytest.raises(UsageError, match="DeepCompile .* needs a CUDA GPU.*--no-compile"):
-        build("--zero_stage", "3", "--compile", base=deepcompile, device_type="cpu")
-    assert build("--zero_stage", "2", "--compile", base={"compile": {"deepcompile": False}}, device_type="cpu")
+    args = make_args("--zero_stage", "3", "--compile")
+    config = build_ds_config(args, 1, 1000, base=deepcompile, device_type="cuda")
+    assert "leaf_module" not in config["zero_optimization"]  # DeepSpeed's default classes match no torchvision module
+    with pytest.raises(UsageError, match="DeepCompile .* is not supported: .* failed in validation.*--no-compile"):
+        check_trainer_support(config, args)
+    # without --compile DeepCompile never runs: the trainer's leaf modules stay, and nothing is refused
+    args = make_args("--zero_stage", "3")
+    config = build_ds_config(args, 1, 1000, base=deepcompile, device_type="cuda")
+    assert "leaf_module" in config["zero_optimization"]
+    check_trainer_support(config, args)
+    check_trainer_support(build("--compile"), make_args("--compile"))  # torch.compile alone
 
 
 def scheduled_lrs(config, steps):
