@@ -92,6 +92,7 @@ BAD_INPUT = [
     (["--deepspeed_config", "LIST"], "expected a JSON object ({...}), got list"),
     (["--deepspeed_config", "WRONG_BATCH"], "train_batch_size 7 in the DeepSpeed config is not micro-batch 4"),
     (["--deepspeed_config", "WRONG_TYPE"], 'zero_optimization in the DeepSpeed config must be a JSON object, got 2'),
+    (["--deepspeed_config", "DEEPCOMPILE", "--compile"], "DeepCompile (compile.deepcompile with --compile) is not supported"),
     (["--checkpoint_dir", "FILE/checkpoints"], "is not a folder; choose another --checkpoint_dir"),
 ]
 
@@ -99,7 +100,7 @@ BAD_INPUT = [
 def bad_input_argv(tmp_path, tiny_data, extra):
     files = {"BROKEN": "{\"train_batch_size\": ", "LIST": "[]", "FILE": "",
              "WRONG_BATCH": '{"train_batch_size": 7, "train_micro_batch_size_per_gpu": 4}',
-             "WRONG_TYPE": '{"zero_optimization": 2}'}
+             "WRONG_TYPE": '{"zero_optimization": 2}', "DEEPCOMPILE": '{"compile": {"deepcompile": true}}'}
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     return data_args(tiny_data) + [str(tmp_path / arg) if arg.split("/")[0] in files else arg for arg in extra]
