@@ -92,7 +92,7 @@ BAD_INPUT = [
     (["--deepspeed_config", "LIST"], "expected a JSON object ({...}), got list"),
     (["--deepspeed_config", "WRONG_BATCH"], "train_batch_size 7 in the DeepSpeed config is not micro-batch 4"),
     (["--deepspeed_config", "WRONG_TYPE"], 'zero_optimization in the DeepSpeed config must be a JSON object, got 2'),
-    (["--deepspeed_config", "DEEPCOMPILE", "--compile"], "DeepCompile (compile.deepcompile with --compile) is not supported"),
+    (["--deepspeed_config", "DEEPCOMPILE", "--compile"], "DeepCompile (compile.deepcompile with --compile) is not"),
     (["--checkpoint_dir", "FILE/checkpoints"], "is not a folder; choose another --checkpoint_dir"),
 ]
 
