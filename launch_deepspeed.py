@@ -24,8 +24,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from checkpoints import check_resumable, find_checkpoint, run_settings, saved_precision, saved_stage  # noqa: E402
 from data_check import check_data, decodes_every_file  # noqa: E402
 from distributed import free_port  # noqa: E402
-from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_trainer_support,  # noqa: E402
-                       check_with_deepspeed, coalesces_grad_reduction, load_base_config, num_parameters)
+from ds_config import build_ds_config, check_run, check_with_deepspeed, load_base_config, num_parameters  # noqa: E402
 from failures import UsageError, check_writable, stop_on_write_error  # noqa: E402
 from files import write_json_atomic  # noqa: E402
 import run_folders  # noqa: E402
@@ -230,10 +229,7 @@ def main(argv=None):
     config = build_ds_config(args, world_size, num_train_images, base=base,
                              device_type=device_type, num_params=num_params,
                              resumed_stage=saved_stage(resume_from), resumed_precision=saved_precision(resume_from))
-    check_device_support(config, device_type)
-    check_monitor_support(config)
-    check_trainer_support(config, args)
-    coalesces_grad_reduction(args.coalesce_grad_reduction, config)  # refuses what DeepSpeed cannot coalesce
+    check_run(config, args, device_type)
     if args.deepspeed_config:
         check_with_deepspeed(config, args.deepspeed_config)
     if resume_from is not None:

@@ -463,6 +463,15 @@ def check_monitor_support(config):
                          "(or use --csv_monitor)")
 
 
+def check_run(config, args, device_type):
+    """The checks of a run's resolved config that the launcher and each rank make before anything starts, one
+    place for both; returns whether the run coalesces its gradient reduction (refusing what DeepSpeed cannot)."""
+    check_device_support(config, device_type)
+    check_monitor_support(config)
+    check_trainer_support(config, args)
+    return coalesces_grad_reduction(args.coalesce_grad_reduction, config)
+
+
 def check_trainer_support(config, args):
     """Refuse what DeepSpeed takes but the trainer's run cannot get through."""
     if uses_deepcompile(config, args):

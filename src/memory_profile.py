@@ -359,11 +359,17 @@ def coalesces(name, config, mode=None):
     return CONFIGS[name] is not None and coalesces_grad_reduction(mode or coalescing_mode(name), config)
 
 
+def coalescing_config_of(args, name, micro_batch, world_size, device, num_params, accumulation=1):
+    """(config, micro-batches a step, whether it coalesces) of configuration `name`: config_of at the
+    accumulation it runs (accumulation_of), and coalesces() of what that builds."""
+    accumulation = accumulation_of(name, accumulation)
+    config = config_of(args, name, micro_batch, world_size, device, num_params, accumulation)
+    return config, accumulation, coalesces(name, config)
+
+
 def measure(args, name, world_size, device, counters, sizes):
     """One configuration's figures on this rank at --batch_size; `sizes`: (parameters, largest layer's)."""
-    accumulation = accumulation_of(name)
-    config = config_of(args, name, args.batch_size, world_size, device, sizes[0], accumulation)
-    coalesced = coalesces(name, config)
+    config, accumulation, coalesced = coalescing_config_of(args, name, args.batch_size, world_size, device, sizes[0])
     counters.reset()
     started = time.perf_counter()
     engine = new_engine(args, name, config, device, world_size)
@@ -433,9 +439,8 @@ def tries(args, device, sizes, name, first, following, accumulation=1):
     until None, each said on a TRY line; status OUT_OF_MEMORY at the first that runs out of memory."""
     micro_batch, started = first, time.perf_counter()
     rank, world_size = distributed.rank(), distributed.world_size()
-    accumulation = accumulation_of(name, accumulation)
-    config = config_of(args, name, micro_batch, world_size, device, sizes[0], accumulation)
-    coalesced = coalesces(name, config)
+    config, accumulation, coalesced = coalescing_config_of(args, name, micro_batch, world_size, device, sizes[0],
+                                                           accumulation)
     counters = MemoryCounters(device)
     try:
         engine = new_engine(args, name, config, device, world_size)

@@ -25,8 +25,8 @@ from device_data import build_device_loaders, choose_device_data, train_square_s
 from image_cache import OFF, cache_root  # noqa: E402
 from distributed import (any_rank, differing, exit_now, init_distributed, local_device, patient_group,  # noqa: E402
                          rank_zero_only, shut_down)
-from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_trainer_support,  # noqa: E402
-                       check_with_deepspeed, coalesces_grad_reduction, load_base_config, lr_schedule, precision, resolve_scheduler)
+from ds_config import (build_ds_config, check_run, check_with_deepspeed, load_base_config, lr_schedule,  # noqa: E402
+                       precision, resolve_scheduler)
 from failures import UsageError, advise_on_out_of_memory, check_writable  # noqa: E402
 from finetune import BodyLearningRate, parameter_groups  # noqa: E402
 from history import HISTORY_FILE, TrainingHistory, epoch_line  # noqa: E402
@@ -110,10 +110,7 @@ def main(argv=None):
     ds_config = build_ds_config(args, world_size, len(train_set), base=base_config, device_type=device_type,
                                 num_params=num_params, resumed_stage=saved_stage(resume_from),
                                 resumed_precision=saved_precision(resume_from))
-    check_device_support(ds_config, device_type)
-    check_monitor_support(ds_config)
-    check_trainer_support(ds_config, args)
-    coalesced = coalesces_grad_reduction(args.coalesce_grad_reduction, ds_config)
+    coalesced = check_run(ds_config, args, device_type)
     if args.coalesce_grad_reduction == "on" and not coalesced:
         say("--coalesce_grad_reduction on: one micro-batch a step (--gradient_accumulation_steps 1), so nothing "
             "to coalesce")

@@ -5,7 +5,8 @@ import pytest
 
 from conftest import ROOT
 from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_trainer_support,
-                       coalesces_grad_reduction, load_base_config, lr_schedule, num_parameters, precision, resolve_scheduler, steps_per_epoch, ZERO3_LEAF_BLOCKS)
+                       coalesces_grad_reduction, load_base_config, lr_schedule, num_parameters, precision,
+                       resolve_scheduler, steps_per_epoch, ZERO3_LEAF_BLOCKS)
 from failures import UsageError
 from options import add_training_args, parse_args
 
