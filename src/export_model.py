@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 from checkpoints import find_checkpoint, read_info
 from data import check_preprocessing
 from failures import UsageError, check_output_file, stop_on_write_error
-from files import write_json_atomic
+from files import json_beside, replace_together
 from loading import check_checkpoint_files, load_checked
 from model import check_saved_model, load_weights, model_for_weights
 from options import MODEL_NAME, run_cli
@@ -55,6 +56,18 @@ def consolidated_state_dict(checkpoint):
     return {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in module.items()}, info
 
 
+def save_safetensors(state_dict, path, metadata):
+    """safetensors' save_file, whose failed writes (a full disk) raise SafetensorError: as the OSError they are."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(state_dict, str(path), metadata={k: json.dumps(v) for k, v in metadata.items()})
+    except SafetensorError as err:  # "Error while serializing: I/O error: File too large (os error 27)"
+        code = re.search(r"\(os error (\d+)\)", str(err))
+        raise (OSError(int(code[1]), os.strerror(int(code[1]))) if code else OSError(str(err).splitlines()[0])) from err
+
+
 def sidecar_path(output):
     return Path(output).with_suffix(Path(output).suffix + ".json")
 
@@ -71,21 +84,23 @@ def export(checkpoint, output):
                 "image_size": info["image_size"], "class_names": info["class_names"],
                 "source_checkpoint": info["folder"], "epoch": info["epoch"], "metrics": info.get("metrics")}
     output.parent.mkdir(parents=True, exist_ok=True)
-    # Written beside it and renamed over it: a failed write leaves an earlier export as it was.
+    # Both files are written beside their names, then renamed over them together: a failed export leaves an
+    # earlier one (model and sidecar) as it was.
     fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=output.suffix)
     os.close(fd)
+    tmp, tmp_sidecar = Path(tmp), None
     try:
         with stop_on_write_error("export", "--output", retry="export again"):
             if output.suffix == ".safetensors":
-                from safetensors.torch import save_file
-
-                save_file(state_dict, tmp, metadata={k: json.dumps(v) for k, v in metadata.items()})
+                save_safetensors(state_dict, tmp, metadata)
             else:
                 torch.save(state_dict, tmp)
-            write_json_atomic(sidecar_path(output), metadata)
-            os.replace(tmp, output)
+            tmp_sidecar = json_beside(sidecar_path(output), metadata)
+            replace_together([(tmp, output), (tmp_sidecar, sidecar_path(output))])
     finally:
-        Path(tmp).unlink(missing_ok=True)
+        for path in (tmp, tmp_sidecar):
+            if path is not None:
+                path.unlink(missing_ok=True)
     return metadata
 
 

@@ -1,3 +1,4 @@
+import hashlib
 import json
 import os
 import shlex
@@ -14,6 +15,7 @@ sys.path.insert(0, str(ROOT / "src"))
 os.environ["TRAINER_CACHE_DIR"] = tempfile.mkdtemp(prefix="test-cache-")
 
 from prepare_data import make_sample_dataset  # noqa: E402
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts training or other processes; -m 'not slow' leaves these out")
@@ -114,6 +116,14 @@ def join_process_group(rank, port, world_size=1):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
     init_distributed()
+
+
+def digests(folder):
+    """{relative path: sha256} of every file under `folder` but the lock files (each run writes its PID there)."""
+    from run_folders import LOCK_FILES
+
+    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(Path(folder).rglob("*")) if path.is_file() and path.name not in LOCK_FILES}
 
 
 def split_dry_run(stdout):

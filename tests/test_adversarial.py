@@ -1,7 +1,6 @@
 """Hostile and unlucky input: every case runs, or stops before anything starts with one `error:` line and
 exit status 2, and nothing already written changes. Mostly in process; the runs they read are the
 session's trained ones."""
-import hashlib
 import json
 import os
 import random
@@ -12,7 +11,7 @@ import zipfile
 import pytest
 import torch
 
-from conftest import ROOT, TINY_CLASSES, Payload, assert_usage_error_in_process, data_args, launch
+from conftest import ROOT, TINY_CLASSES, Payload, assert_usage_error_in_process, data_args, digests, launch
 
 sys.path.insert(0, str(ROOT))
 import evaluate  # noqa: E402
@@ -24,11 +23,6 @@ from data import ImageFiles  # noqa: E402
 from data_check import check_folders  # noqa: E402
 from options import run_cli  # noqa: E402
 from prepare_data import make_sample_dataset  # noqa: E402
-
-
-def digests(folder):
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lock"}
 
 
 # --- flags and DeepSpeed JSON, refused by the launcher before anything starts -------------------------------
@@ -179,22 +173,58 @@ def test_a_damaged_export_or_sidecar_is_refused(export_of_a_run, tiny_data, caps
     assert not (export_of_a_run / "ran").exists()
 
 
+def disk_full(obj, path, *args, **kwargs):
+    with open(path, "wb") as f:
+        f.write(b"half a file")
+    raise OSError(28, "No space left on device")
+
+
+def refuse_replacing(name):
+    """os.replace that fails onto `name`, as onto an immutable file or one open in another process on Windows."""
+    replace = os.replace
+
+    def refusing(src, dst):
+        if os.path.basename(dst) == name:
+            raise PermissionError(1, "Operation not permitted", str(dst))
+        replace(src, dst)
+    return refusing
+
+
 @pytest.mark.slow
-def test_a_failed_export_leaves_the_earlier_one_as_it_was(export_of_a_run, monkeypatch, capsys):
+@pytest.mark.parametrize("failure, output, message", [
+    ("torch.save", "model.pt", "[Errno 28] No space left"),
+    ("model rename", "model.pt", "[Errno 1] Operation not permitted"),
+    ("sidecar rename", "model.pt", "[Errno 1] Operation not permitted"),  # after the model's: undone
+    ("file size limit", "model.safetensors", "[Errno 27] File too large"),  # a real failed write (ulimit -f)
+])
+def test_a_failed_export_leaves_the_earlier_one_as_it_was(export_of_a_run, tiny_data, monkeypatch, capsys, failure,
+                                                          output, message):
+    import resource
+
+    last, output = str(export_of_a_run / "last"), str(export_of_a_run / output)
+    if output.endswith(".safetensors"):
+        export_model.main([last, "--output", output])
     before = digests(export_of_a_run)
-
-    def disk_full(obj, path, *args, **kwargs):
-        with open(path, "wb") as f:
-            f.write(b"half a file")
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(export_model.torch, "save", disk_full)
-    with pytest.raises(SystemExit) as exited:
-        run_cli(export_model.main, [str(export_of_a_run / "last"), "--output", str(export_of_a_run / "model.pt")])
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if failure == "torch.save":
+        monkeypatch.setattr(export_model.torch, "save", disk_full)
+    elif failure == "file size limit":  # Python ignores SIGXFSZ: the write fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, limit[1]))
+    else:
+        refused = os.path.basename(output) + (".json" if failure == "sidecar rename" else "")
+        monkeypatch.setattr(os, "replace", refuse_replacing(refused))
+    try:
+        with pytest.raises(SystemExit) as exited:
+            run_cli(export_model.main, [last, "--output", output])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        monkeypatch.undo()
     err = capsys.readouterr().err
     assert exited.value.code == 4 and err.count("\n") == 1, err  # a failed write: exit status 4
-    assert err.startswith("error: cannot write the export: [Errno 28] No space left") and "export again" in err
+    assert err.startswith(f"error: cannot write the export: {message}") and "export again" in err, err
     assert digests(export_of_a_run) == before  # no temporary file left either
+    predict.main(["--model", output, str(tiny_data / "val")])  # the earlier export still works
+    assert capsys.readouterr().out.count(".jpg") == TINY_CLASSES * 5
 
 
 @pytest.mark.slow

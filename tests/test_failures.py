@@ -1,7 +1,6 @@
 """Runs that must stop: a loss that turns NaN, a checkpoint that cannot be written, the GPU out of memory.
 Each stops with one `error:` line and its own exit status, and leaves what earlier epochs wrote intact."""
 import ctypes
-import hashlib
 import json
 import os
 import resource
@@ -13,19 +12,12 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, assert_usage_error, data_args, launch
+from conftest import ROOT, assert_usage_error, data_args, digests, launch
 from ds_config import build_ds_config
 from failures import out_of_memory_advice
 from options import add_training_args, parse_args
-from run_folders import LOCK_FILE
 
 TINY_RUN = ["--batch_size", "4", "--image_size", "32", "--num_workers", "0"]
-
-
-def digests(folder):
-    """{relative path: sha256} of every file under `folder` but the lock file (each run writes its PID there)."""
-    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
-            for path in sorted(folder.rglob("*")) if path.is_file() and path.name != LOCK_FILE}
 
 
 @pytest.fixture
