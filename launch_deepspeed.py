@@ -87,12 +87,14 @@ def default_num_gpus():
     return torch.cuda.device_count() or 1
 
 
-def forwarded_args(args, given_path=None):
+def forwarded_args(args, given_path=None, launch_token=None):
     """The training script's arguments: every training flag the user gave, and the user's JSON as read here
     (written to `given_path`), from which the script builds the config again. Not the config resolved here:
     there every number, the LR schedule's step counts from the data check's count of images included, would
-    read as the user's own; nor the user's file, which may have changed since."""
+    read as the user's own; nor the user's file, which may have changed since. `launch_token` tells rank 0
+    that this launcher holds the folders for it (run_folders)."""
     argv = ["--deepspeed_config", str(given_path)] if given_path else []
+    argv += ["--launch_token", launch_token] if launch_token else []
     for name in sorted(args.explicit - LAUNCHER_FLAGS - {"deepspeed_config"}):
         value = getattr(args, name)
         if isinstance(value, bool):
@@ -154,7 +156,7 @@ def local_devices(num_gpus):
     return visible[:num_gpus] if visible else list(range(num_gpus))
 
 
-def build_command(args, num_gpus, num_nodes, given_path=None):
+def build_command(args, num_gpus, num_nodes, given_path=None, launch_token=None):
     """The DeepSpeed launcher command (or, on Windows, the training script itself).
 
     On one node this is DeepSpeed's per-node launcher, `deepspeed.launcher.launch`, with the world
@@ -163,12 +165,12 @@ def build_command(args, num_gpus, num_nodes, given_path=None):
     """
     if os.name == "nt":
         # The deepspeed launcher needs pdsh/NCCL-style multi-process support that Windows lacks.
-        return [sys.executable, str(TRAIN_SCRIPT), *forwarded_args(args, given_path)]
+        return [sys.executable, str(TRAIN_SCRIPT), *forwarded_args(args, given_path, launch_token)]
     if not args.hostfile:
         world_info = base64.urlsafe_b64encode(json.dumps({"localhost": local_devices(num_gpus)}).encode()).decode()
         return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
                 "--master_addr=127.0.0.1", f"--master_port={args.master_port or free_port()}",
-                str(TRAIN_SCRIPT), *forwarded_args(args, given_path)]
+                str(TRAIN_SCRIPT), *forwarded_args(args, given_path, launch_token)]
     command = [sys.executable, "-m", "deepspeed.launcher.runner"]
     if num_gpus is not None:
         command += ["--num_gpus", str(num_gpus)]
@@ -181,7 +183,7 @@ def build_command(args, num_gpus, num_nodes, given_path=None):
         command += ["--master_addr", args.master_addr]
     if args.master_port:
         command += ["--master_port", str(args.master_port)]
-    return command + [str(TRAIN_SCRIPT), *forwarded_args(args, given_path)]
+    return command + [str(TRAIN_SCRIPT), *forwarded_args(args, given_path, launch_token)]
 
 
 def main(argv=None):
@@ -235,22 +237,26 @@ def main(argv=None):
     if resume_from is not None:
         check_resumable(resume_from, world_size, config["zero_optimization"]["stage"],
                         run_settings(args, config, class_names))
-    if not args.dry_run and args.node_rank in (None, 0):  # later nodes start once the first one holds the lock
-        run_folders.check_launch(args, resume_from)
     config_path = Path(args.log_dir) / "ds_config.json"
     given_path = Path(args.log_dir) / GIVEN_CONFIG if args.deepspeed_config else None
-    command = build_command(args, num_gpus, num_nodes, given_path)
     if args.dry_run:
         print(json.dumps(config, indent=2))
-        print(shlex.join(command))
+        print(shlex.join(build_command(args, num_gpus, num_nodes, given_path)))
         return 0
-    data_check.save_cache()
-    with stop_on_write_error("DeepSpeed config", "--log_dir"):
-        write_json_atomic(config_path, config)  # each node's launcher may write it into one shared folder
-        if given_path:
-            write_json_atomic(given_path, base)
-    print(f"DeepSpeed config written to {config_path}\n$ {shlex.join(command)}", flush=True)
-    return run_and_forward_signals(command)
+    # The folders are this run's from here until this process exits, before it writes into them: a second run
+    # stops without touching the first one's files. Later nodes start once the first one holds them.
+    launch_token = run_folders.claim(args, resume_from) if args.node_rank in (None, 0) else None
+    try:
+        command = build_command(args, num_gpus, num_nodes, given_path, launch_token)
+        data_check.save_cache()
+        with stop_on_write_error("DeepSpeed config", "--log_dir"):
+            write_json_atomic(config_path, config)  # each node's launcher may write it into one shared folder
+            if given_path:
+                write_json_atomic(given_path, base)
+        print(f"DeepSpeed config written to {config_path}\n$ {shlex.join(command)}", flush=True)
+        return run_and_forward_signals(command)
+    finally:
+        run_folders.release()
 
 
 def run_and_forward_signals(command):

@@ -115,6 +115,13 @@ class CheckpointSaver:
         from checkpoint_engine import BackgroundCheckpointEngine  # DeepSpeed's classes: not for the launcher
 
         self.background = engine.checkpoint_engine = BackgroundCheckpointEngine(self._mark_failed, background)
+        self.earlier = []
+
+    def retire_after_first_save(self, *earlier):
+        """Once this run's first checkpoint is published, each of `earlier` that is not None (what an earlier run
+        left in these folders) is told the names it was published under: retire(names). Until then a run that
+        fails leaves them as they were."""
+        self.earlier = [what for what in earlier if what is not None]
 
     @stop_on_write_error("checkpoint", "--checkpoint_dir")
     def wait(self):
@@ -148,6 +155,11 @@ class CheckpointSaver:
             self.engine.save_checkpoint(str(staging), tag="staged", client_state=state)
             self.after(self._mark, staging, WRITTEN)
             self.after(self._publish_staged, staging, names, {**info, "epoch": epoch})
+            if self.earlier:  # rank 0's: in this thread, not the writer's, while no monitor writes a row
+                self.wait()
+                for what in self.earlier:
+                    what.retire(names)
+                self.earlier = []
         return names
 
     @staticmethod

@@ -25,19 +25,36 @@ def write_epoch_events(engine, record):
         engine.monitor.write_events(epoch_events(record))
 
 
+class EarlierRows:
+    """An earlier run's CSV files where a fresh run starts, and their sizes then: the new run's rows are
+    appended below (DeepSpeed's CSV monitor appends, with a header row of its own), and the earlier rows go
+    once the new run's first checkpoint is published, as its history does (run_folders.EarlierRun)."""
+
+    def __init__(self, paths):
+        self.sizes = {path: path.stat().st_size for path in paths}
+
+    def retire(self, published=None):
+        for path, size in self.sizes.items():
+            rows = path.read_bytes()[size:] if path.exists() else b""
+            if rows:
+                path.write_bytes(rows)
+            else:
+                path.unlink(missing_ok=True)
+
+
 @rank_zero_only
 def prepare_csv_files(engine, next_epoch=None):
-    """A fresh run (next_epoch None) removes an earlier run's CSV files, as its history is replaced too.
-    A resumed run keeps the rows up to where the checkpoint stands and appends below them: DeepSpeed's
-    CSV monitor appends to existing files but writes a header row again in every new process."""
+    """A fresh run (next_epoch None) replaces an earlier run's CSV rows: the EarlierRows to retire after its
+    first checkpoint. A resumed run keeps the rows up to where the checkpoint stands and appends below them:
+    DeepSpeed's CSV monitor appends to existing files but writes a header row again in every new process."""
     monitor = getattr(engine.monitor, "csv_monitor", None)
     if monitor is None or not monitor.log_dir:
-        return
+        return None
     epoch_file = EPOCH_PREFIX.replace("/", "_")
-    for path in sorted(Path(monitor.log_dir).glob("*.csv")):
-        if next_epoch is None:
-            path.unlink()
-            continue
+    paths = sorted(Path(monitor.log_dir).glob("*.csv"))
+    if next_epoch is None:
+        return EarlierRows(paths) if paths else None
+    for path in paths:
         with open(path, newline="") as f:
             rows = list(csv.reader(f))
         if not rows:
@@ -48,3 +65,4 @@ def prepare_csv_files(engine, next_epoch=None):
         with open(path, "w", newline="") as f:
             csv.writer(f).writerows([header, *kept])
         monitor.filenames.append(path.stem)  # DeepSpeed writes the header only for names not in this list
+    return None

@@ -1,14 +1,20 @@
 """One run at a time in --checkpoint_dir and --log_dir, and never over another run's results unasked.
 
-- Rank 0 holds a lock on a `.lock` file in each folder for the whole run (fcntl.flock: the OS releases it
-  however the holder dies), so a second run into the same folders stops at once, naming the first.
+- Two locks in each folder (fcntl.flock: the OS releases one however its holder dies), so that a second run
+  into the same folders stops at once, naming the first, before it writes anything there:
+  `.launch.lock`, held by the run's owner from before it writes into the folders: the launcher, from the end
+  of its checks to its exit (its rank 0 is told the launcher's token, --launch_token), or rank 0 of a run
+  started without it; and `.lock`, held by rank 0 for its whole life, which keeps the next run out while the
+  ranks of a killed launcher still save.
 - A new run (no --resume) into folders that hold an earlier run's checkpoints or history stops before
-  anything starts: --resume auto continues it, --overwrite replaces it (its checkpoints and history are
-  removed once the lock is held). --resume auto that finds nothing to resume there stops the same way.
+  anything starts: --resume auto continues it, --overwrite replaces it. The earlier run's checkpoints, history
+  and CSV rows go only once the new run's first checkpoint is published (EarlierRun), so a new run that fails
+  before that leaves them as they were. --resume auto that finds nothing to resume there stops the same way.
 - What an interrupted save left (the staging folder, `.ready-*`, `.old-*` of a swap) is tidied up under
   the lock: a swap cut between its two renames is completed or undone.
 """
 import os
+import secrets
 import shutil
 import socket
 from pathlib import Path
@@ -17,7 +23,9 @@ from checkpoints import BEST, EXTRA_INFO, LAST, STAGING, UNIVERSAL, read_info, r
 from failures import UsageError
 from history import HISTORY_FILE
 
-LOCK_FILE = ".lock"
+LOCK_FILE = ".lock"  # rank 0's
+LAUNCH_LOCK_FILE = ".launch.lock"  # the run's owner: its launcher, or rank 0 of a run started without one
+LOCK_FILES = (LOCK_FILE, LAUNCH_LOCK_FILE)
 _held = []  # open lock files: closing one releases its lock
 
 
@@ -86,25 +94,26 @@ def _locked(f):
         return False
 
 
-def _in_use(folder, flag):
+def _in_use(folder, flag, name=LOCK_FILE):
     try:
-        holder = (Path(folder) / LOCK_FILE).read_text().strip() or "another run"
+        holder = ((Path(folder) / name).read_text().splitlines() or ["another run"])[0]
     except OSError:
         holder = "another run"
     return UsageError(f"{flag} {folder} is in use by {holder}: wait for it to finish or stop it (a run stopped by "
                       f"Ctrl-C or SIGTERM saves, and continues with --resume auto)")
 
 
-def lock(folder, flag):
-    """Hold `folder`'s lock until this process ends; stop with a message naming the holder when it is held."""
+def lock(folder, flag, name=LOCK_FILE, note=None):
+    """Hold the lock `name` of `folder` until this process ends (or release()); stop with a message naming the
+    holder when it is held. The file says who holds it, and `note` on a second line."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    f = open(folder / LOCK_FILE, "a+")
+    f = open(folder / name, "a+")
     if not _locked(f):
         f.close()
-        raise _in_use(folder, flag)
+        raise _in_use(folder, flag, name)
     f.truncate(0)
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n" + (f"{note}\n" if note else ""))
     f.flush()
     _held.append(f)
 
@@ -116,13 +125,35 @@ def release():
     _held.clear()
 
 
-def check_unlocked(folder, flag):
-    """Stop when a run holds `folder`'s lock now; creates nothing (the launcher's early check)."""
-    path = Path(folder) / LOCK_FILE
+def check_unlocked(folder, flag, name=LOCK_FILE):
+    """Stop when a run holds `folder`'s lock `name` now; creates nothing."""
+    path = Path(folder) / name
     if path.is_file():
         with open(path) as f:
             if not _locked(f):
-                raise _in_use(folder, flag)
+                raise _in_use(folder, flag, name)
+
+
+def _claimed_for(folder, flag, token):
+    """Whether the launcher that started this run holds `folder` for it (its token); stop when another does.
+    False when nobody holds it: the launcher has gone, or its folder of that name is on another machine."""
+    try:
+        with open(Path(folder) / LAUNCH_LOCK_FILE) as f:
+            if _locked(f):  # released again as the file closes
+                return False
+            holder = f.read().splitlines()
+    except FileNotFoundError:
+        return False
+    if f"run {token}" not in holder:
+        raise _in_use(folder, flag, LAUNCH_LOCK_FILE)
+    return True
+
+
+def _folders(args):
+    folders = [(Path(args.checkpoint_dir), "--checkpoint_dir")]
+    if Path(args.log_dir).resolve() != Path(args.checkpoint_dir).resolve():
+        folders.append((Path(args.log_dir), "--log_dir"))
+    return folders
 
 
 def tidy(checkpoint_dir):
@@ -141,32 +172,54 @@ def tidy(checkpoint_dir):
                 os.rename(leftover, published)
 
 
-def remove_results(checkpoint_dir, log_dir):
-    """--overwrite: the earlier run's checkpoints and history go, so that none of them is taken for this run's."""
-    for name in _checkpoint_names(Path(checkpoint_dir)):
-        shutil.rmtree(Path(checkpoint_dir) / name)
-    (Path(log_dir) / HISTORY_FILE).unlink(missing_ok=True)
+class EarlierRun:
+    """The checkpoints and history an earlier run left where an --overwrite run starts: they stay until the new
+    run's first checkpoint is published (CheckpointSaver.retire_after_first_save), then go."""
+
+    def __init__(self, checkpoint_dir, log_dir):
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.names = _checkpoint_names(self.checkpoint_dir)
+        self.history = Path(log_dir) / HISTORY_FILE
+
+    def retire(self, published):
+        """The new run has published its checkpoint under the names `published`: the rest of the earlier run's
+        go, and its history, which the new run's replaces."""
+        for name in self.names:
+            if name not in published:
+                shutil.rmtree(self.checkpoint_dir / name)
+        self.history.unlink(missing_ok=True)
+
+
+def claim(args, resume_from):
+    """The launcher, after its checks, before it writes anything into the folders: hold them for this run until
+    it exits, refuse to overwrite an earlier run unasked. The token it returns tells its rank 0 the folders
+    are held for it."""
+    token = secrets.token_hex(8)
+    try:
+        if os.name == "posix":  # fcntl; elsewhere keeping two runs out of one folder is the user's part
+            for folder, flag in _folders(args):
+                lock(folder, flag, LAUNCH_LOCK_FILE, note=f"run {token}")
+                check_unlocked(folder, flag)  # ranks of a run whose launcher was killed, still saving
+        check_new_run(args, resume_from)
+    except UsageError:
+        release()
+        raise
+    return token
 
 
 def take(args):
-    """Rank 0, before anything reads the checkpoints: lock both folders for this run and tidy them."""
-    if os.name == "posix":  # fcntl; elsewhere keeping two runs out of one folder is the user's part
-        lock(args.checkpoint_dir, "--checkpoint_dir")
-        if Path(args.log_dir).resolve() != Path(args.checkpoint_dir).resolve():
-            lock(args.log_dir, "--log_dir")
+    """Rank 0, before anything reads the checkpoints: hold both folders for this run and tidy them."""
+    if os.name == "posix":
+        token = getattr(args, "launch_token", None)
+        for folder, flag in _folders(args):
+            if token is None or not _claimed_for(folder, flag, token):
+                lock(folder, flag, LAUNCH_LOCK_FILE)
+            lock(folder, flag)
     tidy(args.checkpoint_dir)
 
 
 def start(args, resume_from):
-    """Rank 0, with the folders taken: refuse to overwrite an earlier run unasked; with --overwrite, clear it."""
+    """Rank 0, with the folders taken: refuse to overwrite an earlier run unasked. With --overwrite, the
+    EarlierRun to retire once this run's first checkpoint is published."""
     check_new_run(args, resume_from)
-    if args.overwrite:
-        remove_results(args.checkpoint_dir, args.log_dir)
-
-
-def check_launch(args, resume_from):
-    """The launcher's early check, before any process starts; changes nothing."""
-    if os.name == "posix":
-        check_unlocked(args.checkpoint_dir, "--checkpoint_dir")
-        check_unlocked(args.log_dir, "--log_dir")
-    check_new_run(args, resume_from)
+    return EarlierRun(args.checkpoint_dir, args.log_dir) if args.overwrite else None

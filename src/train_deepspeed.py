@@ -46,6 +46,8 @@ def get_args_parser():
     parser = argparse.ArgumentParser(description="Train a torchvision classifier on an image folder with DeepSpeed.")
     add_training_args(parser)
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by `deepspeed`
+    # set by launch_deepspeed.py: the folders are held for this run by the launcher that started it
+    parser.add_argument("--launch_token", default=None, help=argparse.SUPPRESS)
     return parser
 
 
@@ -102,7 +104,7 @@ def main(argv=None):
 
     rank, world_size = init_distributed()
     resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
-    rank_zero_only(run_folders.start)(args, resume_from)
+    earlier_run = rank_zero_only(run_folders.start)(args, resume_from)
     seed_everything(args.seed)
     model = build_model(args.model, len(train_set.classes), args.image_size, args.pretrained)
     model_name = saved_name(args.model)
@@ -237,7 +239,8 @@ def main(argv=None):
             start_step = state["next_sample"] // samples_per_micro_batch
         say(f"Resumed from {resume_from}: epoch {start_epoch}"
             + (f", step {start_step} of {micro_batches}" if start_step else ""))
-    prepare_csv_files(engine, start_epoch if resume_from is not None else None)
+    earlier_rows = prepare_csv_files(engine, start_epoch if resume_from is not None else None)
+    saver.retire_after_first_save(earlier_run, earlier_rows)  # --overwrite: the earlier run stays until then
     say(f"{model_name}: {data_check.train.num_images} train / {data_check.val.num_images} val images, {len(train_set.classes)} classes; "
         f"{world_size} rank(s) on {device_type}, ZeRO-{zero_stage}, {run_config['precision']}, "
         f"global batch {ds_config['train_batch_size']}"

@@ -8,7 +8,8 @@ import re
 import pytest
 import torch
 
-from conftest import TINY_CLASSES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, TINY_VAL_PER_CLASS, data_args, launch
+from conftest import (TINY_CLASSES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, TINY_VAL_PER_CLASS, data_args, digests,
+                      launch)
 from model import ResNet18Animals90
 from monitor import EPOCH_SCALARS, epoch_events, prepare_csv_files
 
@@ -90,8 +91,8 @@ def test_epoch_events_leave_out_missing_values():
 
 
 def test_resumed_run_continues_the_csv_files_under_one_header(tmp_path, monkeypatch):
-    """A resumed run (a new process) keeps the rows up to its checkpoint and appends below them;
-    a fresh run starts the files anew."""
+    """A resumed run (a new process) keeps the rows up to its checkpoint and appends below them; a fresh
+    run's rows replace the earlier ones once its first checkpoint is published (until then both are kept)."""
     from types import SimpleNamespace
 
     import deepspeed.comm
@@ -116,5 +117,10 @@ def test_resumed_run_continues_the_csv_files_under_one_header(tmp_path, monkeypa
     assert read_csv(tmp_path / "train/Train_Samples_lr.csv") == [["step", "lr"], ["10", "0.1"], ["20", "0.2"],
                                                                 ["30", "0.25"]]
     fresh = new_process(0)
-    prepare_csv_files(fresh)
-    assert list((tmp_path / "train").iterdir()) == []
+    before = digests(tmp_path)
+    earlier = prepare_csv_files(fresh)
+    assert digests(tmp_path) == before
+    fresh.monitor.csv_monitor.write_events([("Train/Samples/lr", 0.5, 10)])
+    earlier.retire(["best_model", "last"])
+    assert [p.name for p in (tmp_path / "train").iterdir()] == ["Train_Samples_lr.csv"]
+    assert read_csv(tmp_path / "train/Train_Samples_lr.csv") == [["step", "lr"], ["10", "0.5"]]

@@ -9,9 +9,9 @@ import time
 import pytest
 
 import run_folders
-from conftest import ROOT, assert_usage_error, assert_usage_error_in_process, data_args, launch, run
+from conftest import ROOT, assert_usage_error, assert_usage_error_in_process, data_args, digests, launch, run
 from failures import UsageError
-from run_folders import LOCK_FILE, check_new_run, check_unlocked, earlier_results, lock, tidy
+from run_folders import LAUNCH_LOCK_FILE, LOCK_FILE, check_new_run, check_unlocked, earlier_results, lock, tidy
 
 # A process that holds a folder's lock (as a training run's rank 0 does) until killed.
 # It forks a child that outlives it, as a loader worker outlives a rank killed with SIGKILL for a few seconds.
@@ -20,10 +20,18 @@ HOLD_LOCK = ("import os, sys, time; sys.path.insert(0, sys.argv[1]); from run_fo
              "print('held', child, flush=True); time.sleep(600)")
 
 
-def args_for(tmp_path, resume=None, overwrite=False):
+# A launcher that holds the folders under tmp_path (argv[2]) for its run, until killed.
+HOLD_LAUNCH = ("import sys, time; sys.path.insert(0, sys.argv[1]); from argparse import Namespace; import run_folders; "
+               "from pathlib import Path; root = Path(sys.argv[2]); print(run_folders.claim(Namespace("
+               "checkpoint_dir=root / 'ckpt', log_dir=root / 'logs', resume=None, overwrite=False), None), flush=True); "
+               "time.sleep(600)")
+
+
+def args_for(tmp_path, resume=None, overwrite=False, launch_token=None):
     from argparse import Namespace
 
-    return Namespace(checkpoint_dir=tmp_path / "ckpt", log_dir=tmp_path / "logs", resume=resume, overwrite=overwrite)
+    return Namespace(checkpoint_dir=tmp_path / "ckpt", log_dir=tmp_path / "logs", resume=resume, overwrite=overwrite,
+                     launch_token=launch_token)
 
 
 def publish(checkpoint_dir, name, epoch):
@@ -47,8 +55,62 @@ def test_a_new_run_over_an_earlier_one_stops_unless_told(tmp_path):
     check_new_run(args_for(tmp_path, resume="auto"), args.checkpoint_dir / "last")  # continuing it is fine
     overwrite = args_for(tmp_path, overwrite=True)
     check_new_run(overwrite, None)
-    run_folders.start(overwrite, None)
-    assert earlier_results(args.checkpoint_dir, args.log_dir) == []
+    publish(args.checkpoint_dir, "epoch_2", 2)
+    earlier = run_folders.start(overwrite, None)
+    assert len(earlier_results(args.checkpoint_dir, args.log_dir)) == 3  # kept until the new run has a checkpoint
+    earlier.retire(["best_model", "last"])  # its first checkpoint's names: those the new run replaced
+    assert earlier_results(args.checkpoint_dir, args.log_dir) == [f"{args.checkpoint_dir / 'last'} (epoch 2)"]
+
+
+def test_a_launcher_holds_the_folders_before_it_writes_and_its_rank_0_takes_them_with_it(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LAUNCH, str(ROOT / "src"), str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        token = holder.stdout.readline().strip()
+        for folder, flag in ((tmp_path / "ckpt", "--checkpoint_dir"), (tmp_path / "logs", "--log_dir")):
+            with pytest.raises(UsageError, match=rf"{flag} {folder} is in use by pid {holder.pid} on "):
+                check_unlocked(folder, flag, LAUNCH_LOCK_FILE)
+        with pytest.raises(UsageError, match=f"in use by pid {holder.pid}"):  # a rank 0 of another run
+            run_folders.take(args_for(tmp_path, launch_token="0123"))
+        with pytest.raises(UsageError, match=f"in use by pid {holder.pid}"):  # one started without a launcher
+            run_folders.take(args_for(tmp_path))
+        run_folders.release()
+        run_folders.take(args_for(tmp_path, launch_token=token))  # its own rank 0
+        assert len(run_folders._held) == 2  # rank 0's own lock of each folder, not the launcher's
+        with pytest.raises(UsageError, match=f"in use by pid {os.getpid()}"):
+            check_unlocked(tmp_path / "ckpt", "--checkpoint_dir")
+    finally:
+        run_folders.release()
+        holder.kill()
+        holder.wait()
+    run_folders.take(args_for(tmp_path, launch_token=token))  # the launcher gone: rank 0 holds both itself
+    try:
+        assert len(run_folders._held) == 4
+    finally:
+        run_folders.release()
+
+
+def test_a_second_launch_into_held_folders_writes_nothing_there(tiny_data, tmp_path, monkeypatch, capsys):
+    sys.path.insert(0, str(ROOT))
+    import launch_deepspeed
+
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LAUNCH, str(ROOT / "src"), str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        holder.stdout.readline()
+        (tmp_path / "logs/ds_config.json").write_text('{"first": "run"}')
+        (tmp_path / "logs/ds_config_given.json").write_text('{"optimizer": {"params": {"lr": 0.001}}}')
+        (tmp_path / "second.json").write_text('{"optimizer": {"type": "AdamW", "params": {"lr": 0.05}}}')
+        before = digests(tmp_path / "logs"), digests(tmp_path / "ckpt")
+        monkeypatch.chdir(tmp_path)
+        assert_usage_error_in_process(launch_deepspeed.main, data_args(tiny_data) + [
+            "--checkpoint_dir", "ckpt", "--log_dir", "logs", "--deepspeed_config", "second.json"], capsys,
+            f"--checkpoint_dir ckpt is in use by pid {holder.pid} on ")
+        assert (digests(tmp_path / "logs"), digests(tmp_path / "ckpt")) == before
+        assert run_folders._held == []  # the refused launcher let go of what it had taken
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_resume_auto_does_not_start_over_a_damaged_checkpoint(tmp_path):
@@ -128,11 +190,17 @@ def test_the_same_command_twice_keeps_the_first_runs_results(trained, tiny_data,
     result = run([sys.executable, str(ROOT / "src/train_deepspeed.py"), *args], tmp_path)
     assert result.returncode == 2 and "an earlier run's results are here" in result.stderr, result.stderr[-2000:]
     assert (tmp_path / "logs/training_history.json").read_bytes() == before
+    # --overwrite that fails before its first checkpoint leaves the earlier run as it was
+    everything = digests(tmp_path)
+    result = run([sys.executable, str(ROOT / "src/train_deepspeed.py"), *args, "--overwrite", "--fp16"], tmp_path)
+    assert result.returncode == 2 and "error: fp16 needs a GPU" in result.stderr, result.stderr[-2000:]
+    assert digests(tmp_path) == everything
     result = launch(args + ["--overwrite", "--epochs", "1", "--save_every", "0"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     history = json.loads((tmp_path / "logs/training_history.json").read_text())
     assert len(history["epochs"]) == 1
-    assert sorted(p.name for p in (tmp_path / "checkpoints_deepspeed").iterdir()) == [LOCK_FILE, "best_model", "last"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints_deepspeed").iterdir()) == sorted(
+        [LAUNCH_LOCK_FILE, LOCK_FILE, "best_model", "last"])
 
 
 @pytest.mark.slow
