@@ -30,9 +30,9 @@ from torchvision.transforms import functional as TF
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from device_data import DeviceTrainLoader, Normalize, ResizedCrops  # noqa: E402
+from deepspeed_image_trainer.data.device import DeviceTrainLoader, Normalize, ResizedCrops  # noqa: E402
 from common import environment, shown  # noqa: E402
-from reproducibility import machine_slug  # noqa: E402
+from machine import machine_slug  # noqa: E402
 
 REFERENCE = "torchvision per image"
 

@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 from common import ROOT, environment, shown
-from distributed import free_port
-from reproducibility import machine_slug
+from deepspeed_image_trainer.engine.distributed import free_port
+from machine import machine_slug
 
 WRITERS = {
     "torch": None,
@@ -52,11 +52,11 @@ def measure(name, args):
     import torch.nn.functional as F
 
     sys.path.insert(0, str(ROOT / "src"))
-    from distributed import init_distributed
-    from loading import load_checked
-    from ds_config import build_ds_config
-    from model import ResNet18Animals90
-    from options import add_training_args, parse_args
+    from deepspeed_image_trainer.engine.distributed import init_distributed
+    from deepspeed_image_trainer.utils.loading import load_checked
+    from deepspeed_image_trainer.engine.config import build_ds_config
+    from deepspeed_image_trainer.models.build import ResNet18Animals90
+    from deepspeed_image_trainer.cli.options import add_training_args, parse_args
 
     init_distributed()
     import deepspeed
@@ -71,7 +71,7 @@ def measure(name, args):
         config["checkpoint"] = {"writer": WRITERS[name]}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     if name == "background":
-        from checkpoint_engine import BackgroundCheckpointEngine
+        from deepspeed_image_trainer.outputs.checkpoint_engine import BackgroundCheckpointEngine
 
         engine.checkpoint_engine = BackgroundCheckpointEngine()
     dtype = torch.bfloat16 if args.bf16 else torch.float32

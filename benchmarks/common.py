@@ -12,7 +12,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from reproducibility import environment as run_environment, shown  # noqa: E402,F401 (shown: for the benchmarks)
+from machine import environment as run_environment, shown  # noqa: E402,F401 (shown: for the benchmarks)
 
 # The keys of the environment that must match for measurements to share one JSON.
 MACHINE = ("gpu", "torch", "torchvision", "deepspeed", "cuda")
@@ -47,7 +47,7 @@ def fmt(value):
 def run_trainer(flags, keep_output=False):
     """launch_deepspeed.py with `flags`, its logs and checkpoints in a temporary folder, as a user runs it:
     {"command", "wall_s", "history"} (and "output" with keep_output), or {"command", "error"}."""
-    from distributed import run_on_free_port
+    from deepspeed_image_trainer.engine.distributed import run_on_free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

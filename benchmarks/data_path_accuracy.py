@@ -31,9 +31,10 @@ import torch.nn.functional as F  # noqa: E402
 from torchvision.io import ImageReadMode, decode_image  # noqa: E402
 from torchvision.transforms import functional as TF  # noqa: E402
 
-from device_data import ResizedCrops, random_resized_crops, resize_and_crop, train_square_size  # noqa: E402
+from deepspeed_image_trainer.data.device import (ResizedCrops, random_resized_crops, resize_and_crop,  # noqa: E402
+                                                 train_square_size)
 from common import draw_sample_data, earlier_results, environment, run_trainer, shown  # noqa: E402
-from reproducibility import machine_slug  # noqa: E402
+from machine import machine_slug  # noqa: E402
 
 REFERENCE = "DataLoader"
 VARIANTS = {

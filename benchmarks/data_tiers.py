@@ -42,8 +42,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import throughput  # noqa: E402
 from common import earlier_results, environment, fmt, run_trainer, shown  # noqa: E402
-from prepare_data import ANIMALS_90, draw_sample_image  # noqa: E402
-from reproducibility import machine_slug  # noqa: E402
+from deepspeed_image_trainer.data.prepare import ANIMALS_90, draw_sample_image  # noqa: E402
+from machine import machine_slug  # noqa: E402
 
 SYNTHETIC = "plain synthetic"
 PLAIN = "plain DataLoader"

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from common import ROOT, environment, run_trainer, shown
-from prepare_data import make_sample_dataset
-from reproducibility import machine_slug
+from deepspeed_image_trainer.data.prepare import make_sample_dataset
+from machine import machine_slug
 
 PRECISION_FLAGS = {"bf16": ["--bf16"], "fp16": ["--fp16"], "fp32": []}
 

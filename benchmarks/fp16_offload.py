@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common import ROOT, draw_sample_data, environment, run_trainer, shown
-from reproducibility import machine_slug
+from machine import machine_slug
 
 REFERENCE = "bf16 + offload optimizer"
 # ZeRO-2 throughout: where DeepSpeed's ZeRO optimizer checks for overflow itself (offload, clipping).

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import report  # noqa: E402
 from common import environment, shown  # noqa: E402
-from reproducibility import machine_slug  # noqa: E402
+from machine import machine_slug  # noqa: E402
 
 # case -> (where the squares are, the reading thread's torch threads (None: the trainer's GATHER_THREADS),
 # host batches "pinned" (the trainer's) or "pageable")
@@ -90,14 +90,14 @@ def timed_gathers(device_data):
 def child(args):
     import deepspeed
 
-    import deepspeed_overrides
-    import device_data
-    import train_deepspeed
-    from distributed import init_distributed
-    from ds_config import build_ds_config, precision
-    from model import build_model
-    from options import parse_args
-    from training import input_dtype, train_one_epoch
+    from deepspeed_image_trainer.engine import overrides as deepspeed_overrides
+    from deepspeed_image_trainer.data import device as device_data
+    from deepspeed_image_trainer.cli import train as train_deepspeed
+    from deepspeed_image_trainer.engine.distributed import init_distributed
+    from deepspeed_image_trainer.engine.config import build_ds_config, precision
+    from deepspeed_image_trainer.models.build import build_model
+    from deepspeed_image_trainer.cli.options import parse_args
+    from deepspeed_image_trainer.engine.loop import input_dtype, train_one_epoch
 
     init_distributed()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -152,7 +152,7 @@ def child(args):
 
 
 def run_stage(stage, args, cache):
-    from distributed import run_on_free_port
+    from deepspeed_image_trainer.engine.distributed import run_on_free_port
 
     command = [sys.executable, __file__, "--stage", str(stage), "--cache", str(cache),
                *(f"--{key}={getattr(args, key)}" for key in ("images", "square", "batch_size", "image_size", "epochs"))]

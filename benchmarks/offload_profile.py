@@ -32,9 +32,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import memory_profile  # noqa: E402
 from common import environment, shown  # noqa: E402
-from reproducibility import machine_slug  # noqa: E402
+from machine import machine_slug  # noqa: E402
 from throughput import failed, slug_of  # noqa: E402
-from training import GradientAccumulation  # noqa: E402
+from deepspeed_image_trainer.engine.loop import GradientAccumulation  # noqa: E402
 
 DEFAULT_CONFIGS = [memory_profile.PLAIN, "ZeRO-2 + offload optimizer, half weights"]
 PHASES = ("forward", "backward", "step")

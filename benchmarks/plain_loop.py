@@ -27,7 +27,7 @@ import torchvision  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from data import build_transform  # noqa: E402
+from deepspeed_image_trainer.data.folders import build_transform  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import throughput  # noqa: E402
 from common import earlier_results, environment, fmt, shown  # noqa: E402
-from reproducibility import machine_slug  # noqa: E402
+from machine import machine_slug  # noqa: E402
 
 DDP = "torch bf16 channels_last"  # as DistributedDataParallel when run on several GPUs
 CACHE = "epoch: zero2 bf16, data in the cache"

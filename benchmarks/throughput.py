@@ -45,8 +45,8 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import earlier_results, environment, fmt, peak_memory, shown  # noqa: E402
-from reproducibility import machine_slug  # noqa: E402
-from distributed import run_on_free_port  # noqa: E402
+from machine import machine_slug  # noqa: E402
+from deepspeed_image_trainer.engine.distributed import run_on_free_port  # noqa: E402
 
 # name -> settings of a plain-PyTorch loop on GPU-resident synthetic data
 REFERENCES = {
@@ -128,7 +128,7 @@ def reference_case(settings, args, device):
         if device.type == "cuda":
             torch.cuda.set_device(device)
     dtype = DTYPES.get(settings["dtype"])
-    from model import construction_args
+    from deepspeed_image_trainer.models.build import construction_args
 
     model = torchvision.models.get_model(args.model, num_classes=args.num_classes,
                                          **construction_args(args.model, args.image_size)).to(device)
@@ -169,13 +169,14 @@ def trainer_case(flags, args, device, profile=None):
     cProfile.Profile `profile`, the same steps again under it (not in the figures)."""
     import deepspeed
 
-    import deepspeed_overrides
-    import train_deepspeed
-    from distributed import init_distributed
-    from ds_config import build_ds_config, coalesces_grad_reduction, load_base_config, precision
-    from model import build_model
-    from options import parse_args
-    from training import input_dtype, train_one_epoch
+    from deepspeed_image_trainer.engine import overrides as deepspeed_overrides
+    from deepspeed_image_trainer.cli import train as train_deepspeed
+    from deepspeed_image_trainer.engine.distributed import init_distributed
+    from deepspeed_image_trainer.engine.config import (build_ds_config, coalesces_grad_reduction, load_base_config,
+                                                       precision)
+    from deepspeed_image_trainer.models.build import build_model
+    from deepspeed_image_trainer.cli.options import parse_args
+    from deepspeed_image_trainer.engine.loop import input_dtype, train_one_epoch
 
     argv = ["--model", args.model, "--batch_size", str(args.batch_size), "--image_size", str(args.image_size), *flags]
     train_args = parse_args(train_deepspeed.get_args_parser, argv)

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import throughput  # noqa: E402
 from common import environment, fmt, shown  # noqa: E402
-from reproducibility import machine_slug  # noqa: E402
+from machine import machine_slug  # noqa: E402
 
 REFERENCE = "torch bf16 channels_last"
 COMPILED = "torch bf16 channels_last compile"  # measured too where a variant compiles, the fair reference for it

@@ -8,18 +8,21 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
 # The data check's cache goes to a folder of the test session's own, for the tests and every process they start.
 os.environ["TRAINER_CACHE_DIR"] = tempfile.mkdtemp(prefix="test-cache-")
+# The package, for the Python processes the tests start from scripts of their own (the project's scripts find it).
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
 
-from prepare_data import make_sample_dataset  # noqa: E402
+from deepspeed_image_trainer.data.prepare import make_sample_dataset  # noqa: E402
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: starts training or other processes; -m 'not slow' leaves these out")
-
+# The devices a data-path test runs on: the GPU's case is marked `gpu` (-m gpu on a GPU machine) and skipped without one.
+DEVICES = [pytest.param(torch.device("cpu"), id="cpu"),
+           pytest.param(torch.device("cuda"), id="cuda", marks=[
+               pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")])]
 
 TINY_CLASSES = 3  # odd: ResNet18's parameter count is then odd too (a ZeRO-1/2 bucket alignment bug hid there)
 TINY_TRAIN_IMAGES = 48
@@ -82,7 +85,7 @@ def spawn_ranks(fn, nprocs=1, *args):
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
-    from distributed import free_port
+    from deepspeed_image_trainer.engine.distributed import free_port
 
     results = mp.Manager().dict()
     try:
@@ -97,7 +100,7 @@ def spawn_ranks(fn, nprocs=1, *args):
 def _as_rank(rank, fn, port, results, args):
     import traceback
 
-    from distributed import exit_now, shut_down
+    from deepspeed_image_trainer.engine.distributed import exit_now, shut_down
 
     try:
         fn(rank, port, results, *args)
@@ -111,7 +114,7 @@ def _as_rank(rank, fn, port, results, args):
 
 def join_process_group(rank, port, world_size=1):
     """In a spawn_ranks process: join the group as the trainer does (gloo on a CPU)."""
-    from distributed import init_distributed
+    from deepspeed_image_trainer.engine.distributed import init_distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank))
@@ -120,7 +123,7 @@ def join_process_group(rank, port, world_size=1):
 
 def digests(folder):
     """{relative path: sha256} of every file under `folder` but the lock files (each run writes its PID there)."""
-    from run_folders import LOCK_FILES
+    from deepspeed_image_trainer.outputs.run_folders import LOCK_FILES
 
     return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
             for path in sorted(Path(folder).rglob("*")) if path.is_file() and path.name not in LOCK_FILES}
@@ -148,7 +151,7 @@ def data_args(data_root):
 
 def assert_usage_error_in_process(main, argv, capsys, message):
     """assert_usage_error for a command's main() run in this process; returns (stdout, stderr)."""
-    from options import run_cli
+    from deepspeed_image_trainer.cli.options import run_cli
 
     with pytest.raises(SystemExit) as exited:
         run_cli(main, argv)

@@ -11,18 +11,17 @@ import zipfile
 import pytest
 import torch
 
-from conftest import ROOT, TINY_CLASSES, Payload, assert_usage_error_in_process, data_args, digests, launch
+from conftest import TINY_CLASSES, Payload, assert_usage_error_in_process, data_args, digests
 
-sys.path.insert(0, str(ROOT))
-import evaluate  # noqa: E402
-import export_model  # noqa: E402
-import launch_deepspeed  # noqa: E402
-import predict  # noqa: E402
-import utils  # noqa: E402
-from data import ImageFiles  # noqa: E402
-from data_check import check_folders  # noqa: E402
-from options import run_cli  # noqa: E402
-from prepare_data import make_sample_dataset  # noqa: E402
+from deepspeed_image_trainer.inference import evaluate
+from deepspeed_image_trainer.inference import export as export_model
+from deepspeed_image_trainer.cli import launch as launch_deepspeed
+from deepspeed_image_trainer.inference import predict
+from deepspeed_image_trainer.outputs import plots as utils
+from deepspeed_image_trainer.data.folders import ImageFiles
+from deepspeed_image_trainer.data.check import check_folders
+from deepspeed_image_trainer.cli.options import run_cli
+from deepspeed_image_trainer.data.prepare import make_sample_dataset
 
 
 # --- flags and DeepSpeed JSON, refused by the launcher before anything starts -------------------------------

@@ -9,17 +9,17 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
-import data_check
-from conftest import ROOT, assert_usage_error_in_process, data_args, launch, run
-from data import ImageFiles, build_transform, load_datasets, load_rgb
-from data_check import cache_path, check_data, check_folders
-from device_data import Normalize, build_device_loaders, decode_chunk, decode_dataset, resize_size
-from failures import UsageError
-from prepare_data import main as prepare_data_main
-from prepare_data import make_sample_dataset
+from deepspeed_image_trainer.data import check as data_check
+from conftest import DEVICES, ROOT, assert_usage_error_in_process, data_args, launch, run
+from deepspeed_image_trainer.data.folders import ImageFiles, build_transform, load_datasets, load_rgb
+from deepspeed_image_trainer.data.check import cache_path, check_data, check_folders
+from deepspeed_image_trainer.data.device import (Normalize, build_device_loaders, decode_chunk, decode_dataset,
+                                                 resize_size)
+from deepspeed_image_trainer.utils.failures import UsageError
+from deepspeed_image_trainer.data.prepare import main as prepare_data_main
+from deepspeed_image_trainer.data.prepare import make_sample_dataset
 
-sys.path.insert(0, str(ROOT))
-import launch_deepspeed  # noqa: E402
+from deepspeed_image_trainer.cli import launch as launch_deepspeed
 
 CPU = torch.device("cpu")
 # file name -> why it cannot be read
@@ -200,8 +200,7 @@ def test_a_check_of_headers_only_decodes_nothing_and_leaves_a_full_check_to_deco
     assert check_folders(root, decode=False).inspected == check_folders(root).inspected == 0
 
 
-@pytest.mark.parametrize("device", [CPU, pytest.param(torch.device("cuda"), marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="no GPU"))], ids=["cpu", "cuda"])  # nvJPEG must refuse it too
+@pytest.mark.parametrize("device", DEVICES)  # nvJPEG must refuse it too
 @pytest.mark.parametrize("tier", ["device", "cache"])
 def test_the_decode_leaves_out_what_a_check_of_headers_let_through(bad_data, tmp_path, tier, device):
     root = tmp_path / "data"
@@ -229,7 +228,7 @@ def test_the_decode_leaves_out_what_a_check_of_headers_let_through(bad_data, tmp
 def test_running_out_of_memory_in_the_decode_stops_it_rather_than_leave_images_out(bad_data, monkeypatch, where):
     """A good image is never recorded as one that does not decode (the cache would remember it, and a rank
     alone would shuffle otherwise) because memory ran out."""
-    import device_data
+    from deepspeed_image_trainer.data import device as device_data
 
     def out_of_memory(*args, **kwargs):
         raise (torch.OutOfMemoryError("CUDA out of memory") if where == "decode_jpeg" else MemoryError())
@@ -241,7 +240,7 @@ def test_running_out_of_memory_in_the_decode_stops_it_rather_than_leave_images_o
 
 
 def test_the_check_decodes_every_file_only_where_training_does_not_decode_them():
-    from data_check import decodes_every_file
+    from deepspeed_image_trainer.data.check import decodes_every_file
 
     # DataLoader workers decode nothing before they start: the check does
     assert decodes_every_file("off", "cuda", False) and decodes_every_file("auto", "cpu", False)
@@ -254,7 +253,7 @@ def test_the_check_decodes_every_file_only_where_training_does_not_decode_them()
 def test_the_dataloader_tier_decodes_what_a_check_of_headers_left(bad_data, tmp_path, monkeypatch):
     """--data_on_device auto on a GPU reads headers only; when it ends on the DataLoader tier (the cache's disk
     full) the training script decodes the rest before it starts, and the classes must not change."""
-    import train_deepspeed
+    from deepspeed_image_trainer.cli import train as train_deepspeed
 
     monkeypatch.setenv("TRAINER_CACHE_DIR", str(tmp_path / "cache"))  # not the results other tests kept
     args = argparse.Namespace(train_dir=bad_data / "train", val_dir=bad_data / "val", image_size=32)
@@ -264,7 +263,7 @@ def test_the_dataloader_tier_decodes_what_a_check_of_headers_left(bad_data, tmp_
     assert check.decoded and len(check.skipped) == 7 and len(train_set) == 34
     # the node's other ranks read what its first rank decoded
     monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setattr("data_check.inspect_image", lambda *_: pytest.fail("a second rank decoded an image"))
+    monkeypatch.setattr("deepspeed_image_trainer.data.check.inspect_image", lambda *_: pytest.fail("a second rank decoded an image"))
     train_set, _, check = train_deepspeed.recheck(args, None, headers.classes)
     assert check.decoded and len(check.skipped) == 7 and len(train_set) == 34
     with pytest.raises(UsageError, match="classes without a readable image once decoded: zebra"):
@@ -288,7 +287,7 @@ def recheck_rank(rank, port, data_root, cache_dir, queue, fail):
                           LOCAL_RANK=str(rank), TRAINER_CACHE_DIR=cache_dir)
         torch.distributed.init_process_group("gloo", rank=rank, world_size=2,
                                              timeout=datetime.timedelta(seconds=RECHECK_TIMEOUT_S))
-        import train_deepspeed
+        from deepspeed_image_trainer.cli import train as train_deepspeed
 
         if rank == 0:
             def slow_load(*args, **kwargs):
@@ -312,7 +311,7 @@ def recheck_rank(rank, port, data_root, cache_dir, queue, fail):
 def recheck_on_two_ranks(folder, fail=False):
     import multiprocessing
 
-    from distributed import free_port
+    from deepspeed_image_trainer.engine.distributed import free_port
 
     context = multiprocessing.get_context("spawn")
     queue, port = context.Queue(), free_port()

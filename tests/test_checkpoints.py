@@ -5,9 +5,9 @@ import zipfile
 
 import pytest
 
-from checkpoints import (EXTRA_INFO, _copy_as, _publish, check_resumable, find_checkpoint, readable,
-                         run_settings)
-from failures import UsageError
+from deepspeed_image_trainer.outputs.checkpoints import (EXTRA_INFO, _copy_as, _publish, check_resumable,
+                                                         find_checkpoint, readable, run_settings)
+from deepspeed_image_trainer.utils.failures import UsageError
 
 
 def fake_checkpoint(folder, epoch, tag, world_size=1, zero_stage=2, payload="weights"):
@@ -86,8 +86,8 @@ def test_another_world_size_resumes_but_not_an_old_mid_epoch_position(tmp_path):
 
 
 def settings_of(*argv, classes=("ant", "bee", "cat"), world_size=1):
-    from ds_config import build_ds_config
-    from options import add_training_args, parse_args
+    from deepspeed_image_trainer.engine.config import build_ds_config
+    from deepspeed_image_trainer.cli.options import add_training_args, parse_args
 
     args = parse_args(lambda: add_training_args(argparse.ArgumentParser()), list(argv))
     return run_settings(args, build_ds_config(args, world_size, 1000, num_params=11_000_000), classes)
@@ -132,7 +132,7 @@ def test_the_background_engine_saves_a_copy_and_stops_at_the_first_failed_write(
 
     import torch
 
-    from checkpoint_engine import BackgroundCheckpointEngine
+    from deepspeed_image_trainer.outputs.checkpoint_engine import BackgroundCheckpointEngine
 
     weights = torch.zeros(3)
     state = {"module": collections.OrderedDict(w=weights), "param_shapes": [{"w": torch.Size([3])}], "epoch": 1}

@@ -4,7 +4,7 @@ skips included. Also the ZeRO-1/2 setting the trainer changes from DeepSpeed's d
 gradients off): it trains to the same weights."""
 import pytest
 
-import deepspeed_overrides
+from deepspeed_image_trainer.engine import overrides as deepspeed_overrides
 from conftest import assert_usage_error_in_process, data_args, join_process_group, spawn_ranks
 
 STEPS, ACCUMULATION = 3, 2
@@ -80,7 +80,7 @@ def test_accumulation_waits_for_earlier_copies_only_where_its_buffer_is_pageable
                                            ("overflow_on_device, grad_norm_on_device",
                                             {"overflow_on_device", "grad_norm_on_device"})])
 def test_the_environment_picks_the_overrides(monkeypatch, value, groups):
-    from failures import UsageError
+    from deepspeed_image_trainer.utils.failures import UsageError
 
     monkeypatch.setenv("TRAINER_DEEPSPEED_OVERRIDES", value)
     assert deepspeed_overrides.enabled() == groups
@@ -91,7 +91,7 @@ def test_the_environment_picks_the_overrides(monkeypatch, value, groups):
 
 def test_the_training_script_refuses_a_bad_overrides_value_before_making_any_folder(tiny_data, tmp_path, monkeypatch,
                                                                                    capsys):
-    import train_deepspeed
+    from deepspeed_image_trainer.cli import train as train_deepspeed
 
     monkeypatch.setenv("TRAINER_DEEPSPEED_OVERRIDES", "nonsense")
     argv = [*data_args(tiny_data), "--checkpoint_dir", str(tmp_path / "checkpoints"),
@@ -108,7 +108,7 @@ def train(stage, offload, precision, poison_step, grad_accum_dtype=None, zero=()
     import deepspeed
     import torch
 
-    from training import GradientAccumulation
+    from deepspeed_image_trainer.engine.loop import GradientAccumulation
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))

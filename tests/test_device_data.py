@@ -10,10 +10,11 @@ from torchvision.datasets import ImageFolder
 from torchvision.transforms import functional as TF
 
 from conftest import TINY_CLASSES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, data_args, launch
-from data import build_transform, load_datasets
-from device_data import (DeviceTrainLoader, DeviceValLoader, ResizedCrops, auto_tier, build_device_loaders,
-                         choose_device_data, crop_weights_bytes, dataset_bytes, random_resized_crops)
-from model import ResNet18Animals90
+from deepspeed_image_trainer.data.folders import build_transform, load_datasets
+from deepspeed_image_trainer.data.device import (DeviceTrainLoader, DeviceValLoader, ResizedCrops, auto_tier,
+                                                 build_device_loaders, choose_device_data, crop_weights_bytes,
+                                                 dataset_bytes, random_resized_crops)
+from deepspeed_image_trainer.models.build import ResNet18Animals90
 
 CPU = torch.device("cpu")
 
@@ -103,7 +104,7 @@ def test_ranks_share_out_the_epoch_and_the_validation_set():
 
 
 def test_host_batches_are_gathered_on_a_few_threads_and_training_keeps_its_own(monkeypatch):
-    import device_data
+    from deepspeed_image_trainer.data import device as device_data
 
     monkeypatch.setattr(device_data, "GATHER_THREADS", 1)
     threads = torch.get_num_threads()

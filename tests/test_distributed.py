@@ -9,8 +9,8 @@ import torch.distributed as dist
 
 import memory_profile
 from conftest import spawn_ranks
-from distributed import average_buffers, differing, free_port
-from model import BatchNorm2dFP32, build_model, synchronize_batch_norm
+from deepspeed_image_trainer.engine.distributed import average_buffers, differing, free_port
+from deepspeed_image_trainer.models.build import BatchNorm2dFP32, build_model, synchronize_batch_norm
 
 pytestmark = pytest.mark.slow  # every test here starts processes (training runs, or ranks of a process group)
 
@@ -139,7 +139,7 @@ def test_a_rendezvous_that_lost_its_port_starts_again_on_another(monkeypatch):
     import subprocess
     import sys
 
-    import distributed
+    from deepspeed_image_trainer.engine import distributed
 
     bind = "import sys, torch.distributed as d; d.TCPStore('127.0.0.1', int(sys.argv[1]), 1, True)"
     tried = []

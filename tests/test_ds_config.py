@@ -4,11 +4,12 @@ import json
 import pytest
 
 from conftest import ROOT
-from ds_config import (build_ds_config, check_device_support, check_monitor_support, check_trainer_support,
-                       coalesces_grad_reduction, load_base_config, lr_schedule, num_parameters, precision,
-                       resolve_scheduler, steps_per_epoch, ZERO3_LEAF_BLOCKS)
-from failures import UsageError
-from options import add_training_args, parse_args
+from deepspeed_image_trainer.engine.config import (build_ds_config, check_device_support, check_monitor_support,
+                                                   check_trainer_support, coalesces_grad_reduction, load_base_config,
+                                                   lr_schedule, num_parameters, precision, resolve_scheduler,
+                                                   steps_per_epoch, ZERO3_LEAF_BLOCKS)
+from deepspeed_image_trainer.utils.failures import UsageError
+from deepspeed_image_trainer.cli.options import add_training_args, parse_args
 
 
 def make_args(*argv):
@@ -433,7 +434,7 @@ def test_a_scheduler_built_again_runs_the_schedule_a_first_build_would():
     import torch
     from deepspeed.runtime import lr_schedules
 
-    from training import replace_lr_scheduler
+    from deepspeed_image_trainer.engine.loop import replace_lr_scheduler
 
     args = make_args("--learning_rate", "0.02", "--epochs", "2")
     config = build_ds_config(args, 1, 160, base={})  # 10 steps per epoch, by the data check's count
@@ -561,7 +562,7 @@ def test_buckets_the_config_sets_are_kept():
 def test_model_sized_buckets_are_valid_for_every_class_count(stage, num_classes):
     """ResNet18 has 11,176,512 + 513 x classes parameters: odd for odd class counts, and ZeRO-1/2 assert
     an even allgather bucket."""
-    from model import ResNet18Animals90
+    from deepspeed_image_trainer.models.build import ResNet18Animals90
 
     num_params = sum(p.numel() for p in ResNet18Animals90(num_classes=num_classes).parameters())
     assert num_params == num_parameters(num_classes)  # the launcher's count, without building the model
@@ -592,7 +593,7 @@ def test_the_launcher_imports_neither_torchvision_nor_deepspeed():
 def test_image_suffixes_are_torchvisions():
     from torchvision.datasets.folder import IMG_EXTENSIONS
 
-    import data_check
+    from deepspeed_image_trainer.data import check as data_check
 
     assert data_check.IMG_EXTENSIONS == IMG_EXTENSIONS
 

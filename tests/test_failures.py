@@ -12,10 +12,10 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, assert_usage_error, data_args, digests, launch
-from ds_config import build_ds_config
-from failures import out_of_memory_advice
-from options import add_training_args, parse_args
+from conftest import assert_usage_error, data_args, digests, launch
+from deepspeed_image_trainer.engine.config import build_ds_config
+from deepspeed_image_trainer.engine.memory import out_of_memory_advice
+from deepspeed_image_trainer.cli.options import add_training_args, parse_args
 
 TINY_RUN = ["--batch_size", "4", "--image_size", "32", "--num_workers", "0"]
 
@@ -157,7 +157,8 @@ def test_out_of_memory_with_nothing_left_to_try():
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
                                    RuntimeError("CUDA error: out of memory")])
 def test_out_of_memory_in_any_form_becomes_the_advice(error):
-    from failures import OutOfMemory, advise_on_out_of_memory
+    from deepspeed_image_trainer.utils.failures import OutOfMemory
+    from deepspeed_image_trainer.engine.memory import advise_on_out_of_memory
 
     with pytest.raises(OutOfMemory, match=r"out of GPU memory.* at micro-batch 64 per GPU; try, in this order"):
         with advise_on_out_of_memory(config_of("--batch_size", "64", "--bf16"), data_on_device=False):
@@ -174,14 +175,13 @@ def test_a_crash_with_data_workers_running_exits_with_its_traceback(tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(
         "import torch\n"
-        "from data import ignore_stop_signals\n"
-        "from options import run_cli\n"
+        "from deepspeed_image_trainer.data.folders import ignore_stop_signals\n"
+        "from deepspeed_image_trainer.cli.options import run_cli\n"
         "def main(argv):\n"
         "    batches = iter(torch.utils.data.DataLoader(range(64), num_workers=2, worker_init_fn=ignore_stop_signals))\n"
         "    next(batches)\n"
         "    raise AttributeError('no such thing')\n"
         "run_cli(main)\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1, result.stderr[-2000:]
     assert "Traceback" in result.stderr and result.stderr.rstrip().endswith("AttributeError: no such thing")

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from conftest import join_process_group, spawn_ranks
 
-from finetune import BodyLearningRate, head_module, parameter_groups
+from deepspeed_image_trainer.engine.finetune import BodyLearningRate, head_module, parameter_groups
 
 CLASSES, SCALE = 3, 0.1
 ZERO = {"zero0": {"stage": 0}, "zero1": {"stage": 1}, "zero2-offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
@@ -80,7 +80,7 @@ def test_the_body_waits_while_frozen_then_learns_at_its_scaled_rate(runs, name):
 
 
 def test_the_head_is_the_layer_that_gives_the_logits():
-    from model import build_model
+    from deepspeed_image_trainer.models.build import build_model
 
     for name, head in (("resnet18", "fc"), ("squeezenet1_1", "classifier.1"), ("vit_b_16", "heads.head"),
                        ("convnext_tiny", "classifier.2"), ("inception_v3", "fc")):

@@ -5,7 +5,7 @@ import pytest
 
 from conftest import (ROOT, TINY_CLASSES, assert_usage_error, assert_usage_error_in_process, data_args, launch, run,
                       split_dry_run)
-from model import ResNet18Animals90
+from deepspeed_image_trainer.models.build import ResNet18Animals90
 
 
 @pytest.mark.slow
@@ -43,8 +43,8 @@ def test_the_training_script_gets_the_users_json_as_read_not_the_config_resolved
     """The config resolved here holds the LR schedule's step counts, from the data check's count of images, as
     numbers: the training script would take them for the user's own. It gets the user's JSON as the launcher
     read it, copied into the log folder."""
-    from launch_deepspeed import forwarded_args, get_args_parser
-    from options import parse_args
+    from deepspeed_image_trainer.cli.launch import forwarded_args, get_args_parser
+    from deepspeed_image_trainer.cli.options import parse_args
 
     args = parse_args(get_args_parser, ["--deepspeed_config", "mine.json", "--num_gpus", "2", "--epochs", "3"])
     assert forwarded_args(args, "logs/given.json") == ["--deepspeed_config", "logs/given.json", "--epochs", "3"]
@@ -54,7 +54,7 @@ def test_the_training_script_gets_the_users_json_as_read_not_the_config_resolved
 def test_a_one_node_run_uses_the_gpus_cuda_visible_devices_names(monkeypatch):
     """The `deepspeed` runner drops CUDA_VISIBLE_DEVICES once --num_gpus is given, and DeepSpeed's per-node
     launcher then sets it to the ids it was handed: those must be the visible ones."""
-    from launch_deepspeed import local_devices
+    from deepspeed_image_trainer.cli.launch import local_devices
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5")
     assert local_devices(2) == ["2", "3"]
@@ -110,7 +110,7 @@ def bad_input_argv(tmp_path, tiny_data, extra):
 def test_bad_input_is_one_line_and_exit_status_2(tiny_data, tmp_path, monkeypatch, capsys, extra, message):
     # In process (a launcher process takes 5 s to import torch and torchvision); the command line's own
     # path, from the process's exit status to its stderr, is the test below.
-    import launch_deepspeed
+    from deepspeed_image_trainer.cli import launch as launch_deepspeed
 
     argv = bad_input_argv(tmp_path, tiny_data, extra)
     monkeypatch.chdir(tmp_path)
@@ -126,7 +126,7 @@ def test_bad_input_on_the_command_line_is_one_line_and_exit_status_2(tiny_data, 
 
 
 def test_more_gpus_than_the_machine_has_are_refused(tiny_data, tmp_path, monkeypatch, capsys):
-    import launch_deepspeed
+    from deepspeed_image_trainer.cli import launch as launch_deepspeed
     import torch
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # what a two-GPU machine reports

@@ -9,10 +9,10 @@ import torch
 
 import memory_profile
 from conftest import ROOT, run
-from distributed import free_port
+from deepspeed_image_trainer.engine.distributed import free_port
 import max_batch
 from memory_profile import GIB, paper_formula_bytes, trainer_config
-from options import run_cli
+from deepspeed_image_trainer.cli.options import run_cli
 
 PSI = 1_000_000
 

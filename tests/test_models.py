@@ -13,12 +13,14 @@ import torch.nn.functional as F
 import torchvision
 
 from conftest import TINY_CLASSES, data_args, join_process_group, launch, spawn_ranks
-from data import DEFAULT_PREPROCESSING, build_transform, check_preprocessing
-from failures import UsageError
-from model import (LayerNorm2dFP32, build_model, check_image_size, list_models, load_weights, model_for_weights,
-                   preprocessing, synchronize_batch_norm)
-from options import run_cli, saved_name
-from prepare_data import make_sample_dataset
+from deepspeed_image_trainer.data.folders import DEFAULT_PREPROCESSING, build_transform, check_preprocessing
+from deepspeed_image_trainer.utils.failures import UsageError
+from deepspeed_image_trainer.models.build import (LayerNorm2dFP32, build_model, check_image_size, list_models,
+                                                  load_weights, model_for_weights, preprocessing,
+                                                  synchronize_batch_norm)
+from deepspeed_image_trainer.cli.options import run_cli
+from deepspeed_image_trainer.models.names import saved_name
+from deepspeed_image_trainer.data.prepare import make_sample_dataset
 
 # One small model of each family, with a size each takes.
 FAMILIES = {"resnet18": 32, "mobilenet_v3_small": 32, "mobilenet_v2": 32, "efficientnet_b0": 32, "convnext_tiny": 32,
@@ -200,11 +202,11 @@ def train_export_evaluate_predict(process, _, results, data, workdir, halves, si
     import io
     import shutil
 
-    import evaluate
-    import export_model
-    import predict
-    import train_deepspeed
-    from distributed import free_port
+    from deepspeed_image_trainer.inference import evaluate
+    from deepspeed_image_trainer.inference import export as export_model
+    from deepspeed_image_trainer.inference import predict
+    from deepspeed_image_trainer.cli import train as train_deepspeed
+    from deepspeed_image_trainer.engine.distributed import free_port
 
     from deepspeed.runtime import engine
 
@@ -280,7 +282,7 @@ def test_every_family_trains_exports_evaluates_and_predicts_at_zero_0_2_and_3(tm
 @pytest.mark.slow
 def test_a_pretrained_torchvision_model_fine_tunes_on_two_ranks_at_zero3_exports_and_evaluates(
         tiny_data, tmp_path, monkeypatch):
-    import evaluate
+    from deepspeed_image_trainer.inference import evaluate
 
     monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))  # the launcher and the ranks read it
     imagenet_weights_file(tmp_path / "torch_home", "mobilenet_v3_small")
@@ -299,7 +301,7 @@ def test_a_pretrained_torchvision_model_fine_tunes_on_two_ranks_at_zero3_exports
     first, second = history["epochs"]
     assert first["backbone_lr"] == 0 and second["backbone_lr"] == pytest.approx(0.1 * second["lr"])
 
-    from export_model import main as export
+    from deepspeed_image_trainer.inference.export import main as export
 
     export([str(tmp_path / "checkpoints_deepspeed/last"), "--output", str(tmp_path / "model.safetensors")])
     sidecar = json.loads((tmp_path / "model.safetensors.json").read_text())

@@ -10,8 +10,8 @@ import torch
 
 from conftest import (TINY_CLASSES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, TINY_VAL_PER_CLASS, data_args, digests,
                       launch)
-from model import ResNet18Animals90
-from monitor import EPOCH_SCALARS, epoch_events, prepare_csv_files
+from deepspeed_image_trainer.models.build import ResNet18Animals90
+from deepspeed_image_trainer.outputs.monitor import EPOCH_SCALARS, epoch_events, prepare_csv_files
 
 
 def read_csv(path):
@@ -116,8 +116,13 @@ def test_resumed_run_continues_the_csv_files_under_one_header(tmp_path, monkeypa
                                                              ["3", "0.5"]]
     assert read_csv(tmp_path / "train/Train_Samples_lr.csv") == [["step", "lr"], ["10", "0.1"], ["20", "0.2"],
                                                                 ["30", "0.25"]]
-    fresh = new_process(0)
     before = digests(tmp_path)
+    failed = new_process(0)  # an --overwrite run that stopped before its first checkpoint
+    assert prepare_csv_files(failed) is not None and digests(tmp_path) == before
+    failed.monitor.csv_monitor.write_events([("Train/Samples/lr", 0.9, 10)])
+    prepare_csv_files(new_process(global_samples=30), next_epoch=4)  # the earlier run, resumed: without its rows
+    assert digests(tmp_path) == before
+    fresh = new_process(0)
     earlier = prepare_csv_files(fresh)
     assert digests(tmp_path) == before
     fresh.monitor.csv_monitor.write_events([("Train/Samples/lr", 0.5, 10)])

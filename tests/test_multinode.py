@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-import launch_deepspeed
+from deepspeed_image_trainer.cli import launch as launch_deepspeed
 from conftest import ROOT, TINY_VAL_IMAGES, data_args, split_dry_run
-from distributed import free_port
-from options import run_cli
+from deepspeed_image_trainer.engine.distributed import free_port
+from deepspeed_image_trainer.cli.options import run_cli
 
 RUNNER = [sys.executable, "-m", "deepspeed.launcher.runner"]
 TRAIN_SCRIPT = str(ROOT / "src/train_deepspeed.py")

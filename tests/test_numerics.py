@@ -7,7 +7,7 @@ import torch
 
 from conftest import join_process_group, spawn_ranks
 
-from numerics import StepHealth, back_off
+from deepspeed_image_trainer.engine.numerics import StepHealth, back_off
 
 OVERFLOWING_STEPS = 3
 CONFIGS = {

@@ -5,10 +5,10 @@ import math
 
 import pytest
 
-import evaluate
-import export_model
+from deepspeed_image_trainer.inference import evaluate
+from deepspeed_image_trainer.inference import export as export_model
 from conftest import ROOT, TINY_CLASSES, data_args, join_process_group, spawn_ranks
-from prepare_data import make_sample_dataset
+from deepspeed_image_trainer.data.prepare import make_sample_dataset
 
 pytestmark = pytest.mark.slow  # it starts two training processes
 
@@ -28,8 +28,8 @@ def train_and_resume(rank, port, results, data, workdir):
 
     import torch
 
-    import train_deepspeed
-    from distributed import barrier
+    from deepspeed_image_trainer.cli import train as train_deepspeed
+    from deepspeed_image_trainer.engine.distributed import barrier
 
     torch.set_num_threads(1)  # two ranks share the machine's cores
     join_process_group(rank, port, world_size=2)

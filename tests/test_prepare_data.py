@@ -4,8 +4,8 @@ import pytest
 from torchvision.datasets import ImageFolder
 
 from conftest import ROOT, assert_usage_error, assert_usage_error_in_process, run
-from failures import UsageError
-from prepare_data import ANIMALS_90, make_sample_dataset, split_dataset
+from deepspeed_image_trainer.utils.failures import UsageError
+from deepspeed_image_trainer.data.prepare import ANIMALS_90, make_sample_dataset, split_dataset
 
 
 def test_animals90_class_list():
@@ -81,7 +81,7 @@ def test_split_refuses_to_overwrite_existing_data(tmp_path):
     (["split", ".", "--val_fraction", "1.5"], "--val_fraction must be between 0 and 1"),
 ])
 def test_cli_errors_are_one_line_with_status_2(tmp_path, monkeypatch, capsys, argv, message):
-    from prepare_data import main
+    from deepspeed_image_trainer.data.prepare import main
 
     monkeypatch.chdir(tmp_path)
     assert_usage_error_in_process(main, argv, capsys, message)

@@ -1,6 +1,7 @@
 """One run at a time in --checkpoint_dir and --log_dir, and never over another run's results unasked."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -8,20 +9,22 @@ import time
 
 import pytest
 
-import run_folders
+from deepspeed_image_trainer.outputs import run_folders
 from conftest import ROOT, assert_usage_error, assert_usage_error_in_process, data_args, digests, launch, run
-from failures import UsageError
-from run_folders import LAUNCH_LOCK_FILE, LOCK_FILE, check_new_run, check_unlocked, earlier_results, lock, tidy
+from deepspeed_image_trainer.outputs.checkpoints import find_checkpoint
+from deepspeed_image_trainer.utils.failures import UsageError
+from deepspeed_image_trainer.outputs.run_folders import (LAUNCH_LOCK_FILE, LOCK_FILE, check_new_run, check_unlocked,
+                                                         earlier_results, lock, tidy)
 
 # A process that holds a folder's lock (as a training run's rank 0 does) until killed.
 # It forks a child that outlives it, as a loader worker outlives a rank killed with SIGKILL for a few seconds.
-HOLD_LOCK = ("import os, sys, time; sys.path.insert(0, sys.argv[1]); from run_folders import lock; "
+HOLD_LOCK = ("import os, sys, time; sys.path.insert(0, sys.argv[1]); from deepspeed_image_trainer.outputs.run_folders import lock; "
              "lock(sys.argv[2], '--checkpoint_dir'); child = os.fork(); child or time.sleep(600); "
              "print('held', child, flush=True); time.sleep(600)")
 
 
 # A launcher that holds the folders under tmp_path (argv[2]) for its run, until killed.
-HOLD_LAUNCH = ("import sys, time; sys.path.insert(0, sys.argv[1]); from argparse import Namespace; import run_folders; "
+HOLD_LAUNCH = ("import sys, time; sys.path.insert(0, sys.argv[1]); from argparse import Namespace; from deepspeed_image_trainer.outputs import run_folders; "
                "from pathlib import Path; root = Path(sys.argv[2]); print(run_folders.claim(Namespace("
                "checkpoint_dir=root / 'ckpt', log_dir=root / 'logs', resume=None, overwrite=False), None), flush=True); "
                "time.sleep(600)")
@@ -34,11 +37,11 @@ def args_for(tmp_path, resume=None, overwrite=False, launch_token=None):
                      launch_token=launch_token)
 
 
-def publish(checkpoint_dir, name, epoch):
+def publish(checkpoint_dir, name, epoch, **info):
     folder = checkpoint_dir / name
     (folder / name).mkdir(parents=True)
     (folder / "latest").write_text(name)
-    (folder / "extra_info.json").write_text(json.dumps({"epoch": epoch, "tag": name}))
+    (folder / "extra_info.json").write_text(json.dumps({"epoch": epoch, "tag": name, **info}))
     return folder
 
 
@@ -58,8 +61,11 @@ def test_a_new_run_over_an_earlier_one_stops_unless_told(tmp_path):
     publish(args.checkpoint_dir, "epoch_2", 2)
     earlier = run_folders.start(overwrite, None)
     assert len(earlier_results(args.checkpoint_dir, args.log_dir)) == 3  # kept until the new run has a checkpoint
+    shutil.rmtree(args.checkpoint_dir / "last")
+    publish(args.checkpoint_dir, "last", 1, run_started=1e9)  # the new run's first checkpoint
+    assert find_checkpoint("auto", args.checkpoint_dir).name == "last"  # not the earlier run's epoch_2
     earlier.retire(["best_model", "last"])  # its first checkpoint's names: those the new run replaced
-    assert earlier_results(args.checkpoint_dir, args.log_dir) == [f"{args.checkpoint_dir / 'last'} (epoch 2)"]
+    assert earlier_results(args.checkpoint_dir, args.log_dir) == [f"{args.checkpoint_dir / 'last'} (epoch 1)"]
 
 
 def test_a_launcher_holds_the_folders_before_it_writes_and_its_rank_0_takes_them_with_it(tmp_path):
@@ -91,8 +97,7 @@ def test_a_launcher_holds_the_folders_before_it_writes_and_its_rank_0_takes_them
 
 
 def test_a_second_launch_into_held_folders_writes_nothing_there(tiny_data, tmp_path, monkeypatch, capsys):
-    sys.path.insert(0, str(ROOT))
-    import launch_deepspeed
+    from deepspeed_image_trainer.cli import launch as launch_deepspeed
 
     holder = subprocess.Popen([sys.executable, "-c", HOLD_LAUNCH, str(ROOT / "src"), str(tmp_path)],
                               stdout=subprocess.PIPE, text=True)
@@ -173,10 +178,7 @@ def test_tidy_completes_or_undoes_a_cut_swap_and_removes_staging(tmp_path):
 
 @pytest.mark.slow
 def test_the_same_command_twice_keeps_the_first_runs_results(trained, tiny_data, tmp_path, monkeypatch, capsys):
-    import shutil
-
-    sys.path.insert(0, str(ROOT))
-    import launch_deepspeed
+    from deepspeed_image_trainer.cli import launch as launch_deepspeed
 
     workdir, first = trained("zero0")
     for name in ("logs", "checkpoints_deepspeed"):
@@ -195,12 +197,13 @@ def test_the_same_command_twice_keeps_the_first_runs_results(trained, tiny_data,
     result = run([sys.executable, str(ROOT / "src/train_deepspeed.py"), *args, "--overwrite", "--fp16"], tmp_path)
     assert result.returncode == 2 and "error: fp16 needs a GPU" in result.stderr, result.stderr[-2000:]
     assert digests(tmp_path) == everything
-    result = launch(args + ["--overwrite", "--epochs", "1", "--save_every", "0"], tmp_path)
+    # --keep_last counts this run's epoch_N only: the earlier run's epoch_2 goes, not the new epoch_1
+    result = launch(args + ["--overwrite", "--epochs", "1", "--keep_last", "1"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     history = json.loads((tmp_path / "logs/training_history.json").read_text())
     assert len(history["epochs"]) == 1
     assert sorted(p.name for p in (tmp_path / "checkpoints_deepspeed").iterdir()) == sorted(
-        [LAUNCH_LOCK_FILE, LOCK_FILE, "best_model", "last"])
+        [LAUNCH_LOCK_FILE, LOCK_FILE, "best_model", "epoch_1", "last"])
 
 
 @pytest.mark.slow

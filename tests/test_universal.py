@@ -13,10 +13,10 @@ import torch.nn.functional as F
 
 from conftest import Payload, join_process_group, spawn_ranks
 
-import universal
-from checkpoint_engine import BackgroundCheckpointEngine
-from distributed import average_buffers
-from failures import UsageError, WriteFailed
+from deepspeed_image_trainer.outputs import universal
+from deepspeed_image_trainer.outputs.checkpoint_engine import BackgroundCheckpointEngine
+from deepspeed_image_trainer.engine.distributed import average_buffers
+from deepspeed_image_trainer.utils.failures import UsageError, WriteFailed
 
 STAGES = (0, 1, 2, 3)
 GLOBAL_BATCH, STEPS = 8, 3
@@ -64,7 +64,7 @@ def steps(engine, seed, train):
 
 
 def on_rank(rank, port, results, world_size, folder):
-    import checkpoints
+    from deepspeed_image_trainer.outputs import checkpoints
 
     join_process_group(rank, port, world_size)
     other = 3 - world_size  # 2 ranks <-> 1

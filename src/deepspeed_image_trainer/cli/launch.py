@@ -1,0 +1,304 @@
+"""The launcher: flags to a DeepSpeed config, checked, then src/train_deepspeed.py under the `deepspeed` launcher
+(launch_deepspeed.py at the root of the project runs main)."""
+import argparse
+import base64
+import hashlib
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..data.check import check_data, decodes_every_file
+from ..engine.config import build_ds_config, check_run, check_with_deepspeed, load_base_config, num_parameters
+from ..engine.distributed import free_port
+from ..engine.interrupt import die_with_parent_call
+from ..engine.timing import LAUNCHED_AT_ENV, SPAWNED_AT_ENV
+from ..models.names import DEFAULT_MODEL
+from ..outputs import run_folders
+from ..outputs.checkpoints import check_resumable, find_checkpoint, run_settings, saved_precision, saved_stage
+from ..utils.failures import UsageError, check_writable, stop_on_write_error
+from ..utils.files import write_json_atomic
+from .options import add_training_args, parse_args
+
+TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "train_deepspeed.py"  # src/
+LAUNCHER_FLAGS = {"num_gpus", "num_nodes", "hostfile", "master_addr", "master_port", "launcher", "node_rank",
+                  "dry_run"}
+# What a --dry_run without the dataset assumes: Animals-90, the default job.
+ANIMALS90_CLASSES, ANIMALS90_TRAIN_IMAGES = 90, 5400
+# DeepSpeed's multi-node backends; "none": start this script on each node by hand with --node_rank.
+# After DeepSpeed's launcher exits, the time left to the training processes (saving at a stop) before SIGKILL:
+# DeepSpeed's launcher itself gives each rank 30 s after a SIGTERM.
+STOP_GRACE_S = 120
+LAUNCHERS = ("pdsh", "openmpi", "mvapich", "mpich", "impi", "slurm", "none")
+
+
+def get_args_parser():
+    parser = argparse.ArgumentParser(description="Build a DeepSpeed config from flags and launch training.")
+    launch = parser.add_argument_group("Launcher")
+    launch.add_argument("--num_gpus", type=int, default=None,
+                        help="GPUs per node (default: all visible GPUs; 1 without GPUs)")
+    launch.add_argument("--num_nodes", type=int, default=None,
+                        help="nodes to use (default: every host in --hostfile, 1 without one)")
+    launch.add_argument("--hostfile", default=None,
+                        help="DeepSpeed hostfile for multi-node runs: one `hostname slots=GPUS` line per node")
+    launch.add_argument("--master_addr", default=None,
+                        help="address of the first node (default: DeepSpeed asks it over ssh; needed with --launcher none)")
+    launch.add_argument("--master_port", type=int, default=None,
+                        help="rendezvous port (default: a free one on a single node, DeepSpeed's 29500 otherwise)")
+    launch.add_argument("--launcher", choices=LAUNCHERS, default="pdsh",
+                        help="how DeepSpeed starts the other nodes (pdsh over ssh by default); none: run this "
+                             "command on every node yourself, each with its --node_rank")
+    launch.add_argument("--node_rank", type=int, default=None,
+                        help="this node's index in the hostfile (0 .. nodes-1), with --launcher none")
+    launch.add_argument("--dry_run", action="store_true",
+                        help="print the resolved DeepSpeed config and the command, then exit")
+    launch.add_argument("--list_models", action="store_true",
+                        help="list the models --model takes (parameters, input size, weights), then exit")
+    return add_training_args(parser)
+
+
+def given_config_path(log_dir, base):
+    """Where the user's --deepspeed_config goes, as read here, for the ranks: named for its content, so that the
+    launcher of a later node or another run never changes the file a rank is about to read."""
+    digest = hashlib.sha256(json.dumps(base, sort_keys=True).encode()).hexdigest()[:12]
+    return Path(log_dir) / f"ds_config_given-{digest}.json"
+
+
+def check_visible_gpus(num_gpus, multi_node):
+    """Refuse more GPUs than this machine shows. Without GPUs --num_gpus N starts N CPU ranks; on several
+    nodes the hostfile's slots describe the other machines, so there is nothing to compare here."""
+    import torch
+
+    visible = torch.cuda.device_count()
+    if visible and not multi_node and num_gpus is not None and num_gpus > visible:
+        raise UsageError(f"--num_gpus {num_gpus}, but this machine has {visible} visible GPU(s): use --num_gpus "
+                         f"{visible} or fewer (CUDA_VISIBLE_DEVICES decides which GPUs are visible)")
+
+
+def default_num_gpus():
+    import torch
+
+    return torch.cuda.device_count() or 1
+
+
+def forwarded_args(args, given_path=None, launch_token=None):
+    """The training script's arguments: every training flag the user gave, and the user's JSON as read here
+    (written to `given_path`), from which the script builds the config again. Not the config resolved here:
+    there every number, the LR schedule's step counts from the data check's count of images included, would
+    read as the user's own; nor the user's file, which may have changed since. `launch_token` tells rank 0
+    that this launcher holds the folders for it (run_folders)."""
+    argv = ["--deepspeed_config", str(given_path)] if given_path else []
+    argv += ["--launch_token", launch_token] if launch_token else []
+    for name in sorted(args.explicit - LAUNCHER_FLAGS - {"deepspeed_config"}):
+        value = getattr(args, name)
+        if isinstance(value, bool):
+            argv.append(f"--{name}" if value else f"--no-{name}")
+        else:
+            argv += [f"--{name}", str(value)]
+    return argv
+
+
+def read_hostfile(path):
+    """[(host, slots)] from a DeepSpeed hostfile (`worker-1 slots=8` lines, `#` comments), as its runner reads it."""
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as err:
+        raise UsageError(f"--hostfile {path}: {err.strerror or err}") from None
+    hosts = []
+    for line in (line.strip() for line in lines):
+        if not line or line.startswith("#"):
+            continue
+        match = re.match(r"^(\S+)\s+slots=(\d+)", line)
+        if not match or match[1] in dict(hosts):
+            raise UsageError(f"--hostfile {path}: bad line {line!r}; each line is `hostname slots=N`, hosts unique")
+        hosts.append((match[1], int(match[2])))
+    if not hosts:
+        raise UsageError(f"--hostfile {path} lists no hosts; each line is `hostname slots=N`")
+    return hosts
+
+
+def resolve_topology(args):
+    """(GPUs per node, nodes, world size) from the launcher flags, checked the way DeepSpeed would use them."""
+    hosts = read_hostfile(args.hostfile) if args.hostfile else None
+    num_nodes = args.num_nodes if args.num_nodes is not None else len(hosts or [None])
+    num_gpus = args.num_gpus if args.num_gpus is not None else (None if hosts else default_num_gpus())
+    if (num_gpus is not None and num_gpus < 1) or num_nodes < 1:
+        raise UsageError("--num_gpus and --num_nodes must be at least 1")
+    if hosts is None and num_nodes > 1:
+        raise UsageError(f"--num_nodes {num_nodes} needs a --hostfile listing the nodes")
+    if hosts is not None and num_nodes > len(hosts):
+        raise UsageError(f"--num_nodes {num_nodes} but --hostfile {args.hostfile} lists {len(hosts)} host(s)")
+    if args.launcher == "none":
+        if hosts is None or args.master_addr is None or args.node_rank is None:
+            raise UsageError("--launcher none starts one node: give --hostfile, --master_addr and this node's "
+                             "--node_rank, and run the same command on every node")
+        if not 0 <= args.node_rank < num_nodes:
+            raise UsageError(f"--node_rank {args.node_rank} is outside 0..{num_nodes - 1}")
+    elif args.node_rank is not None:
+        raise UsageError("--node_rank is for starting each node by hand: add --launcher none")
+    elif hosts is None and "launcher" in args.explicit:
+        raise UsageError(f"--launcher {args.launcher} starts several nodes: give the --hostfile that lists them")
+    slots = [slots for _, slots in hosts[:num_nodes]] if hosts else [num_gpus]
+    world_size = sum(min(s, num_gpus or s) for s in slots)
+    return num_gpus, num_nodes, world_size
+
+
+def local_devices(num_gpus):
+    """The device ids of a one-node run: the first `num_gpus` of CUDA_VISIBLE_DEVICES when it is set (the
+    `deepspeed` runner drops it as soon as --num_gpus is given), else 0 .. num_gpus-1."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return visible[:num_gpus] if visible else list(range(num_gpus))
+
+
+def build_command(args, num_gpus, num_nodes, given_path=None, launch_token=None):
+    """The DeepSpeed launcher command (or, on Windows, the training script itself).
+
+    On one node this is DeepSpeed's per-node launcher, `deepspeed.launcher.launch`, with the world
+    description the `deepspeed` runner would pass it: the runner adds nothing else there but a process
+    that imports DeepSpeed (seconds before the first step). Several nodes go through the runner.
+    """
+    if os.name == "nt":
+        # The deepspeed launcher needs pdsh/NCCL-style multi-process support that Windows lacks.
+        return [sys.executable, str(TRAIN_SCRIPT), *forwarded_args(args, given_path, launch_token)]
+    if not args.hostfile:
+        world_info = base64.urlsafe_b64encode(json.dumps({"localhost": local_devices(num_gpus)}).encode()).decode()
+        return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
+                "--master_addr=127.0.0.1", f"--master_port={args.master_port or free_port()}",
+                str(TRAIN_SCRIPT), *forwarded_args(args, given_path, launch_token)]
+    command = [sys.executable, "-m", "deepspeed.launcher.runner"]
+    if num_gpus is not None:
+        command += ["--num_gpus", str(num_gpus)]
+    command += ["--hostfile", args.hostfile, "--num_nodes", str(num_nodes)]
+    if args.launcher == "none":
+        command += ["--no_ssh", "--node_rank", str(args.node_rank)]
+    elif args.launcher != "pdsh":
+        command += ["--launcher", args.launcher]
+    if args.master_addr:
+        command += ["--master_addr", args.master_addr]
+    if args.master_port:
+        command += ["--master_port", str(args.master_port)]
+    return command + [str(TRAIN_SCRIPT), *forwarded_args(args, given_path, launch_token)]
+
+
+def main(argv=None, launched_at=None):
+    """`launched_at`: when the command started (time.time()), from which the ranks count their startup."""
+    args = parse_args(get_args_parser, argv)
+    if args.list_models:
+        from ..models.build import list_models
+
+        print(list_models())
+        return 0
+    num_gpus, num_nodes, world_size = resolve_topology(args)
+    if os.name == "nt" and world_size > 1:
+        raise UsageError("on Windows DeepSpeed runs on a single GPU only (no NCCL): use --num_gpus 1")
+    if args.master_port is not None and not 0 < args.master_port < 65536:
+        raise UsageError(f"--master_port {args.master_port} is not a port number: use 1024-65535")
+    check_visible_gpus(num_gpus, multi_node=bool(args.hostfile))
+    check_writable(args.checkpoint_dir, "--checkpoint_dir")
+    check_writable(args.log_dir, "--log_dir")
+    import torch
+
+    from ..data.cache import OFF
+
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    # Pre-flight: an unusable dataset stops here, before any process starts; the training script reads
+    # the per-file results back from the cache instead of decoding every image again.
+    if args.dry_run and not Path(args.train_dir).exists():
+        data_check = None
+        class_names = [f"class_{i}" for i in range(ANIMALS90_CLASSES)]
+        num_train_images = ANIMALS90_TRAIN_IMAGES
+        print(f"note: {args.train_dir} not found; the config below assumes Animals-90's {ANIMALS90_CLASSES} classes "
+              f"and {ANIMALS90_TRAIN_IMAGES} training images", file=sys.stderr)
+    else:
+        data_check = check_data(args.train_dir, args.val_dir,
+                                decodes_every_file(args.data_on_device, device_type, args.cache_dir == OFF))
+        class_names, num_train_images = data_check.classes, data_check.train.num_images
+    num_params = num_parameters(len(class_names))
+    if args.model != DEFAULT_MODEL or args.pretrained:  # the training script's checks, before any process starts
+        from ..models.build import check_image_size, pretrained_state
+
+        shapes = check_image_size(args.model, len(class_names), args.image_size)
+        num_params = sum(p.numel() for p in shapes.parameters())
+        if args.pretrained:  # downloads torchvision's weights once, here, rather than in every rank
+            pretrained_state(shapes, args.model, args.pretrained, len(class_names), mmap=True)
+    resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
+    base = load_base_config(args.deepspeed_config)
+    config = build_ds_config(args, world_size, num_train_images, base=base,
+                             device_type=device_type, num_params=num_params,
+                             resumed_stage=saved_stage(resume_from), resumed_precision=saved_precision(resume_from))
+    check_run(config, args, device_type)
+    if args.deepspeed_config:
+        check_with_deepspeed(config, args.deepspeed_config)
+    if resume_from is not None:
+        check_resumable(resume_from, world_size, config["zero_optimization"]["stage"],
+                        run_settings(args, config, class_names))
+    config_path = Path(args.log_dir) / "ds_config.json"
+    given_path = given_config_path(args.log_dir, base) if args.deepspeed_config else None
+    if args.dry_run:
+        print(json.dumps(config, indent=2))
+        print(shlex.join(build_command(args, num_gpus, num_nodes, given_path)))
+        return 0
+    # The folders are this run's from here until this process exits, before it writes into them: a second run
+    # stops without touching the first one's files. Later nodes start once the first one holds them.
+    launch_token = run_folders.claim(args, resume_from) if args.node_rank in (None, 0) else None
+    try:
+        command = build_command(args, num_gpus, num_nodes, given_path, launch_token)
+        data_check.save_cache()
+        with stop_on_write_error("DeepSpeed config", "--log_dir"):
+            write_json_atomic(config_path, config)  # each node's launcher may write it into one shared folder
+            if given_path:
+                write_json_atomic(given_path, base)
+        print(f"DeepSpeed config written to {config_path}\n$ {shlex.join(command)}", flush=True)
+        return run_and_forward_signals(command, launched_at or time.time())
+    finally:
+        run_folders.release()
+
+
+def run_and_forward_signals(command, launched_at):
+    """Run `command` in its own process group and return its status, or 128 + the signal's number when
+    stopped by one (DeepSpeed's launcher itself exits 1 then).
+
+    SIGINT/SIGTERM reach every process of the group as SIGTERM: the ranks finish their step, save a
+    resumable checkpoint and exit; a second one kills them. This waits for all of them (DeepSpeed's
+    launcher alone would exit first), at most STOP_GRACE_S after DeepSpeed's launcher has exited; and the
+    group goes with this process, however it dies.
+    """
+    env = {**os.environ, LAUNCHED_AT_ENV: repr(launched_at), SPAWNED_AT_ENV: repr(time.time())}
+    child = subprocess.Popen(command, start_new_session=True, env=env,
+                             preexec_fn=die_with_parent_call(os.getpid()))
+    received = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        if len(received) == 1:
+            print("Stopping: the training saves a checkpoint at its current step (again to kill it now)",
+                  file=sys.stderr, flush=True)
+        signal_group(child.pid, signal.SIGTERM if len(received) == 1 else signal.SIGKILL)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, forward)
+    status = child.wait()
+    status = 128 - status if status < 0 else status  # killed by a signal: the shell's convention
+    deadline = time.monotonic() + STOP_GRACE_S
+    while signal_group(child.pid, 0):  # the group outlives DeepSpeed's launcher while ranks save
+        if time.monotonic() > deadline:
+            signal_group(child.pid, signal.SIGKILL)
+            print(f"error: training processes still running {STOP_GRACE_S} s after DeepSpeed's launcher exited "
+                  "were killed", file=sys.stderr, flush=True)
+            return 128 + signal.SIGKILL
+        time.sleep(0.2)
+    return 128 + received[0] if received else status
+
+
+def signal_group(pgid, signum):
+    """Send `signum` to a process group; False when no process of it is left."""
+    try:
+        os.killpg(pgid, signum)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False

@@ -1,0 +1,195 @@
+"""Command-line flags shared by launch_deepspeed.py and src/train_deepspeed.py, and the CLI error edge."""
+import argparse
+import gc
+import math
+import os
+import sys
+import traceback
+
+from ..models.names import DEFAULT_MODEL
+from ..utils.failures import CliError, UsageError
+
+
+def zero_stage(value):
+    if value == "auto":
+        return value
+    if value not in ("0", "1", "2", "3"):
+        raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from auto, 0, 1, 2, 3)")
+    return int(value)
+
+
+def add_training_args(parser):
+    data = parser.add_argument_group("Dataset")
+    data.add_argument("--train_dir", default="data/train", help="ImageFolder root of the training set")
+    data.add_argument("--val_dir", default="data/val", help="ImageFolder root of the validation set")
+    data.add_argument("--image_size", type=int, default=224, help="side of the square crops fed to the model")
+    data.add_argument("--num_workers", type=int, default=2, help="DataLoader worker processes per rank")
+    data.add_argument("--data_on_device", choices=["auto", "on", "cache", "off"], default="auto",
+                      help="on: decode every image once, keep the dataset as uint8 on the training device "
+                           "and crop/flip/normalise there per batch; cache: the same, but the decoded dataset "
+                           "stays in the decoded-image cache on disk (memory-mapped) and each batch is copied "
+                           "over; off: DataLoader workers decode and augment every epoch; auto: on for a GPU "
+                           "with room for it, else cache where the cache's disk has room, off on CPU")
+    data.add_argument("--cache_dir", default=None, metavar="DIR",
+                      help="where decoded images are kept between runs, so that a dataset is decoded once "
+                           "(default: decoded/ under $TRAINER_CACHE_DIR or ~/.cache/deepspeed-image-trainer; "
+                           "delete it at any time); off: decode at every start and keep nothing")
+    data.add_argument("--device_train_size", type=int, default=None, metavar="PX",
+                      help="with the dataset on the device: side of the stored training squares that crops are "
+                           "cut from (default: image_size / 0.875, 256 for 224); larger keeps more of the detail "
+                           "that small crops enlarge, at the square of the memory")
+
+    train = parser.add_argument_group("Training")
+    train.add_argument("--model", default=DEFAULT_MODEL,
+                       help="any torchvision classifier by name (resnet50, efficientnet_b0, convnext_tiny, vit_b_16, "
+                            "...; python launch_deepspeed.py --list_models lists them); resnet18 is ResNet18Animals90")
+    train.add_argument("--epochs", type=int, default=50)
+    train.add_argument("--batch_size", type=int, default=16, help="micro-batch per GPU (per rank)")
+    train.add_argument("--learning_rate", type=float, default=0.001, help="peak AdamW learning rate")
+    train.add_argument("--weight_decay", type=float, default=0.05, help="AdamW weight decay")
+    train.add_argument("--clip_grad", type=float, default=0.0,
+                       help="clip the global gradient norm to this value (0: no clipping, as in torchvision's "
+                            "and timm's references; costs a GPU sync per step)")
+    train.add_argument("--warmup_epochs", type=float, default=1.0,
+                       help="linear LR warmup before the --lr_schedule decay, in epochs")
+    train.add_argument("--lr_schedule", choices=["cosine", "linear", "constant"], default="cosine",
+                       help="after warmup: cosine decay to 1%% (WarmupCosineLR), linear decay to 0 (WarmupDecayLR) "
+                            "or constant (WarmupLR)")
+    train.add_argument("--backbone_lr_scale", type=float, default=1.0, metavar="S",
+                       help="the learning rate of everything but the classifier head, as a fraction of "
+                            "--learning_rate (fine-tuning pretrained weights: 0.1, say)")
+    train.add_argument("--freeze_backbone_epochs", type=int, default=0, metavar="N",
+                       help="train the classifier head alone for the first N epochs (the body's learning rate is 0)")
+    train.add_argument("--label_smoothing", type=float, default=0.0,
+                       help="label smoothing of the training loss, in [0, 1); validation loss stays plain "
+                            "cross-entropy")
+    train.add_argument("--early_stopping_patience", type=int, default=0, metavar="N",
+                       help="stop when val accuracy has not improved for N epochs (0: never)")
+    train.add_argument("--max_nonfinite_steps", type=int, default=20, metavar="N",
+                       help="stop (exit status 3, nothing saved) when the loss is NaN/inf for N steps in a row "
+                            "or the validation loss is (0: never stop)")
+    train.add_argument("--seed", type=int, default=42)
+    train.add_argument("--pretrained", metavar="WEIGHTS|PATH", default=None,
+                       help="start from torchvision's weights of --model: DEFAULT or a name such as IMAGENET1K_V1 "
+                            "(read from the torch hub cache, TORCH_HOME, downloaded there when missing), or a "
+                            "state_dict file; the classifier head is new when the class count differs")
+
+    ds = parser.add_argument_group("DeepSpeed")
+    ds.add_argument("--zero_stage", type=zero_stage, default="auto", metavar="{auto,0,1,2,3}",
+                    help="auto: 0 on one rank (nothing to partition: ZeRO-1/2 there only add an fp32 copy and "
+                         "buckets, and slow each step), 2 on several, 2 or 3 when offloading; or a resumed "
+                         "checkpoint's stage")
+    ds.add_argument("--fp16", action=argparse.BooleanOptionalAction, default=False,
+                    help="fp16 compute with dynamic loss scaling (GPU only)")
+    ds.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=False, help="bf16 compute")
+    ds.add_argument("--precision_mode", choices=["auto", "autocast", "half_weights"], default="auto",
+                    help="how --fp16/--bf16 run: autocast keeps fp32 weights and computes under torch.autocast "
+                         "(DeepSpeed's torch_autocast, the fast path on GPU); half_weights uses DeepSpeed's "
+                         "fp16/bf16 modes (half-precision weights, fp32 master copy); auto: autocast on GPU "
+                         "but half_weights for --bf16 with offload and 200 M parameters or more (faster there), "
+                         "half_weights on CPU")
+    ds.add_argument("--offload_optimizer", action=argparse.BooleanOptionalAction, default=False,
+                    help="keep optimizer state on the CPU (ZeRO 1-3)")
+    ds.add_argument("--offload_param", action=argparse.BooleanOptionalAction, default=False,
+                    help="keep parameters on the CPU (ZeRO 3)")
+    ds.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    ds.add_argument("--coalesce_grad_reduction", choices=["auto", "on", "off"], default="auto",
+                    help="with gradient accumulation at ZeRO 1-3: sum an optimizer step's micro-batch gradients on "
+                         "the GPU and reduce (and offload) them once, through DeepSpeed's coalesce_grad_reduction, "
+                         "instead of after every micro-batch; holds one more copy of the gradients on the GPU. "
+                         "auto: on with --offload_optimizer at ZeRO 1-2 (several times faster there), else off")
+    ds.add_argument("--sync_bn", action=argparse.BooleanOptionalAction, default=False,
+                    help="batch-norm statistics over all ranks' micro-batches (like SyncBatchNorm); without it "
+                         "each rank normalises with its own and the running statistics are averaged over "
+                         "ranks before every validation and save")
+    ds.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                    help="torch.compile the model through DeepSpeed (engine.compile); the first steps are slower")
+    ds.add_argument("--deepspeed_config", metavar="PATH", default=None,
+                    help="base DeepSpeed JSON; flags given explicitly override it")
+
+    out = parser.add_argument_group("Output")
+    out.add_argument("--checkpoint_dir", default="checkpoints_deepspeed")
+    out.add_argument("--log_dir", default="logs")
+    out.add_argument("--save_every", type=int, default=10, help="save epoch_N every this many epochs (0: never)")
+    out.add_argument("--save_last_every", type=int, default=1,
+                     help="refresh the rolling `last` checkpoint every this many epochs (0: never)")
+    out.add_argument("--keep_last", type=int, default=0, help="keep only the newest K epoch_N checkpoints (0: all)")
+    out.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=False,
+                     help="DeepSpeed's TensorBoard monitor: per-step and per-epoch scalars in <log_dir>/tensorboard "
+                          "(needs `pip install tensorboard`)")
+    out.add_argument("--csv_monitor", action=argparse.BooleanOptionalAction, default=False,
+                     help="DeepSpeed's CSV monitor: one CSV file per scalar in <log_dir>/csv_monitor")
+    out.add_argument("--resume", metavar="auto|PATH", default=None,
+                     help="auto: continue from the newest checkpoint in --checkpoint_dir (or start fresh); "
+                          "PATH: a checkpoint folder or a name in --checkpoint_dir (last, best, epoch_N)")
+    out.add_argument("--overwrite", action="store_true",
+                     help="start a new run over an earlier run's checkpoints and history in --checkpoint_dir and "
+                          "--log_dir, removing them (without it such a run stops: --resume auto continues it)")
+    return parser
+
+
+def parse_args(make_parser, argv=None):
+    """Parse argv with make_parser() and record in `args.explicit` the flags the user actually gave."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    bare = make_parser()
+    for action in bare._actions:
+        action.default = argparse.SUPPRESS
+    args.explicit = set(vars(bare.parse_args(argv)))
+    check_values(args)
+    return args
+
+
+def check_values(args):
+    """Values argparse lets through but no run can use: a UsageError (one line, exit status 2)."""
+    for name in ("epochs", "batch_size", "image_size", "gradient_accumulation_steps"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be at least 1")
+    for name in ("learning_rate", "weight_decay", "warmup_epochs", "clip_grad", "backbone_lr_scale"):
+        if not math.isfinite(getattr(args, name)):
+            raise UsageError(f"--{name} must be a finite number, got {getattr(args, name)}")
+    for name in ("num_workers", "save_every", "save_last_every", "keep_last", "clip_grad",
+                 "early_stopping_patience", "max_nonfinite_steps", "weight_decay", "warmup_epochs",
+                 "backbone_lr_scale", "freeze_backbone_epochs"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name} must not be negative, got {getattr(args, name)}")
+    if args.learning_rate <= 0:
+        raise UsageError(f"--learning_rate must be positive, got {args.learning_rate}")
+    if args.data_on_device == "cache" and args.cache_dir == "off":
+        raise UsageError("--data_on_device cache needs the decoded-image cache: drop --cache_dir off")
+    if args.device_train_size is not None and args.device_train_size < 1:
+        raise UsageError(f"--device_train_size must be at least 1, got {args.device_train_size}")
+    if not 0 <= args.label_smoothing < 1:
+        raise UsageError(f"--label_smoothing must be in [0, 1), got {args.label_smoothing}")
+    if args.overwrite and args.resume:
+        raise UsageError("--overwrite starts a new run over the old one's results, --resume continues it: "
+                         "give one of them")
+    if not 0 <= args.seed < 2**32:  # numpy's and the samplers' seeds are unsigned 32-bit
+        raise UsageError(f"--seed must be in 0 .. {2**32 - 1}, got {args.seed}")
+    if args.warmup_epochs > args.epochs:
+        raise UsageError(f"--warmup_epochs {args.warmup_epochs:g} is longer than the run (--epochs {args.epochs})")
+    # Batch norm in training needs two values per channel; ResNet's last stage sees ceil(size / 32)² per image.
+    if args.batch_size == 1 and args.image_size <= 32:
+        raise UsageError(f"--batch_size 1 at --image_size {args.image_size}: ResNet18's last batch-norm layers then "
+                         "see one value per channel, which they cannot normalise; use --batch_size 2 or more, "
+                         "or --image_size 33 or more")
+
+
+def run_cli(main, argv=None):
+    """Run main(argv); a CliError becomes one line on stderr and its exit status (UsageError: 2), any other
+    exception its traceback and status 1."""
+    try:
+        return main(argv)
+    except CliError as err:
+        message, status = f"error: {err}", err.exit_status
+        quiet = err.every_rank and os.environ.get("RANK", "0") != "0"
+    except Exception:  # a bug: its traceback, printed here so that the frames can go before the exit
+        message, status, quiet = traceback.format_exc().rstrip(), 1, False
+    # Out of the except block the traceback is gone; collecting the frames it held shuts their DataLoader
+    # workers down now. Left to the exit handlers, which stop workers with SIGTERM, a run stopped mid-epoch
+    # or crashed would wait forever for workers that ignore it (see data.ignore_stop_signals).
+    gc.collect()
+    if not quiet:
+        print(message, file=sys.stderr, flush=True)
+    sys.exit(status)

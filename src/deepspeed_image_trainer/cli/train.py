@@ -1,0 +1,327 @@
+"""Train a torchvision classifier (ResNet18Animals90 by default) with DeepSpeed: the training script's main.
+
+    deepspeed --num_gpus=1 src/train_deepspeed.py --train_dir data/train --val_dir data/val
+    python launch_deepspeed.py --num_gpus 2 --bf16          # builds the config and runs the line above
+"""
+import argparse
+import datetime
+import gc
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from ..data.cache import OFF, cache_root
+from ..data.check import decodes_every_file
+from ..data.device import build_device_loaders, choose_device_data, train_square_size
+from ..data.folders import build_loaders, load_datasets
+from ..engine import overrides as deepspeed_overrides
+from ..engine.config import (build_ds_config, check_run, check_with_deepspeed, load_base_config, lr_schedule, precision,
+                             resolve_scheduler)
+from ..engine.distributed import (any_rank, differing, init_distributed, local_device, patient_group, rank_zero_only,
+                                  shut_down)
+from ..engine.finetune import BodyLearningRate, parameter_groups
+from ..engine.interrupt import StopOnSignal, die_with_parent_call
+from ..engine.loop import evaluate, input_dtype, peak_gpu_memory_gib, replace_lr_scheduler, train_one_epoch
+from ..engine.memory import advise_on_out_of_memory
+from ..engine.numerics import StepHealth
+from ..engine.rng import restore_rng_state, rng_state, seed_everything
+from ..engine.timing import StartupClock
+from ..models.build import build_model, preprocessing, synchronize_batch_norm
+from ..models.names import saved_name
+from ..outputs import run_folders, universal
+from ..outputs.checkpoints import (CheckpointSaver, check_resumable, find_checkpoint, load, run_settings,
+                                   saved_precision, saved_stage)
+from ..outputs.history import HISTORY_FILE, TrainingHistory, epoch_line
+from ..outputs.monitor import prepare_csv_files, write_epoch_events
+from ..utils.failures import UsageError, check_writable
+from ..utils.text import listed
+from .options import add_training_args, parse_args
+
+
+def get_args_parser():
+    parser = argparse.ArgumentParser(description="Train a torchvision classifier on an image folder with DeepSpeed.")
+    add_training_args(parser)
+    parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by `deepspeed`
+    # set by launch_deepspeed.py: the folders are held for this run by the launcher that started it
+    parser.add_argument("--launch_token", default=None, help=argparse.SUPPRESS)
+    return parser
+
+
+@rank_zero_only
+def say(message):
+    print(message, flush=True)
+
+
+def recheck(args, inputs, classes):
+    """load_datasets with every file decoded, for the DataLoader tier; the classes must be those the model
+    was built for. Each node's first rank decodes and keeps the results in the check's cache, which the
+    node's other ranks then read: one decode per node, not one per rank at once."""
+    def decoded():
+        return load_datasets(args.train_dir, args.val_dir, args.image_size, inputs, True)
+
+    first = os.environ.get("LOCAL_RANK", "0") == "0"
+    waiting = patient_group()  # the decode may outlast the default group's timeout
+    error = None
+    if first:
+        try:
+            train_set, val_set, data_check = decoded()
+            data_check.save_cache()
+        except Exception as err:  # noqa: BLE001 - raised below, once the other ranks know
+            error = err
+    if any_rank(error is not None, waiting):
+        if error is not None:
+            raise error
+        raise UsageError("a node's first rank could not decode the dataset (its error is in its output)")
+    if not first:
+        train_set, val_set, data_check = decoded()
+    if train_set.classes != classes:
+        raise UsageError(f"{args.train_dir}: classes without a readable image once decoded: "
+                         f"{listed(sorted(set(classes) - set(train_set.classes)))} (see prepare_data.py --check)")
+    return train_set, val_set, data_check
+
+
+def main(argv=None, process_started=None):
+    """`process_started`: when this process started (time.time(), before its imports), for the startup timing."""
+    try:
+        return train(argv, process_started)
+    finally:
+        run_folders.release()  # however the run ended: another run of this process may take the folders
+
+
+def train(argv, process_started):
+    clock = StartupClock(process_started or time.time())
+    clock.lap("imports")
+    if "LOCAL_RANK" in os.environ:  # started by a launcher: stop (and save) when it dies
+        die_with_parent_call(os.getppid())()
+    args = parse_args(get_args_parser, argv)
+    deepspeed_overrides.enabled()  # refuses a bad TRAINER_DEEPSPEED_OVERRIDES before any folder is made
+    check_writable(args.checkpoint_dir, "--checkpoint_dir")
+    check_writable(args.log_dir, "--log_dir")
+    base_config = load_base_config(args.deepspeed_config)
+    inputs = preprocessing(args.model, args.pretrained)  # the mean, std and resize its weights were trained with
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size, inputs,
+                                                   decodes_every_file(args.data_on_device, device_type,
+                                                                      args.cache_dir == OFF))
+    if os.environ.get("RANK", "0") == "0":
+        run_folders.take(args)  # before any rank looks for a checkpoint: tidying may rename one
+
+    rank, world_size = init_distributed()
+    resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
+    earlier_run = rank_zero_only(run_folders.start)(args, resume_from)
+    seed_everything(args.seed)
+    model = build_model(args.model, len(train_set.classes), args.image_size, args.pretrained)
+    model_name = saved_name(args.model)
+    num_params = sum(p.numel() for p in model.parameters())
+    ds_config = build_ds_config(args, world_size, len(train_set), base=base_config, device_type=device_type,
+                                num_params=num_params, resumed_stage=saved_stage(resume_from),
+                                resumed_precision=saved_precision(resume_from))
+    coalesced = check_run(ds_config, args, device_type)
+    if args.coalesce_grad_reduction == "on" and not coalesced:
+        say("--coalesce_grad_reduction on: one micro-batch a step (--gradient_accumulation_steps 1), so nothing "
+            "to coalesce")
+    if args.deepspeed_config:
+        check_with_deepspeed(ds_config, args.deepspeed_config)
+    zero_stage = ds_config["zero_optimization"]["stage"]
+    settings = run_settings(args, ds_config, train_set.classes)
+    resumed_info = check_resumable(resume_from, world_size, zero_stage, settings) if resume_from else None
+    if resumed_info and universal.needed(resumed_info, world_size):
+        universal.enable(ds_config)
+    if device_type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    micro_batch = ds_config["train_micro_batch_size_per_gpu"]
+    accumulation = ds_config["gradient_accumulation_steps"]
+    dtype = input_dtype(precision(ds_config))
+    device = local_device()
+    cache = cache_root(args.cache_dir)
+    tier, why = choose_device_data(args.data_on_device, device, len(train_set), len(val_set), args.image_size,
+                                   args.device_train_size, num_params, cache)
+    on_device = tier != "workers"
+    if not on_device and not data_check.decoded:  # nothing decodes the files the check read the headers of
+        train_set, val_set, data_check = recheck(args, inputs, train_set.classes)
+    if data_check.inspected:  # started without the launcher, which keeps the check's results
+        rank_zero_only(data_check.save_cache)()
+    for line in data_check.warnings():
+        say(line)
+    clock.lap("setup")
+
+    import deepspeed
+
+    deepspeed_overrides.install()
+    if args.sync_bn and not synchronize_batch_norm(model):
+        say(f"--sync_bn: {model_name} has no batch norm, so there is nothing to synchronise")
+    # Out of memory from here on (the engine's buffers, the dataset on the GPU) ends with the next flags to try.
+    with advise_on_out_of_memory(ds_config, tier == "device", coalesced), ThreadPoolExecutor(1) as decoder:
+        if on_device:  # decodes on the GPU while DeepSpeed sets up (one of them waits on the host most of the time)
+            decoding = decoder.submit(build_device_loaders, train_set, val_set, micro_batch, args.image_size, rank,
+                                      world_size, args.seed, device, dtype, args.device_train_size, data_check.records,
+                                      inputs, tier, cache)
+        # Head and body in parameter groups of their own only when fine-tuning controls ask for them.
+        fine_tuning = args.backbone_lr_scale != 1 or args.freeze_backbone_epochs > 0
+        parameters = parameter_groups(model, len(train_set.classes)) if fine_tuning else model.parameters()
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameters, config=ds_config)
+        if args.compile:
+            engine.compile()
+        clock.lap("engine")
+        if on_device:
+            train_loader, val_loader, done, unreadable = decoding.result()
+            place = device_type if tier == "device" else f"{device_type}, batches from host memory"
+            say(f"Data on {place} ({why}): {done}")
+            if unreadable:  # found by the decode, the check having read their headers only
+                data_check.exclude(unreadable)
+                say(f"warning: skipping {len(unreadable)} image(s) that do not decode: "
+                    + listed(f"{path} ({why})" for path, why in unreadable.items()))
+                emptied = [name for name in train_set.classes if name not in data_check.classes]
+                if emptied:  # the model was built for them: their outputs are kept, never trained
+                    say(f"warning: no image of {len(emptied)} class(es) decodes: {listed(emptied)}")
+        else:
+            train_loader, val_loader = build_loaders(train_set, val_set, micro_batch, args.num_workers, rank,
+                                                     world_size, args.seed, pin_memory=device_type == "cuda")
+            say(f"Data from {args.num_workers} DataLoader worker(s) per rank ({why})")
+    clock.lap("data")
+    # Ranks with other images (nodes whose copies of the folder differ) would run epochs of other lengths and
+    # wait for each other in a collective for good.
+    counts = differing({"training images": data_check.train.num_images, "validation images": data_check.val.num_images},
+                       device)
+    if counts:
+        raise UsageError("the ranks see different datasets (" + ", ".join(
+            f"{name}: {low:.0f} on one, {high:.0f} on another" for name, (low, high) in counts.items())
+            + "): every node needs the same files, in one shared folder or identical copies")
+    micro_batches = train_loader.batches_per_epoch // accumulation * accumulation
+    if micro_batches == 0:  # images left out by the decode (the config was built on the check's count)
+        raise UsageError(f"{args.train_dir}: {data_check.train.num_images} training images decode: too few for "
+                         f"{world_size} rank(s) x micro-batch {micro_batch} x {accumulation} accumulation step(s)")
+    # The schedule was sized on the check's count, before the decode left out the images it could not read.
+    scheduler = resolve_scheduler(base_config, args, ds_config["optimizer"]["params"]["lr"],
+                                  micro_batches // accumulation)
+    if scheduler != ds_config["scheduler"]:
+        ds_config["scheduler"] = scheduler  # the history records the steps that run
+        replace_lr_scheduler(engine, scheduler, ds_config["optimizer"]["params"]["lr"])
+    body_lr = (BodyLearningRate(engine.lr_scheduler, engine.optimizer, args.backbone_lr_scale,
+                                args.freeze_backbone_epochs) if fine_tuning else None)
+    samples_per_micro_batch = micro_batch * world_size  # over all ranks: a position any world size can take up
+
+    run_config = {
+        "model": model_name, "pretrained": args.pretrained, "preprocessing": inputs,
+        "num_classes": len(train_set.classes), "image_size": args.image_size,
+        "train_dir": str(args.train_dir), "val_dir": str(args.val_dir),
+        "train_images": data_check.train.num_images, "val_images": data_check.val.num_images,
+        "epochs": args.epochs, "world_size": world_size, "device": device_type,
+        "precision": precision(ds_config), "zero_stage": zero_stage, "seed": args.seed,
+        "sync_bn": args.sync_bn, "data_on_device": on_device, "data_tier": tier,
+        "checkpoint_writes": "background" if device_type == "cuda" else "inline",
+        "device_train_size": train_square_size(args.image_size, args.device_train_size, inputs) if on_device else None,
+        "data_check": data_check.summary(),
+        "training": {"lr_schedule": lr_schedule(ds_config), "learning_rate": ds_config["optimizer"]["params"]["lr"],
+                     "weight_decay": ds_config["optimizer"]["params"].get("weight_decay"),
+                     "warmup_epochs": args.warmup_epochs, "label_smoothing": args.label_smoothing,
+                     "early_stopping_patience": args.early_stopping_patience,
+                     "backbone_lr_scale": args.backbone_lr_scale,
+                     "freeze_backbone_epochs": args.freeze_backbone_epochs,
+                     "coalesce_grad_reduction": coalesced},
+        "deepspeed": ds_config,
+    }
+    history = TrainingHistory(Path(args.log_dir) / HISTORY_FILE, run_config)
+    # On a GPU the host is free to write checkpoints while the next epoch trains; on a CPU it is not.
+    saver = CheckpointSaver(engine, args.checkpoint_dir, args.save_every, args.keep_last, args.save_last_every,
+                            background=device_type == "cuda")
+    health = StepHealth(engine, args.max_nonfinite_steps)
+    extra_info = {"model": model_name, "pretrained": args.pretrained, "preprocessing": inputs,
+                  "image_size": args.image_size, "class_names": train_set.classes,
+                  "world_size": world_size, "zero_stage": zero_stage, "precision": precision(ds_config),
+                  "settings": settings,
+                  "run_started": resumed_info.get("run_started") if resumed_info else clock.started}
+
+    start_epoch, start_step, carried = 1, 0, None
+    if resume_from is not None:
+        state = load(engine, resume_from, resumed_info, args.checkpoint_dir)
+        history.restore(state["history"])
+        if history.file_is_behind():  # stopped between the checkpoint and its history line
+            history.save()
+        restore_rng_state(state["rng"])
+        start_epoch, start_step, carried = state["next_epoch"], state["next_step"], state["carried"]
+        if "next_sample" in state:  # the same samples on any number of ranks (the global batch is the same)
+            start_step = state["next_sample"] // samples_per_micro_batch
+        say(f"Resumed from {resume_from}: epoch {start_epoch}"
+            + (f", step {start_step} of {micro_batches}" if start_step else ""))
+    earlier_rows = prepare_csv_files(engine, start_epoch if resume_from is not None else None)
+    saver.retire_after_first_save(earlier_run, earlier_rows)  # --overwrite: the earlier run stays until then
+    say(f"{model_name}: {data_check.train.num_images} train / {data_check.val.num_images} val images, {len(train_set.classes)} classes; "
+        f"{world_size} rank(s) on {device_type}, ZeRO-{zero_stage}, {run_config['precision']}, "
+        f"global batch {ds_config['train_batch_size']}"
+        + (f" ({accumulation} micro-batches a step, their gradients reduced once)" if coalesced else ""))
+
+    # What is built by now lives until the end: the cyclic garbage collector need not walk it again (a full
+    # collection over what torch, torchvision and DeepSpeed leave took 0.17 s on 2 CPU cores).
+    gc.freeze()
+
+    def training_state(next_epoch, next_step=0, carried=None):
+        return {"next_epoch": next_epoch, "next_step": next_step, "next_sample": next_step * samples_per_micro_batch,
+                "carried": carried, "history": history.data, "rng": rng_state()}
+
+    with (StopOnSignal(engine.device, world_size) as stop,
+          advise_on_out_of_memory(ds_config, tier == "device", coalesced)):
+        for epoch in range(start_epoch, args.epochs + 1):
+            # a resumed epoch's time before the stop counts, as it does in the epoch's training time
+            epoch_started = time.perf_counter() - (carried or {}).get("time_s", 0.0)
+            if body_lr is not None:
+                body_lr.set_epoch(epoch)
+            loader = train_loader.epoch(epoch, start_batch=start_step)
+            train = train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step, carried, stop,
+                                    args.label_smoothing, health, on_first_step=clock.first_step, coalesced=coalesced)
+            if train.get("interrupted"):
+                at = {"epoch": epoch, "step": train["step"], "samples": train["step"] * samples_per_micro_batch}
+                saver.save(epoch - 1, {**extra_info, "interrupted_at": at},
+                           training_state(epoch, train["step"], train["carried"]), interrupted=True)
+                saver.wait()
+                say(f"Stopped by {stop.name} at epoch {epoch}, step {train['step']} of {micro_batches}: saved "
+                    f"{Path(args.checkpoint_dir) / 'last'}; continue with --resume auto")
+                return 128 + stop.signal
+            if not history.data["timing"]:
+                history.data["timing"] = clock.summary()
+                say(clock.line())
+            start_step, carried = 0, None
+            validation_started = time.perf_counter()
+            val = evaluate(engine, val_loader, dtype)
+            health.check_validation(val["loss"], epoch)
+            validation_s = time.perf_counter() - validation_started
+            record = {"epoch": epoch, "train_loss": train["loss"], "train_acc": train["acc"],
+                      "val_loss": val["loss"], "val_acc": val["acc"], "val_images": val["images"],
+                      "lr": train["lr"], "backbone_lr": train["lr"] * (body_lr.body_scale() if body_lr else 1.0),
+                      "epoch_time_s": train["time_s"], "validation_s": validation_s,
+                      "images_per_s": train["images_per_s"],
+                      "data_wait_s": train["data_wait_s"], "compute_s": train["compute_s"],
+                      "peak_gpu_memory_gib": peak_gpu_memory_gib(engine.device),
+                      "skipped_steps": train["skipped_steps"], "nonfinite_steps": train["nonfinite_steps"]}
+            is_best = history.add(record)
+            saving_started = time.perf_counter()
+            saver.save(epoch, {**extra_info, "metrics": record}, training_state(epoch + 1), best=is_best)
+            history.update_last(checkpoint_s=time.perf_counter() - saving_started,
+                                epoch_wall_s=time.perf_counter() - epoch_started)
+            saver.after(history.save, history.snapshot())  # once this epoch's checkpoint is published
+            write_epoch_events(engine, record)
+            say(epoch_line(history.data["epochs"][-1], args.epochs, is_best))
+            if stop.signal is not None:
+                saver.wait()
+                say(f"Stopped by {stop.name} after epoch {epoch}; continue with --resume auto")
+                return 128 + stop.signal
+            if args.early_stopping_patience and history.epochs_since_best() >= args.early_stopping_patience:
+                say(f"Early stopping after epoch {epoch}: val acc has not improved on epoch "
+                    f"{history.data['best']['epoch']}'s for {history.epochs_since_best()} epoch(s) "
+                    f"(--early_stopping_patience {args.early_stopping_patience})")
+                break
+
+    saver.wait()
+    best = history.data["best"]
+    if best["epoch"] is not None:
+        history.data["timing"]["total_s"] = round(clock.since_start(), 3)
+        history.save()
+        total = datetime.timedelta(seconds=round(clock.since_start()))
+        say(f"Best val acc {best['val_acc']:.4f} at epoch {best['epoch']}; total time {total}; "
+            f"history in {history.path}, checkpoints in {args.checkpoint_dir}")
+    run_folders.release()
+    shut_down()  # together: a rank leaving gloo while rank 0 still writes can abort in the backend's teardown
+    return 0

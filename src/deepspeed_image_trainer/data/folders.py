@@ -1,0 +1,183 @@
+"""Image-folder datasets, transforms and the per-rank data loaders."""
+import signal
+import sys
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torchvision import transforms
+
+from ..utils.failures import UsageError
+from ..utils.text import listed
+from .check import check_data, labelled_samples
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+# How images become model input: the mean and std to normalise with, the validation resize as a multiple of
+# the crop (224 from 256) and the interpolation. Pretrained weights bring their own (model.preprocessing).
+DEFAULT_PREPROCESSING = {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD), "resize_ratio": 256 / 224,
+                         "interpolation": "bilinear"}
+INTERPOLATIONS = ("bilinear", "bicubic")
+
+
+def check_preprocessing(preprocessing, source):
+    """`preprocessing` as read from `source` (an export's sidecar, a checkpoint) is one this trainer writes."""
+    if preprocessing is None:
+        return DEFAULT_PREPROCESSING
+    try:
+        triples = [list(map(float, preprocessing[key])) for key in ("mean", "std")]
+        ratio = float(preprocessing["resize_ratio"])
+        usable = (all(len(t) == 3 and all(np.isfinite(t)) for t in triples) and min(triples[1]) > 0
+                  and 1 <= ratio <= 2 and preprocessing["interpolation"] in INTERPOLATIONS)
+    except (KeyError, TypeError, ValueError):
+        usable = False
+    if not usable:
+        raise UsageError(f"{source}: its preprocessing is not one this trainer writes (mean and std of 3 "
+                         f"channels, resize_ratio 1-2, interpolation {' or '.join(INTERPOLATIONS)}): export again")
+    return preprocessing
+
+
+def build_transform(image_size, train, preprocessing=None):
+    pre = preprocessing or DEFAULT_PREPROCESSING
+    interpolation = transforms.InterpolationMode(pre["interpolation"])
+    if train:
+        steps = [transforms.RandomResizedCrop(image_size, interpolation=interpolation, antialias=True),
+                 transforms.RandomHorizontalFlip()]
+    else:
+        steps = [transforms.Resize(round(image_size * pre["resize_ratio"]), interpolation=interpolation,
+                                   antialias=True), transforms.CenterCrop(image_size)]
+    return transforms.Compose(steps + [transforms.ToTensor(), transforms.Normalize(pre["mean"], pre["std"])])
+
+
+def to_rgb(image):
+    """A PIL image of any mode as RGB: 16-bit grey scaled to 8 bits (PIL would clip it to white),
+    transparency composited onto white (PIL would drop alpha and show what lies under it)."""
+    if image.mode in ("I", "I;16", "I;16L", "I;16B", "I;16N"):
+        image = Image.fromarray((np.asarray(image) >> 8).clip(0, 255).astype(np.uint8))
+    if image.mode in ("RGBA", "LA", "PA", "La", "RGBa") or "transparency" in image.info:
+        image = Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA"))
+    return image.convert("RGB")
+
+
+def load_rgb(path):
+    """The image file as an upright RGB PIL image: EXIF orientation applied, then to_rgb."""
+    with Image.open(path) as image:
+        return to_rgb(ImageOps.exif_transpose(image))
+
+
+class ImageFiles(Dataset):
+    """torchvision ImageFolder's interface (samples, targets, classes, class_to_idx) over checked files."""
+
+    def __init__(self, samples, classes, transform=None, root=None):
+        self.samples, self.classes, self.transform, self.root = samples, list(classes), transform, root
+        self.targets = [label for _, label in samples]
+        self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
+
+    def __len__(self):
+        return len(self.samples)
+
+    def __getitem__(self, index):
+        # A file checked before the run can change during it (rewritten, truncated, deleted): use the next
+        # readable sample in its place rather than lose the run, and say so.
+        for offset in range(len(self.samples)):
+            path, label = self.samples[(index + offset) % len(self.samples)]
+            try:
+                image = load_rgb(path)
+            except Exception as err:  # noqa: BLE001 - corrupt data raises OSError, SyntaxError, ValueError, ...
+                print(f"warning: {path} can no longer be read ({err}); the next image is used in its place",
+                      file=sys.stderr, flush=True)
+                continue
+            return (self.transform(image) if self.transform else image), label
+        raise OSError("none of the dataset's images can be read any more")
+
+
+def image_folder(root, transform=None, classes=None):
+    """(dataset, DataCheck) of one image folder, unreadable files left out; labels follow `classes`
+    (default: the folder's own) by name, and a class folder outside `classes` is a UsageError."""
+    check = check_data(root, None)
+    classes = check.classes if classes is None else list(classes)
+    unknown = [name for name in check.classes if name not in classes]
+    if unknown:
+        raise UsageError(f"{root} has images of classes the model does not know: {listed(unknown)}")
+    return ImageFiles(labelled_samples(check.train, classes), classes, transform), check
+
+
+def load_datasets(train_dir, val_dir, image_size, preprocessing=None, decode=True):
+    """(train set, val set, DataCheck): the checked images (`decode`: see data_check.inspect_image), validation
+    labelled by the training classes' names."""
+    check = check_data(train_dir, val_dir, decode)
+
+    def dataset(scan, train):
+        return ImageFiles(labelled_samples(scan, check.classes), check.classes,
+                          build_transform(image_size, train, preprocessing), root=scan.root)
+
+    return dataset(check.train, train=True), dataset(check.val, train=False), check
+
+
+def epoch_seed(seed, rank, epoch):
+    """The seed of one rank's augmentation randomness in one epoch: the same in a resumed run."""
+    return hash((seed, rank, epoch)) % 2**63
+
+
+def batch_memory_format(device):
+    """channels_last on a GPU (faster convolutions with cuDNN), the default layout elsewhere."""
+    return torch.channels_last if device.type == "cuda" else torch.contiguous_format
+
+
+def ignore_stop_signals(worker_id):
+    """DataLoader workers leave SIGINT/SIGTERM to the training process, which stops after its step
+    and saves; a worker killed by them would abort that step instead."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+class EpochSampler(DistributedSampler):
+    """DistributedSampler whose epoch can start part-way through, for a run resumed mid-epoch."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.start = 0
+
+    def __iter__(self):
+        return iter(list(super().__iter__())[self.start:])
+
+    def __len__(self):
+        return self.num_samples - self.start
+
+
+class TrainLoader:
+    """The training DataLoader of one rank. `epoch(e, start_batch)` fixes the shuffle and the
+    augmentation randomness from (seed, rank, epoch) alone, so a resumed run sees what an
+    uninterrupted one would have seen."""
+
+    def __init__(self, dataset, micro_batch_size, num_workers, rank, world_size, seed, pin_memory):
+        self.sampler = EpochSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                    seed=seed, drop_last=True)
+        self.generator = torch.Generator()
+        self.seed, self.rank, self.micro_batch_size = seed, rank, micro_batch_size
+        # Workers restart every epoch: each epoch's worker seeds come from the generator reseeded below.
+        self.loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=self.sampler, drop_last=True,
+                                 num_workers=num_workers, pin_memory=pin_memory, generator=self.generator,
+                                 worker_init_fn=ignore_stop_signals)
+        self.batches_per_epoch = self.sampler.num_samples // micro_batch_size
+
+    def epoch(self, epoch, start_batch=0):
+        self.sampler.set_epoch(epoch)
+        self.sampler.start = start_batch * self.micro_batch_size
+        self.generator.manual_seed(epoch_seed(self.seed, self.rank, epoch))
+        return self.loader
+
+
+def build_loaders(train_set, val_set, micro_batch_size, num_workers, rank, world_size, seed, pin_memory):
+    """Training loader (see TrainLoader) and validation loader.
+
+    Validation shards are disjoint and unpadded (rank r takes images r, r + world_size, ...), so
+    metrics summed over ranks count every image exactly once.
+    """
+    train_loader = TrainLoader(train_set, micro_batch_size, num_workers, rank, world_size, seed, pin_memory)
+    val_shard = Subset(val_set, range(rank, len(val_set), world_size))
+    val_loader = DataLoader(val_shard, batch_size=micro_batch_size, shuffle=False, num_workers=num_workers,
+                            pin_memory=pin_memory, persistent_workers=num_workers > 0,
+                            worker_init_fn=ignore_stop_signals)
+    return train_loader, val_loader

@@ -1,0 +1,174 @@
+"""Data tool: split a raw Animals-90 download into train/val, draw the built-in sample dataset, or check a dataset.
+
+    python src/prepare_data.py split path/to/animals --output data --val_fraction 0.2
+    python src/prepare_data.py sample --output data
+    python src/prepare_data.py --check data          # data/train + data/val, or one ImageFolder root
+"""
+import argparse
+import json
+import random
+import shutil
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+from torchvision.datasets.folder import IMG_EXTENSIONS
+
+from ..utils.failures import UsageError
+from .check import check_folders
+
+# The 90 class folders of the Animals-90 dataset; the sample dataset borrows them as class names.
+ANIMALS_90 = (
+    "antelope badger bat bear bee beetle bison boar butterfly cat caterpillar chimpanzee cockroach cow "
+    "coyote crab crow deer dog dolphin donkey dragonfly duck eagle elephant flamingo fly fox goat goldfish "
+    "goose gorilla grasshopper hamster hare hedgehog hippopotamus hornbill horse hummingbird hyena jellyfish "
+    "kangaroo koala ladybugs leopard lion lizard lobster mosquito moth mouse octopus okapi orangutan otter "
+    "owl ox oyster panda parrot pelecaniformes penguin pig pigeon porcupine possum raccoon rat reindeer "
+    "rhinoceros sandpiper seahorse seal shark sheep snake sparrow squid squirrel starfish swan tiger turkey "
+    "turtle whale wolf wombat woodpecker zebra"
+).split()
+SHAPES = ("circle", "square", "triangle", "diamond", "cross", "ring")
+COLOURS = ((220, 40, 40), (40, 180, 60), (50, 80, 230), (235, 200, 30), (200, 60, 200))
+BACKGROUNDS = ("plain", "horizontal", "vertical")
+SAMPLE_MARKER = "sample_dataset.json"  # the settings a sample dataset was drawn with
+
+
+def split_dataset(raw_dir, output, val_fraction, seed):
+    """Copy raw_dir/<class>/* into output/train and output/val, stratified per class, seeded."""
+    raw_dir, output = Path(raw_dir), Path(output)
+    if not 0 < val_fraction < 1:
+        raise UsageError(f"--val_fraction must be between 0 and 1, got {val_fraction}")
+    class_dirs = sorted(d for d in raw_dir.iterdir() if d.is_dir()) if raw_dir.is_dir() else []
+    if not class_dirs:
+        raise UsageError(f"{raw_dir}: expected one folder per class")
+    _refuse_to_overwrite(output)
+    rng = random.Random(seed)
+    counts = {"train": 0, "val": 0}
+    for class_dir in class_dirs:
+        files = sorted(f for f in class_dir.iterdir() if f.suffix.lower() in IMG_EXTENSIONS)
+        rng.shuffle(files)
+        n_val = min(max(1, round(len(files) * val_fraction)), len(files) - 1) if len(files) > 1 else 0
+        for split, subset in (("val", files[:n_val]), ("train", files[n_val:])):
+            target = output / split / class_dir.name
+            target.mkdir(parents=True, exist_ok=True)
+            for f in subset:
+                shutil.copy2(f, target / f.name)
+            counts[split] += len(subset)
+    return counts
+
+
+def draw_sample_image(class_index, rng, size):
+    """One image of a class: its shape, colour and background pattern, at a random place and scale."""
+    shape = SHAPES[class_index % len(SHAPES)]
+    colour = COLOURS[class_index // len(SHAPES) % len(COLOURS)]
+    background = BACKGROUNDS[class_index // (len(SHAPES) * len(COLOURS)) % len(BACKGROUNDS)]
+    grey = rng.randint(20, 90)
+    image = Image.new("RGB", (size, size), (grey, grey, grey))
+    draw = ImageDraw.Draw(image)
+    if background != "plain":
+        period = max(4, size // 8)
+        for pos in range(0, size, period):
+            box = (0, pos, size, pos + period // 2) if background == "horizontal" else (pos, 0, pos + period // 2, size)
+            draw.rectangle(box, fill=(grey + 80, grey + 80, grey + 80))
+    radius = rng.uniform(0.25, 0.4) * size
+    cx, cy = (rng.uniform(radius, size - radius) for _ in range(2))
+    fill = tuple(min(255, max(0, c + rng.randint(-25, 25))) for c in colour)
+    box = (cx - radius, cy - radius, cx + radius, cy + radius)
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "ring":
+        draw.ellipse(box, outline=fill, width=max(2, int(radius / 3)))
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    elif shape == "triangle":
+        draw.polygon([(cx, cy - radius), (cx - radius, cy + radius), (cx + radius, cy + radius)], fill=fill)
+    elif shape == "diamond":
+        draw.polygon([(cx, cy - radius), (cx + radius, cy), (cx, cy + radius), (cx - radius, cy)], fill=fill)
+    else:
+        bar = radius / 3
+        draw.rectangle((cx - radius, cy - bar, cx + radius, cy + bar), fill=fill)
+        draw.rectangle((cx - bar, cy - radius, cx + bar, cy + radius), fill=fill)
+    return image
+
+
+def make_sample_dataset(output, num_classes, train_per_class, val_per_class, image_size, seed):
+    """Draw a learnable image-folder dataset: output/train and output/val, one folder per class.
+
+    Asking again for the same dataset in the same place finds it there and redraws nothing.
+    """
+    if not 2 <= num_classes <= len(ANIMALS_90):
+        raise UsageError(f"--num_classes must be between 2 and {len(ANIMALS_90)}, got {num_classes}")
+    if train_per_class < 1 or val_per_class < 1 or image_size < 16:
+        raise UsageError("--train_per_class and --val_per_class must be >= 1 and --image_size >= 16")
+    output = Path(output)
+    settings = {"num_classes": num_classes, "train_per_class": train_per_class,
+                "val_per_class": val_per_class, "image_size": image_size, "seed": seed}
+    counts = {"train": num_classes * train_per_class, "val": num_classes * val_per_class}
+    marker = output / SAMPLE_MARKER
+    if marker.is_file() and json.loads(marker.read_text()) == settings:
+        return counts
+    _refuse_to_overwrite(output)
+    rng = random.Random(seed)
+    for class_index, name in enumerate(ANIMALS_90[:num_classes]):
+        for split, count in (("train", train_per_class), ("val", val_per_class)):
+            folder = output / split / name
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                draw_sample_image(class_index, rng, image_size).save(folder / f"{name}_{i:04d}.jpg", quality=90)
+    marker.write_text(json.dumps(settings) + "\n")
+    return counts
+
+
+def _refuse_to_overwrite(output):
+    for split in ("train", "val"):
+        if (output / split).exists() and any((output / split).iterdir()):
+            raise UsageError(f"{output / split} already holds data; choose another --output or remove it")
+
+
+def get_args_parser():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", metavar="DIR",
+                        help="decode every image of DIR (with train/ and val/, or one ImageFolder root), report "
+                             "what training would skip or ignore; exit status 2 when it cannot be trained on")
+    commands = parser.add_subparsers(dest="command")
+    split = commands.add_parser("split", help="split a raw download (one folder per class) into train/val")
+    split.add_argument("raw_dir")
+    split.add_argument("--output", default="data")
+    split.add_argument("--val_fraction", type=float, default=0.2)
+    split.add_argument("--seed", type=int, default=42)
+    sample = commands.add_parser("sample", help="draw the built-in sample dataset")
+    sample.add_argument("--output", default="data")
+    sample.add_argument("--num_classes", type=int, default=90)
+    sample.add_argument("--train_per_class", type=int, default=24)
+    sample.add_argument("--val_per_class", type=int, default=6)
+    sample.add_argument("--image_size", type=int, default=96, help="side of the drawn images in pixels")
+    sample.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def check_dataset(folder):
+    """Print the data check of `folder` (train/ and val/ inside, or itself an ImageFolder root)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise UsageError(f"image folder not found: {folder}")
+    if (folder / "train").is_dir():
+        check = check_folders(folder / "train", folder / "val")
+    else:
+        check = check_folders(folder)
+    print(check.report())
+    check.save_cache()
+    check.raise_if_unusable()
+
+
+def main(argv=None):
+    parser = get_args_parser()
+    args = parser.parse_args(argv)
+    if (args.check is None) == (args.command is None):
+        parser.error("give one of --check DIR, split, sample")
+    if args.check is not None:
+        return check_dataset(args.check)
+    if args.command == "split":
+        counts = split_dataset(args.raw_dir, args.output, args.val_fraction, args.seed)
+    else:
+        counts = make_sample_dataset(args.output, args.num_classes, args.train_per_class,
+                                     args.val_per_class, args.image_size, args.seed)
+    print(f"wrote {counts['train']} train and {counts['val']} val images under {args.output}")

@@ -1,0 +1,525 @@
+"""Flags + an optional base JSON -> the DeepSpeed config. Pure: no DeepSpeed, no processes, no GPUs."""
+import copy
+import importlib.util
+import json
+from pathlib import Path
+
+from ..models.names import DEFAULT_MODEL
+from ..utils.failures import UsageError
+
+AUTO = "auto"
+# torchvision's ResNet18 without its classifier; the classifier adds 512 weights and a bias per class.
+RESNET18_BACKBONE_PARAMETERS = 11_176_512
+
+DEFAULT_FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16,
+                "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}
+OFFLOAD_TO_CPU = {"device": "cpu", "pin_memory": True}
+# What "auto" means for ZeRO settings that no flag controls: DeepSpeed's own defaults.
+ZERO_AUTO_DEFAULTS = {
+    "allgather_bucket_size": 500_000_000,
+    "reduce_bucket_size": 500_000_000,
+    "sub_group_size": 1_000_000_000,
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+    "stage3_max_live_parameters": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+    "stage3_gather_16bit_weights_on_model_save": False,
+}
+AUTOCAST_DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
+# --lr_schedule -> DeepSpeed scheduler type and the params no flag sets. WarmupCosineLR takes ratios of
+# the optimizer's lr; the other two take absolute lrs ("auto": 0 and --learning_rate).
+LR_SCHEDULES = {
+    "cosine": ("WarmupCosineLR", {"warmup_type": "linear", "warmup_min_ratio": 0.0, "cos_min_ratio": 0.01}),
+    "linear": ("WarmupDecayLR", {"warmup_type": "linear", "warmup_min_lr": AUTO, "warmup_max_lr": AUTO}),
+    "constant": ("WarmupLR", {"warmup_type": "linear", "warmup_min_lr": AUTO, "warmup_max_lr": AUTO}),
+}
+# The names DeepSpeed's data_types accept for fp32 (its DtypeEnum).
+FP32_NAMES = ("fp32", "float32", "float", "torch.float32")
+# --tensorboard / --csv_monitor -> DeepSpeed's monitor sections; files go to <output_path>/<job_name>/.
+MONITORS = ("tensorboard", "csv_monitor")
+MONITOR_JOB_NAME = "train"
+# The names DeepSpeed accepts for torch_autocast's dtype.
+AUTOCAST_DTYPE_NAMES = {name: half for half, names in
+                        (("fp16", ("float16", "fp16", "half", "torch.float16")),
+                         ("bf16", ("bfloat16", "bf16", "torch.bfloat16"))) for name in names}
+
+
+def load_base_config(path):
+    """The user's JSON as a dict; {} when no path is given."""
+    if not path:
+        return {}
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"--deepspeed_config {path}: file not found")
+    try:
+        config = json.loads(path.read_text())
+    except OSError as err:
+        raise UsageError(f"--deepspeed_config {path}: cannot read it ({err.strerror or err})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UsageError(f"--deepspeed_config {path}: not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"--deepspeed_config {path}: expected a JSON object ({{...}}), got {type(config).__name__}")
+    return config
+
+
+def _check_types(config):
+    """Refuse a base JSON value of the wrong type now: DeepSpeed would fail on it later, with a traceback."""
+    def fail(where, expected, value):
+        raise UsageError(f"{where} in the DeepSpeed config must be {expected}, got {json.dumps(value)}")
+
+    for key in ("fp16", "bf16", "torch_autocast", "zero_optimization", "optimizer", "scheduler", *MONITORS):
+        if not isinstance(config.get(key, {}), dict):
+            fail(key, "a JSON object", config[key])
+    for section, key in (("optimizer", "params"), ("scheduler", "params"),
+                         ("zero_optimization", "offload_optimizer"), ("zero_optimization", "offload_param")):
+        if not isinstance(config.get(section, {}).get(key, {}), dict):
+            fail(f"{section}.{key}", "a JSON object", config[section][key])
+    for section in ("fp16", "bf16", "torch_autocast"):  # read here before DeepSpeed sees them
+        if config.get(section, {}).get("enabled", AUTO) not in (True, False, AUTO):
+            fail(f"{section}.enabled", 'true, false or "auto"', config[section]["enabled"])
+    for section in ("optimizer", "scheduler"):
+        if not isinstance(config.get(section, {}).get("type", ""), str):
+            fail(f"{section}.type", "a name", config[section]["type"])
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        value = config.get(key, AUTO)
+        if value != AUTO and (type(value) is not int or value < 1):
+            fail(key, 'a positive integer or "auto"', value)
+    numbers = {"gradient_clipping": config.get("gradient_clipping", AUTO),
+               **{f"optimizer.params.{key}": config.get("optimizer", {}).get("params", {}).get(key, AUTO)
+                  for key in ("lr", "weight_decay", "eps")}}
+    for where, value in numbers.items():
+        if value != AUTO and (type(value) not in (int, float) or not value >= 0):
+            fail(where, 'a non-negative number or "auto"', value)
+
+
+def num_parameters(num_classes):
+    """ResNet18Animals90's parameter count, which sizes DeepSpeed's buckets, without building the model:
+    the launcher then needs no torchvision."""
+    return RESNET18_BACKBONE_PARAMETERS + (512 + 1) * num_classes
+
+
+def steps_per_epoch(num_train_images, world_size, micro_batch_size, gradient_accumulation_steps):
+    """Optimizer steps per epoch: each rank gets an equal shard and drops its last partial micro-batch."""
+    micro_batches = num_train_images // world_size // micro_batch_size
+    return micro_batches // gradient_accumulation_steps
+
+
+def build_ds_config(args, world_size, num_train_images, base=None, device_type="cpu", num_params=None,
+                    resumed_stage=None, resumed_precision=None):
+    """The DeepSpeed config for this run.
+
+    `base` (the user's JSON) is the starting point; flags in `args.explicit` override it; flag values
+    fill whatever it leaves out; every "auto" is resolved here, so DeepSpeed never sees one.
+    `device_type` ("cuda" or "cpu") picks how --fp16/--bf16 run when --precision_mode is auto.
+    `num_params`, the model's parameter count, caps the ZeRO buckets the config leaves unset.
+    `resumed_stage`, the ZeRO stage of the checkpoint a run resumes from, is what an "auto" stage becomes;
+    `resumed_precision` (e.g. "autocast-bf16") the form an "auto" --precision_mode takes for the same half.
+    """
+    config = copy.deepcopy(base or {})
+    _check_types(config)
+    micro = _pick(config, "train_micro_batch_size_per_gpu", args, "batch_size")
+    accumulation = _pick(config, "gradient_accumulation_steps", args, "gradient_accumulation_steps")
+    config["train_micro_batch_size_per_gpu"] = micro
+    config["gradient_accumulation_steps"] = accumulation
+    declared = config.get("train_batch_size", AUTO)
+    config["train_batch_size"] = micro * accumulation * world_size
+    if declared not in (AUTO, config["train_batch_size"]):
+        raise UsageError(
+            f"train_batch_size {declared} in the DeepSpeed config is not micro-batch {micro} x {accumulation} "
+            f"accumulation step(s) x {world_size} rank(s) = {config['train_batch_size']}: set it to \"auto\" "
+            f"(or leave it out), or change --batch_size, --gradient_accumulation_steps or --num_gpus to match")
+    steps = steps_per_epoch(num_train_images, world_size, micro, accumulation)
+    if steps < 1:
+        raise UsageError(
+            f"the training set has {num_train_images} images: too few for {world_size} rank(s) x "
+            f"micro-batch {micro} x {accumulation} accumulation step(s); lower --batch_size")
+
+    _resolve_zero(config, args, num_params, world_size, resumed_stage)
+    _resolve_precision(config, args, device_type, num_params, resumed_precision)
+    _resolve_optimizer(config, args, device_type)
+    config["scheduler"] = resolve_scheduler(base or {}, args, config["optimizer"]["params"]["lr"], steps)
+    _resolve_monitors(config, args)
+    # Always written: a config without it would get DeepSpeed's default of 1.0, not --clip_grad's 0.
+    config["gradient_clipping"] = _pick(config, "gradient_clipping", args, "clip_grad", missing=args.clip_grad)
+    _skip_unused_grad_norm(config)
+    _refuse_fp32_accumulation_with_offload(config)
+    config.setdefault("steps_per_print", 1_000_000)  # the progress bar reports; keep DeepSpeed's log quiet
+    # DeepSpeed's throughput timer synchronises the device at the start and the end of every step, for a
+    # figure it only logs every steps_per_print steps; the trainer times its epochs itself.
+    config.setdefault("timers", {"throughput": {"enabled": False}})
+
+    leftover = _auto_paths(config)
+    if leftover:
+        raise UsageError(f"cannot resolve \"auto\" for {', '.join(leftover)}: set a value in the JSON")
+    return config
+
+
+def _resolve_precision(config, args, device_type, num_params=None, resumed_precision=None):
+    """fp16/bf16 from the flags or the base, run either as DeepSpeed's torch_autocast section (fp32
+    weights, half-precision compute) or as its fp16/bf16 modes (half-precision weights). Needs the
+    resolved zero_optimization section (offload)."""
+    autocast = config.get("torch_autocast", {})
+    base_autocast = _autocast_half(autocast)
+    enabled = {name: _pick(config.get(name, {}), "enabled", args, name, missing=base_autocast == name)
+               for name in ("fp16", "bf16")}
+    if base_autocast and any(config.get(name, {}).get("enabled") is True for name in ("fp16", "bf16")):
+        raise UsageError("torch_autocast cannot be combined with fp16/bf16 in the DeepSpeed config")
+    # An explicit precision flag replaces the other precision of the base config.
+    if "fp16" in args.explicit and args.fp16 and "bf16" not in args.explicit:
+        enabled["bf16"] = False
+    if "bf16" in args.explicit and args.bf16 and "fp16" not in args.explicit:
+        enabled["fp16"] = False
+    if enabled["fp16"] and enabled["bf16"]:
+        raise UsageError("fp16 and bf16 are both enabled: choose one (--fp16 or --bf16; --no-fp16 / --no-bf16 "
+                         "switch off what the DeepSpeed config enables)")
+    half = "fp16" if enabled["fp16"] else "bf16" if enabled["bf16"] else None
+
+    mode = args.precision_mode
+    if mode == "auto" and "precision_mode" not in args.explicit and not {"fp16", "bf16"} & args.explicit and half:
+        mode = "autocast" if base_autocast else "half_weights"  # the form the base config chose
+    if mode == "auto":
+        mode = "autocast" if device_type == "cuda" else "half_weights"
+        if mode == "autocast" and half == "bf16" and (num_params or 0) >= HALF_WEIGHTS_OFFLOAD_PARAMS and any(
+                _offloads(config["zero_optimization"], key) for key in ("offload_optimizer", "offload_param")):
+            mode = "half_weights"
+        if half and resumed_precision in (half, f"autocast-{half}"):  # the checkpoint's form, as it was saved
+            mode = "autocast" if resumed_precision.startswith("autocast") else "half_weights"
+    for name, default in (("fp16", DEFAULT_FP16), ("bf16", {"enabled": True})):
+        on = enabled[name] and mode == "half_weights"
+        if name in config:
+            config[name]["enabled"] = on
+        elif on:
+            config[name] = dict(default)
+    if half and mode == "autocast":
+        config["torch_autocast"] = {**autocast, "enabled": True, "dtype": AUTOCAST_DTYPES[half]}
+    elif "torch_autocast" in config:
+        config["torch_autocast"]["enabled"] = False
+
+
+# With offload, DeepSpeed's bf16 weights move half the bytes of autocast's fp32 weights over PCIe and hold
+# half on the GPU. Measured on an H100 held to 8 GiB (benchmarks/results/capacity_8gib), they fit a larger
+# micro-batch for every model and run faster from vit_l_16 (303 M parameters) up: 2.0x its images/s with
+# optimizer offload; for vit_b_16 (86 M) with optimizer offload and ResNet18 (11 M), fp32 weights run faster.
+HALF_WEIGHTS_OFFLOAD_PARAMS = 200_000_000
+
+
+def _autocast_half(section):
+    """'fp16' or 'bf16' when a torch_autocast section is enabled, else None."""
+    if section.get("enabled") is not True:
+        return None
+    dtype = str(section.get("dtype", "bfloat16"))
+    if dtype not in AUTOCAST_DTYPE_NAMES:
+        raise UsageError(f"torch_autocast dtype must be float16 or bfloat16, got {dtype!r}")
+    return AUTOCAST_DTYPE_NAMES[dtype]
+
+
+# ZeRO-3 gathers and releases parameters in Python hooks around every module, per step: hundreds for a
+# torchvision model, and on a GPU the step then waits on the host. The trainer makes each family's repeated
+# block a leaf module (DeepSpeed's zero_optimization.leaf_module): gathered and released whole, no hooks
+# inside: the fastest ZeRO-3 setting measured for ResNet18 and vit_l_16 (docs/performance.md, from
+# benchmarks/zero3_settings.py). Fully qualified, so a name matches one family only.
+ZERO3_LEAF_BLOCKS = tuple(f"torchvision.models.{name}" for name in (
+    "resnet.BasicBlock", "resnet.Bottleneck", "vision_transformer.EncoderBlock", "swin_transformer.SwinTransformerBlock",
+    "swin_transformer.SwinTransformerBlockV2", "convnext.CNBlock", "efficientnet.MBConv", "efficientnet.FusedMBConv",
+    "mobilenetv2.InvertedResidual", "mobilenetv3.InvertedResidual", "shufflenetv2.InvertedResidual",
+    "mnasnet._InvertedResidual", "regnet.ResBottleneckBlock", "densenet._DenseBlock", "squeezenet.Fire",
+    "googlenet.Inception", "inception.InceptionA", "inception.InceptionB", "inception.InceptionC",
+    "inception.InceptionD", "inception.InceptionE", "maxvit.MaxVitLayer"))
+# Families without a repeated block: naming leaf modules there only earns DeepSpeed's "matched no modules".
+WITHOUT_BLOCKS = ("alexnet", "vgg")
+
+# DeepSpeed allocates these buffers at their full size whatever the model: ZeRO-1/2 with contiguous
+# gradients (the trainer keeps them under offload and overlap_comm) two reduce buckets of 5e8 elements,
+# 3.7 GiB in fp32 for ResNet18's 11 M parameters, allocated in the backward pass, where memory peaks. A
+# bucket larger than the model buys nothing, and one larger than DeepSpeed's own stage-3 prefetch bucket
+# (5e7 elements, 191 MiB in fp32; PyTorch DDP's buckets are 25 MiB) buys no bandwidth, so unset ones are
+# capped at both.
+BUCKETS = ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size")
+BUCKET_CAP = 50_000_000
+# ZeRO-1/2 assert allgather_bucket_size % 2 == 0 (nccl_start_alignment_factor: 4 bytes of fp16), and a
+# model-sized bucket is odd for every odd class count (ResNet18: 11,176,512 + 513 x classes).
+BUCKET_ALIGNMENT = 2
+
+
+def _resolve_zero(config, args, num_params=None, world_size=1, resumed_stage=None):
+    zero = config.setdefault("zero_optimization", {})
+    stage = _pick(zero, "stage", args, "zero_stage")
+    for key, flag in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
+        if flag in args.explicit:
+            if getattr(args, flag):
+                zero[key] = {**OFFLOAD_TO_CPU, **zero.get(key, {}), "device": "cpu"}
+            else:
+                zero.pop(key, None)
+        elif key not in zero and getattr(args, flag):
+            zero[key] = dict(OFFLOAD_TO_CPU)
+    if stage == AUTO:
+        stage = resumed_stage if resumed_stage is not None else auto_stage(world_size, zero)
+    zero["stage"] = stage
+    if num_params:
+        for key in BUCKETS:
+            if zero.get(key, AUTO) == AUTO:
+                zero[key] = min(ZERO_AUTO_DEFAULTS[key], _round_up(num_params, BUCKET_ALIGNMENT), BUCKET_CAP)
+    for key, value in ZERO_AUTO_DEFAULTS.items():
+        if zero.get(key) == AUTO:
+            zero[key] = value
+    model = getattr(args, "model", DEFAULT_MODEL)
+    # ZeRO-1/2's contiguous gradients (DeepSpeed's default) copy every gradient into the reduce bucket and again
+    # into the partition, per parameter, in Python hooks; without them the bucket is flattened once for its
+    # reduction. Measured on an H100 (benchmarks/zero3_settings.py): vit_b_16 ZeRO-2 at micro-batch 64 0.71x of
+    # plain PyTorch with them, 1.02x without, at a lower peak. DeepSpeed turns them back on under optimizer
+    # offload; with overlap_comm, its path without them synchronises the whole device before every bucket.
+    if stage in (1, 2) and zero.get("contiguous_gradients", AUTO) == AUTO:
+        zero["contiguous_gradients"] = _offloads(zero, "offload_optimizer") or zero.get("overlap_comm") is True
+    # DeepCompile (benchmarks/zero3_settings.py; the trainer refuses it, check_trainer_support) gathers ZeRO-3's
+    # parameters inside the compiled graph and removes ZeRO-3's hooks, but not the leaf modules' gradient hooks,
+    # in which the first backward then fails (DeepSpeed 0.19.8: KeyError torch.float32).
+    deepcompile = stage == 3 and uses_deepcompile(config, args)
+    if stage == 3 and "leaf_module" not in zero and not deepcompile and not model.startswith(WITHOUT_BLOCKS):
+        zero["leaf_module"] = {"classes": list(ZERO3_LEAF_BLOCKS)}
+    if stage == 3 and zero.get("stage3_module_granularity_threshold", AUTO) == AUTO:
+        zero["stage3_module_granularity_threshold"] = 0  # DeepSpeed's: the leaf modules make the units
+    if stage not in (0, 1, 2, 3):
+        raise UsageError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    allgather = zero.get("allgather_bucket_size")
+    if stage in (1, 2) and isinstance(allgather, int) and allgather % BUCKET_ALIGNMENT:
+        raise UsageError(f"zero_optimization.allgather_bucket_size must be a multiple of {BUCKET_ALIGNMENT} "
+                         f"(DeepSpeed's alignment), got {allgather}")
+    if _offloads(zero, "offload_param") and stage != 3:
+        raise UsageError(f"offload_param needs ZeRO stage 3 (this run uses stage {stage})")
+    if _offloads(zero, "offload_optimizer") and stage == 0:
+        raise UsageError("offload_optimizer needs ZeRO stage 1, 2 or 3 (this run uses stage 0)")
+    if "offload_param" in zero and stage != 3:
+        zero.pop("offload_param")
+
+
+def uses_deepcompile(config, args):
+    """Whether DeepSpeed's DeepCompile runs: compile.deepcompile in the config, and --compile to call it."""
+    section = config.get("compile")
+    return bool(getattr(args, "compile", False)) and isinstance(section, dict) and section.get("deepcompile") is True
+
+
+def auto_stage(world_size, zero):
+    """ZeRO-0 on one rank, where partitioning keeps everything and adds an fp32 copy of the weights and
+    the buckets (2 CPU cores: a ResNet18 epoch took 19-22 s at ZeRO-2 against 17 s at ZeRO-0 and 17 s for
+    plain PyTorch); ZeRO-2 on several ranks; the lowest stage that offloads what the config offloads."""
+    if _offloads(zero, "offload_param"):
+        return 3
+    return 2 if world_size > 1 or _offloads(zero, "offload_optimizer") else 0
+
+
+def coalesces_grad_reduction(mode, config):
+    """Whether the training loop runs each optimizer step's micro-batches inside DeepSpeed's
+    engine.coalesce_grad_reduction() (training.GradientAccumulation), for --coalesce_grad_reduction `mode`.
+
+    With optimizer offload, DeepSpeed's ZeRO-1/2 otherwise copy every micro-batch's gradients to the CPU
+    through per-parameter hooks (docs/memory.md, "Offload with gradient accumulation"); coalesced, the
+    micro-batches sum them on the GPU, which holds one more copy of them. Without offload the gain is not
+    measured: auto leaves it off."""
+    zero = config["zero_optimization"]
+    if mode == "on":
+        if zero["stage"] == 0:
+            raise UsageError("--coalesce_grad_reduction on needs --zero_stage 1, 2 or 3: DeepSpeed coalesces the "
+                             "reduction of ZeRO's gradient partitions")
+        # DeepSpeed wraps this combination in its BF16_Optimizer, which coalesce_grad_reduction() does not support
+        if (zero["stage"] == 1 and precision(config) == "bf16" and not _offloads(zero, "offload_optimizer")
+                and (config.get("data_types") or {}).get("grad_accum_dtype") in FP32_NAMES):
+            raise UsageError("--coalesce_grad_reduction on: DeepSpeed does not coalesce ZeRO-1 with bf16 weights and "
+                             "data_types.grad_accum_dtype fp32; use --zero_stage 2 or drop grad_accum_dtype")
+    if mode == "off" or zero["stage"] == 0 or config["gradient_accumulation_steps"] == 1:
+        return False
+    return mode == "on" or (zero["stage"] in (1, 2) and _offloads(zero, "offload_optimizer"))
+
+
+def _round_up(value, multiple):
+    return -(-value // multiple) * multiple
+
+
+def _refuse_fp32_accumulation_with_offload(config):
+    """DeepSpeed 0.19.8's ZeRO-1/2 with optimizer offload and fp16/bf16 weights keep an fp32 gradient buffer
+    on the GPU under data_types.grad_accum_dtype "fp32", and do not clear it after a step skipped for inf/nan
+    gradients: every later step is skipped too, and the run stops learning without a word
+    (tests/test_deepspeed_overrides.py pins it)."""
+    zero, data_types = config["zero_optimization"], config.get("data_types")
+    if (isinstance(data_types, dict) and data_types.get("grad_accum_dtype") in FP32_NAMES and zero["stage"] in (1, 2)
+            and _offloads(zero, "offload_optimizer") and precision(config) in ("fp16", "bf16")):
+        raise UsageError("data_types.grad_accum_dtype fp32 with offload_optimizer and fp16/bf16 weights at ZeRO-1/2: "
+                         "DeepSpeed then skips every step after the first one with inf/nan gradients; remove "
+                         "data_types.grad_accum_dtype, or the offload")
+
+
+def _skip_unused_grad_norm(config):
+    """ZeRO-1/2 compute the global gradient norm every step even when nothing clips with it, and with
+    fp32 weights (fp32, torch_autocast) they then check it on the host: a GPU sync per step. Skip it
+    where DeepSpeed allows (no clipping, no optimizer offload, fp32 weights)."""
+    zero = config["zero_optimization"]
+    if (zero["stage"] in (1, 2) and not config.get("gradient_clipping") and not _offloads(zero, "offload_optimizer")
+            and precision(config) in ("fp32", "autocast-fp16", "autocast-bf16")):
+        zero.setdefault("compute_grad_norm", False)
+
+
+def _resolve_optimizer(config, args, device_type):
+    optimizer = config.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    params = optimizer.setdefault("params", {})
+    auto_values = {"lr": args.learning_rate, "betas": [0.9, 0.999], "eps": 1e-8,
+                   "weight_decay": args.weight_decay}
+    for key, value in auto_values.items():
+        flag = {"lr": "learning_rate", "weight_decay": "weight_decay"}.get(key)
+        if params.get(key, AUTO) == AUTO or (flag and flag in args.explicit):
+            params[key] = value
+    offloaded = _offloads(config["zero_optimization"], "offload_optimizer")
+    if (optimizer.get("type", "").lower() in ("adam", "adamw") and "torch_adam" not in params
+            and (not offloaded or device_type == "cpu")):
+        # torch's AdamW needs no compiled extension; DeepSpeed's CPUAdam, the fast path for a GPU's optimizer
+        # offloaded to the CPU, costs a CPU-only machine a one-minute compile on first use for nothing.
+        params["torch_adam"] = True
+
+
+def resolve_scheduler(base, args, lr, optimizer_steps):
+    """The scheduler section for `optimizer_steps` optimizer steps per epoch and peak learning rate `lr`:
+    --lr_schedule's unless `base` (the user's JSON) names one, an explicit --lr_schedule of another type
+    replacing the base's, every "auto" resolved. Built from `base` each time, so that the training script can
+    size it again on the steps that run (the decode may leave out images the data check counted) while the
+    numbers the JSON gives stay as given."""
+    kind, defaults = LR_SCHEDULES[args.lr_schedule]
+    scheduler = copy.deepcopy(base.get("scheduler"))
+    if scheduler is None or "lr_schedule" in args.explicit and scheduler.get("type") != kind:
+        scheduler = {"type": kind, "params": dict(defaults)}
+    params = scheduler.setdefault("params", {})
+    warmup_steps = round(args.warmup_epochs * optimizer_steps)
+    auto_values = {"total_num_steps": args.epochs * optimizer_steps, "warmup_num_steps": max(1, warmup_steps),
+                   "warmup_min_lr": 0.0, "warmup_max_lr": lr}
+    # Without these DeepSpeed would fall back to its own step counts (and WarmupDecayLR to lr 0.001).
+    if scheduler.get("type") in ("WarmupCosineLR", "WarmupDecayLR"):
+        params.setdefault("total_num_steps", AUTO)
+    if scheduler.get("type") in ("WarmupCosineLR", "WarmupDecayLR", "WarmupLR"):
+        params.setdefault("warmup_num_steps", AUTO)
+    if scheduler.get("type") in ("WarmupDecayLR", "WarmupLR"):
+        params.setdefault("warmup_min_lr", AUTO)
+        params.setdefault("warmup_max_lr", AUTO)
+    if warmup_steps == 0 and params.get("warmup_num_steps") == AUTO:
+        # DeepSpeed's schedulers warm up for 2 steps at least, from the minimum (WarmupCosineLR: lr 0, whatever
+        # the ratio): a one-step run would not train. Started past step 0 (the optimizer's lr, the peak) with a
+        # log ramp (the peak at step 1), every step is at the schedule's peak or after it.
+        params.update(warmup_type="log", last_batch_iteration=0)
+    for key, value in auto_values.items():
+        if params.get(key) == AUTO:
+            params[key] = value
+    return scheduler
+
+
+def _resolve_monitors(config, args):
+    """--tensorboard / --csv_monitor switch DeepSpeed's monitors on or off (a base JSON's section is kept
+    unless the flag is given); an enabled one writes under --log_dir unless the JSON names a place."""
+    for name in MONITORS:
+        enabled = _pick(config.get(name, {}), "enabled", args, name)
+        if not enabled and name not in config:
+            continue
+        section = config[name] = {**config.get(name, {}), "enabled": enabled}
+        for key, value in (("output_path", str(Path(args.log_dir) / name)), ("job_name", MONITOR_JOB_NAME)):
+            if section.get(key, AUTO if enabled else None) == AUTO:
+                section[key] = value
+
+
+def _pick(section, key, args, flag, missing=AUTO):
+    """The flag's value if it was given explicitly or the base says "auto", else the base's value;
+    a key the base lacks counts as `missing`."""
+    value = section.get(key, missing)
+    return getattr(args, flag) if flag in args.explicit or value == AUTO else value
+
+
+def _offloads(zero, key):
+    return zero.get(key, {}).get("device", "none") not in ("none", None)
+
+
+def _auto_paths(node, path=""):
+    if node == AUTO:
+        return [path]
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in _auto_paths(v, f"{path}.{k}" if path else k)]
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in _auto_paths(v, f"{path}[{i}]")]
+    return []
+
+
+def precision(config):
+    """'fp16', 'bf16', 'autocast-fp16', 'autocast-bf16' or 'fp32': how the engine configured by `config` computes."""
+    for name in ("fp16", "bf16"):
+        if config.get(name, {}).get("enabled"):
+            return name
+    half = _autocast_half(config.get("torch_autocast", {}))
+    return f"autocast-{half}" if half else "fp32"
+
+
+def lr_schedule(config):
+    """'cosine', 'linear' or 'constant' (the --lr_schedule choice), or the scheduler type of a base JSON."""
+    kind = config.get("scheduler", {}).get("type")
+    return next((name for name, (known, _) in LR_SCHEDULES.items() if known == kind), kind)
+
+
+def check_monitor_support(config):
+    """DeepSpeed's TensorBoard monitor needs the `tensorboard` package, which is not a dependency here."""
+    if config.get("tensorboard", {}).get("enabled") is True and importlib.util.find_spec("tensorboard") is None:
+        raise UsageError("TensorBoard logging needs the tensorboard package: pip install tensorboard "
+                         "(or use --csv_monitor)")
+
+
+def check_run(config, args, device_type):
+    """The checks of a run's resolved config that the launcher and each rank make before anything starts, one
+    place for both; returns whether the run coalesces its gradient reduction (refusing what DeepSpeed cannot)."""
+    check_device_support(config, device_type)
+    check_monitor_support(config)
+    check_trainer_support(config, args)
+    return coalesces_grad_reduction(args.coalesce_grad_reduction, config)
+
+
+def check_trainer_support(config, args):
+    """Refuse what DeepSpeed takes but the trainer's run cannot get through."""
+    if uses_deepcompile(config, args):
+        raise UsageError("DeepCompile (compile.deepcompile with --compile) is not supported: on a GPU it trained "
+                         "ZeRO-3 but its compiled model failed in validation, and it needs CUDA; pass --no-compile "
+                         "or remove compile.deepcompile from the DeepSpeed config")
+
+
+def check_device_support(config, device_type):
+    if device_type == "cpu" and precision(config) in ("fp16", "autocast-fp16"):
+        raise UsageError("fp16 needs a GPU: DeepSpeed's CPU accelerator supports bf16 only "
+                         "(pass --bf16, or --no-fp16 for fp32)")
+
+
+# DeepSpeed's config models, by the section of the JSON each reads.
+DEEPSPEED_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedFP16Config": "fp16",
+                      "DeepSpeedBF16Config": "bf16", "DeepSpeedTorchAutocastConfig": "torch_autocast",
+                      "DeepSpeedMonitorConfig": "monitor", "DeepSpeedActivationCheckpointingConfig":
+                      "activation_checkpointing", "DeepSpeedFlopsProfilerConfig": "flops_profiler",
+                      "CommsConfig": "comms_logger", "DeepSpeedCheckpointConfig": "checkpoint"}
+
+
+def check_with_deepspeed(config, path):
+    """DeepSpeed's own checks of a config built on a user's --deepspeed_config (its pydantic config models,
+    and the optimizer and scheduler names it accepts), so that a bad value stops before any rank starts."""
+    import torch
+    from deepspeed.runtime import lr_schedules
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig
+    from pydantic import ValidationError
+
+    where = f"--deepspeed_config {path}"
+    optimizer = config["optimizer"]["type"]
+    if optimizer.lower() not in DEEPSPEED_OPTIMIZERS and not hasattr(torch.optim, optimizer):
+        raise UsageError(f"{where}: optimizer.type {optimizer!r} is neither one of DeepSpeed's optimizers "
+                         f"({', '.join(DEEPSPEED_OPTIMIZERS)}) nor a torch.optim class")
+    scheduler = config["scheduler"]["type"]
+    if not hasattr(lr_schedules, scheduler) and not hasattr(torch.optim.lr_scheduler, scheduler):
+        raise UsageError(f"{where}: scheduler.type {scheduler!r} is neither one of DeepSpeed's schedulers "
+                         f"({', '.join(lr_schedules.VALID_LR_SCHEDULES)}) nor a torch.optim.lr_scheduler class")
+    # Checked here against one rank, DeepSpeed would refuse the global batch of several; it was checked above.
+    checked = {key: value for key, value in config.items() if key != "train_batch_size"}
+    try:
+        DeepSpeedConfig(checked)
+    except ValidationError as err:
+        first = err.errors()[0]
+        key = ".".join([DEEPSPEED_SECTIONS.get(err.title, err.title), *map(str, first["loc"])])
+        raise UsageError(f"{where}: {key}: {first['msg']} (got {json.dumps(first.get('input'), default=str)})") \
+            from None
+    except Exception as err:  # noqa: BLE001 - DeepSpeed reports other config problems as assertions and plain errors
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UsageError(f"{where}: DeepSpeed rejects it ({detail})") from None

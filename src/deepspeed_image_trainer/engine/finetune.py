@@ -1,0 +1,58 @@
+"""Fine-tuning controls: a learning rate for the pretrained body scaled against the new head's
+(--backbone_lr_scale), and the head alone for the first epochs (--freeze_backbone_epochs).
+
+Both work through the optimizer's parameter groups, head first (its learning rate is the one the history
+logs), body second with a scale applied after every scheduler step: DeepSpeed's schedulers set every
+group to the same value, and ZeRO 1-3 and offload keep groups as they are. A frozen body has scale 0: its
+gradients are still computed (ZeRO's buffers are built for every parameter at setup, so requires_grad
+cannot change afterwards), but AdamW moves no weight whose learning rate is 0, weight decay included.
+"""
+from torch import nn
+
+
+def head_module(model, num_classes):
+    """The layer that produces the logits: the last Linear or Conv2d (SqueezeNet) with num_classes outputs."""
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == num_classes
+              or isinstance(m, nn.Conv2d) and m.out_channels == num_classes]
+    return layers[-1]
+
+
+def parameter_groups(model, num_classes):
+    """[head group, body group] for the optimizer."""
+    head = {id(p) for p in head_module(model, num_classes).parameters()}
+    return [{"params": [p for p in model.parameters() if id(p) in head], "lr_scale": 1.0},
+            {"params": [p for p in model.parameters() if id(p) not in head], "lr_scale": 1.0}]
+
+
+class BodyLearningRate:
+    """Scales the body group's learning rate after each step of `scheduler` (every DeepSpeed scheduler sets
+    each group's rate afresh there; None: a fixed rate); set_epoch chooses the scale."""
+
+    def __init__(self, scheduler, optimizer, backbone_lr_scale, freeze_backbone_epochs):
+        self.optimizer, self.scale, self.frozen_epochs = optimizer, backbone_lr_scale, freeze_backbone_epochs
+        for group in optimizer.param_groups:
+            group.setdefault("unscaled_lr", group["lr"])
+        if scheduler is not None:
+            step = scheduler.step
+
+            def scaled_step(*args, **kwargs):
+                result = step(*args, **kwargs)
+                for group in self.optimizer.param_groups:
+                    group["unscaled_lr"] = group["lr"]
+                self._apply()
+                return result
+
+            scheduler.step = scaled_step
+
+    def _apply(self):
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["unscaled_lr"] * group["lr_scale"]
+
+    def set_epoch(self, epoch):
+        """The body's scale for `epoch` (counted from 1): 0 while frozen, then --backbone_lr_scale."""
+        self.optimizer.param_groups[1]["lr_scale"] = 0.0 if epoch <= self.frozen_epochs else self.scale
+        self._apply()
+
+    def body_scale(self):
+        """The body's scale this epoch: its learning rate over the head's."""
+        return self.optimizer.param_groups[1]["lr_scale"]

@@ -1,0 +1,68 @@
+"""SIGINT/SIGTERM become a request to stop after the current step, agreed on by every rank; and a process
+started by another stops when that one dies."""
+import ctypes
+import os
+import signal
+import sys
+
+import torch
+
+from .distributed import all_reduce
+
+AGREE_EVERY = 10  # checks between the all-reduces that let several ranks stop at the same step
+
+
+class StopOnSignal:
+    def __init__(self, device, world_size):
+        self.device = device
+        self.world_size = world_size
+        self.signal = None
+        self.checks = 0
+        self._previous = {}
+
+    def __enter__(self):
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, frame):
+        self.signal = signum
+
+    @property
+    def name(self):
+        return signal.Signals(self.signal).name if self.signal else None
+
+    def requested(self):
+        """Whether to stop now. With several ranks, all must call this at the same steps."""
+        if self.world_size == 1:
+            return self.signal is not None
+        self.checks += 1
+        if self.checks % AGREE_EVERY:
+            return False
+        votes = all_reduce({"signal": self.signal or 0}, self.device, op=torch.distributed.ReduceOp.MAX)
+        if votes["signal"] and self.signal is None:
+            self.signal = int(votes["signal"])
+        return bool(votes["signal"])
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent_call(parent_pid):
+    """A function for the child side of a fork (subprocess's preexec_fn): from then on the kernel sends the
+    child SIGTERM when `parent_pid` dies, even by SIGKILL (Linux; elsewhere it does nothing). libc is loaded
+    here, before the fork, where loading it cannot deadlock."""
+    if not sys.platform.startswith("linux"):
+        return lambda: None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+
+    def call():
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent_pid:  # it died before the prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return call

@@ -1,0 +1,151 @@
+"""The one place where the trainer replaces DeepSpeed code: host synchronisations per parameter in the
+ZeRO-1/2 optimizer-offload path, which stall the GPU once for every parameter of every step (or micro-batch).
+
+- `update_offload_overflow_tracker` runs in the backward hook of each parameter and tests its gradient with
+  `if self._has_inf_or_nan(grad)`: a device-to-host copy per parameter, even where nothing reads the result
+  (the overflow check is off: fp32 weights under `torch_autocast`). Here the flag stays on the device and is
+  read once a step, in `has_overflow`, and is not computed at all without the overflow check.
+- `complete_grad_norm_calculation_for_cpu_offload` sums the per-parameter norms with `.item()` on each;
+  here they are summed on the device (in float64, as the Python float sum was) and read once.
+- `async_accumulate_grad_in_cpu_via_gpu` (gradient accumulation) first waits on the host for the previous
+  parameter's copies to the CPU: DeepSpeed's guard for pageable CPU buffers, which a copy to the GPU may read
+  before the GPU has written them. The trainer pins them (`pin_memory: true`), and copies from pinned memory
+  run in stream order, so where the buffer it reads is pinned (or not made yet) and every pending copy is on
+  the current stream it does not wait. The host reads those buffers only in step(), whose wait still sees them.
+
+Results are the same as DeepSpeed's (tests/test_deepspeed_overrides.py trains with and without them; on the
+CPU, which records no copy events, the accumulation wait has nothing to skip: a unit test checks its logic).
+The replacements are installed only over the exact DeepSpeed source they were written against (a hash of
+each replaced function); another DeepSpeed keeps its own code, and the guard test fails so the change is
+read. TRAINER_DEEPSPEED_OVERRIDES=0 keeps DeepSpeed's code (benchmarks measure both ways); a comma-separated
+list of GROUPS' names installs those only.
+"""
+import hashlib
+import inspect
+import os
+
+import torch
+
+from ..utils.failures import UsageError
+
+# sha256 of inspect.getsource of each replaced method, DeepSpeed 0.19.8
+CHECKED_SOURCES = {
+    "update_offload_overflow_tracker": "0cb67c0a3f669a354cd71a18f8a4c04e5ecc48394e9000b6cb9196bf7c6b4834",
+    "has_overflow": "cadc27a13cb7e9775093993e15b41aaebb2ff98d48bd86a271b8558914d05d2d",
+    "complete_grad_norm_calculation_for_cpu_offload": "7051c8064246f3254081bb35ed8620c440234fc782139a56f774ed7ef676e211",
+    "async_accumulate_grad_in_cpu_via_gpu": "8d3c25962356b40e71db7a1ffe4ccc99b6d9a6700a1a8787a5dfa8cdaca22e27",
+    # not replaced: what the replacement above relies on
+    "_wait_for_offload_copies": "e509dd0ad7458a37cb44ca56850b9f99a22d2dde0e74ca13e68fea177675567c",
+    "_record_offload_copy": "8467947f2bbabdfdefff9db72363306cc800cc36e65ad4fb553e5ba2956e24db",
+}
+GROUPS = {"overflow_on_device": ("update_offload_overflow_tracker", "has_overflow"),
+          "grad_norm_on_device": ("complete_grad_norm_calculation_for_cpu_offload",),
+          "pinned_accumulation_without_wait": ("async_accumulate_grad_in_cpu_via_gpu",)}
+
+
+def source_hash(function):
+    return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()
+
+
+def changed_sources():
+    """Names of the replaced DeepSpeed methods whose source is not the one the replacements were checked
+    against (empty when the overrides apply)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    originals = getattr(DeepSpeedZeroOptimizer, "_trainer_originals", {})
+    return [name for name, expected in CHECKED_SOURCES.items()
+            if source_hash(originals.get(name, getattr(DeepSpeedZeroOptimizer, name))) != expected]
+
+
+def enabled():
+    """The names of GROUPS to install (TRAINER_DEEPSPEED_OVERRIDES: unset or 1 all, 0 none, or a list)."""
+    value = os.environ.get("TRAINER_DEEPSPEED_OVERRIDES", "").strip() or "1"
+    if value in ("1", "0"):
+        return set(GROUPS) if value == "1" else set()
+    names = {name.strip() for name in value.split(",") if name.strip()}
+    if names - set(GROUPS):
+        raise UsageError(f"TRAINER_DEEPSPEED_OVERRIDES: unknown {', '.join(sorted(names - set(GROUPS)))}; "
+                         f"known: 0, 1, {', '.join(GROUPS)}")
+    return names
+
+
+def install():
+    """Replace the methods on DeepSpeed's ZeRO-1/2 optimizer class, once per process; returns whether
+    they are in place. Call before deepspeed.initialize."""
+    from deepspeed.runtime.zero import stage_1_and_2
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if hasattr(DeepSpeedZeroOptimizer, "_trainer_originals"):
+        return True
+    groups = enabled()
+    if not groups or changed_sources():
+        return False
+    originals = {name: getattr(DeepSpeedZeroOptimizer, name) for name in CHECKED_SOURCES}
+    has_inf_or_nan, dist = stage_1_and_2.has_inf_or_nan, stage_1_and_2.dist
+
+    def update_offload_overflow_tracker(self, grad):
+        if grad is None or not self.check_grad_overflow:  # only has_overflow reads it, under the check
+            return
+        found = has_inf_or_nan(grad.data)
+        self.local_overflow = found if self.local_overflow is False else self.local_overflow | found
+
+    def has_overflow(self, partition_gradients=True):
+        if self.cpu_offload and torch.is_tensor(self.local_overflow):  # without offload there is none
+            self.local_overflow = bool(self.local_overflow)  # the step's one host read
+        return originals["has_overflow"](self, partition_gradients)
+
+    def complete_grad_norm_calculation_for_cpu_offload(self, params):
+        norms = []
+        for p in params:
+            if hasattr(p, stage_1_and_2.PIPE_REPLICATED) and p.ds_pipe_replicated:
+                continue
+            if stage_1_and_2.is_model_parallel_parameter(p) or self.model_parallel_rank == 0:
+                param_id = self.get_param_id(p)
+                if param_id in self.norm_for_param_grads:
+                    norms.append(self.norm_for_param_grads[param_id])
+                else:
+                    assert self.ignore_unused_parameters, (
+                        "a parameter was not used in producing the loss: set zero_optimization."
+                        "ignore_unused_parameters, or use every trainable parameter in forward")
+        device = stage_1_and_2.get_accelerator().current_device_name()
+        total = (torch.stack([norm.to(device, torch.float64) for norm in norms]).square().sum() if norms
+                 else torch.zeros((), dtype=torch.float64, device=device))
+        total_dev_norm = total.float().reshape(1)
+        dist.all_reduce(total_dev_norm, op=dist.ReduceOp.SUM, group=self.dp_process_group)
+        self._model_parallel_all_reduce(tensor=total_dev_norm, op=dist.ReduceOp.SUM)
+        total_norm = total_dev_norm[0].item() ** 0.5
+        if total_norm in (float("inf"), -float("inf")) or total_norm != total_norm:
+            total_norm = -1.0
+        return torch.tensor(total_norm, device=self.device, dtype=torch.float)
+
+    def async_accumulate_grad_in_cpu_via_gpu(self, param):
+        current = stage_1_and_2.get_accelerator().current_stream()
+        source = self.accumulated_grads_in_cpu.get(self.get_param_id(param))  # what its copy to the GPU reads
+        pinned = source is None or source.is_pinned()  # none yet: made here, not written by the GPU before
+        if not (pinned and all(stream == current for stream in self._pending_offload_events)):
+            return originals["async_accumulate_grad_in_cpu_via_gpu"](self, param)
+        pending, self._pending_offload_events = self._pending_offload_events, {}  # nothing for its wait to wait on
+        try:
+            return originals["async_accumulate_grad_in_cpu_via_gpu"](self, param)
+        finally:  # this copy's event, recorded after the earlier ones on the same stream, stands for them all
+            self._pending_offload_events = {**pending, **self._pending_offload_events}
+
+    replacements = {"update_offload_overflow_tracker": update_offload_overflow_tracker, "has_overflow": has_overflow,
+                    "complete_grad_norm_calculation_for_cpu_offload": complete_grad_norm_calculation_for_cpu_offload,
+                    "async_accumulate_grad_in_cpu_via_gpu": async_accumulate_grad_in_cpu_via_gpu}
+    for group in groups:
+        for name in GROUPS[group]:
+            setattr(DeepSpeedZeroOptimizer, name, replacements[name])
+    DeepSpeedZeroOptimizer._trainer_originals = originals
+    return True
+
+
+def uninstall():
+    """Put DeepSpeed's methods back (tests compare both)."""
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    originals = DeepSpeedZeroOptimizer.__dict__.get("_trainer_originals")
+    if originals is not None:
+        for name, method in originals.items():
+            setattr(DeepSpeedZeroOptimizer, name, method)
+        del DeepSpeedZeroOptimizer._trainer_originals

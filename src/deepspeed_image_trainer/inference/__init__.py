@@ -1,0 +1,1 @@
+"""Loading a trained model, export, evaluate and predict."""

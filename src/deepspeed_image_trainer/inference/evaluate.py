@@ -1,0 +1,89 @@
+"""Evaluate a trained model on an image folder: loss, top-1, top-5, per-class accuracy, confusion matrix.
+
+    python src/evaluate.py --model model.pt --data_dir data/val
+    python src/evaluate.py --model checkpoints_deepspeed/best_model --data_dir data/val --output_dir eval
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..data.folders import image_folder
+from ..utils.failures import check_counts, check_writable
+from ..utils.files import write_json_atomic
+from .load import default_device, eval_transform, load_model, predict_log_probabilities
+
+
+def metrics(log_probabilities, labels, class_names, top_k=5):
+    """Plain-dict metrics from per-image log-probabilities and true labels; the loss is the mean cross-entropy,
+    as the training history's val_loss."""
+    num_classes = len(class_names)
+    k = min(top_k, num_classes)
+    top = log_probabilities.topk(k, dim=1).indices
+    predicted = top[:, 0]
+    confusion = torch.zeros(num_classes, num_classes, dtype=torch.int64)
+    confusion.index_put_((labels, predicted), torch.ones_like(labels), accumulate=True)
+    per_class = {name: (confusion[i, i].item() / row_total if (row_total := confusion[i].sum().item()) else None)
+                 for i, name in enumerate(class_names)}
+    return {"images": len(labels), "loss": F.nll_loss(log_probabilities, labels).item(),
+            "top1": (predicted == labels).float().mean().item(),
+            f"top{k}": (top == labels[:, None]).any(dim=1).float().mean().item(),
+            "per_class_accuracy": per_class, "confusion_matrix": confusion.tolist(), "class_names": class_names}
+
+
+def plot_confusion(confusion, class_names, output):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(class_names)
+    size = min(4 + n * 0.18, 24)
+    fig, ax = plt.subplots(figsize=(size, size), constrained_layout=True)
+    image = ax.imshow(confusion, cmap="Blues")
+    ax.set_xticks(range(n), class_names, rotation=90, fontsize=max(4, 10 - n // 15))
+    ax.set_yticks(range(n), class_names, fontsize=max(4, 10 - n // 15))
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    fig.colorbar(image, ax=ax, shrink=0.6)
+    fig.savefig(output, dpi=120)
+    plt.close(fig)
+
+
+def get_args_parser():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="exported .pt/.safetensors file or a checkpoint folder")
+    parser.add_argument("--data_dir", default="data/val", help="image folder with the model's class folders")
+    parser.add_argument("--output_dir", default="evaluation", help="where report.json and confusion_matrix.png go")
+    parser.add_argument("--batch_size", type=int, default=64)
+    parser.add_argument("--num_workers", type=int, default=2)
+    return parser
+
+
+def main(argv=None):
+    args = get_args_parser().parse_args(argv)
+    check_counts(args, batch_size=1, num_workers=0)
+    check_writable(args.output_dir, "--output_dir")
+
+    device = default_device()
+    model, metadata = load_model(args.model, device)
+    dataset, check = image_folder(args.data_dir, eval_transform(metadata), classes=metadata["class_names"])
+    for line in check.warnings():
+        print(line, file=sys.stderr)
+    log_probabilities = predict_log_probabilities(model, dataset, len(dataset.classes), device, args.batch_size,
+                                                  args.num_workers)
+    labels = torch.tensor(dataset.targets)
+    report = {"model": str(args.model), "data_dir": str(args.data_dir), "device": device.type,
+              **metrics(log_probabilities, labels, dataset.classes)}
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(output_dir / "report.json", report)
+    plot_confusion(report["confusion_matrix"], dataset.classes, output_dir / "confusion_matrix.png")
+    top_k = next(k for k in report if k.startswith("top") and k != "top1")
+    worst = sorted((acc, name) for name, acc in report["per_class_accuracy"].items() if acc is not None)[:3]
+    weakest = ", ".join(f"{name} {acc:.2f}" for acc, name in worst)
+    print(f"{report['images']} images: loss {report['loss']:.4f}, top-1 {report['top1']:.4f}, "
+          f"{top_k} {report[top_k]:.4f}; weakest classes: {weakest}")
+    print(f"report: {output_dir / 'report.json'}, confusion matrix: {output_dir / 'confusion_matrix.png'}")

@@ -1,0 +1,104 @@
+"""Load a trained model (exported file or DeepSpeed checkpoint) and run it on images, batched."""
+import json
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+from ..data.folders import build_transform, check_preprocessing
+from ..engine.finetune import head_module
+from ..models.build import check_saved_model, load_weights, model_for_weights
+from ..models.names import MODEL_NAME
+from ..utils.failures import UsageError
+from ..utils.loading import load_checked
+from .export import consolidated_state_dict, sidecar_path
+
+
+def load_model(path, device):
+    """(model in eval mode on `device`, metadata with class_names and image_size) from an exported
+    .pt/.safetensors file (with its .json sidecar) or a checkpoint folder."""
+    path = Path(path)
+    if path.is_dir():
+        state_dict, metadata = consolidated_state_dict(path)
+    elif path.is_file():
+        metadata = _metadata(path)
+        state_dict = _weights(path)
+    else:
+        raise UsageError(f"--model {path}: no such file or checkpoint folder")
+    classes = len(metadata["class_names"])
+    model = model_for_weights(metadata.get("model", MODEL_NAME), classes, metadata["image_size"])
+    head = head_module(model, classes)
+    saved = state_dict.get(next(f"{name}.weight" for name, module in model.named_modules() if module is head))
+    if torch.is_tensor(saved) and saved.ndim and saved.shape[0] != classes:
+        raise UsageError(f"--model {path} has {saved.shape[0]} outputs but its class names list {classes}: its "
+                         ".json sidecar belongs to another export")
+    load_weights(model, state_dict, f"--model {path}")
+    return model.to(device).eval(), metadata
+
+
+def _weights(path):
+    """The state_dict in an exported .pt/.pth/.safetensors file, checked to be tensors by name."""
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            state_dict = load_file(str(path))
+        except (SafetensorError, OSError, ValueError) as err:
+            raise UsageError(f"--model {path} is damaged or not a safetensors file ({err})") from None
+    else:
+        state_dict = load_checked(path, deepspeed_classes=False)
+    if not isinstance(state_dict, dict) or not all(torch.is_tensor(v) for v in state_dict.values()):
+        raise UsageError(f"--model {path} is not a state_dict (tensors by name): export one with export_model.py")
+    return state_dict
+
+
+def _metadata(path):
+    """The sidecar's (or a .safetensors file's own) class names and image size, checked."""
+    sidecar = sidecar_path(path)
+    metadata, source = None, sidecar
+    if sidecar.is_file():
+        try:
+            metadata = json.loads(sidecar.read_bytes())
+        except (OSError, ValueError) as err:
+            raise UsageError(f"{sidecar} is unreadable ({str(err).splitlines()[0]}): export the model again") from None
+    elif path.suffix == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+
+        source = path
+        try:
+            with safe_open(str(path), "pt") as f:
+                stored = f.metadata() or {}
+            if "class_names" in stored:
+                metadata = {k: json.loads(v) for k, v in stored.items()}
+        except (SafetensorError, OSError, ValueError) as err:
+            raise UsageError(f"--model {path} is damaged or not a safetensors file ({err})") from None
+    if metadata is None:
+        raise UsageError(f"--model {path}: class names not found (expected {sidecar} from export_model.py)")
+    names = metadata.get("class_names") if isinstance(metadata, dict) else None
+    size = metadata.get("image_size") if isinstance(metadata, dict) else None
+    if (not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names)
+            or not isinstance(size, int) or isinstance(size, bool) or size < 1):
+        raise UsageError(f"{source}: expected class_names (a list of names) and image_size (pixels), as "
+                         "export_model.py writes them; export the model again")
+    check_saved_model(metadata.get("model", MODEL_NAME), source)
+    check_preprocessing(metadata.get("preprocessing"), source)
+    return metadata
+
+
+def default_device():
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@torch.no_grad()
+def predict_log_probabilities(model, dataset, num_classes, device, batch_size=64, num_workers=2):
+    """Log-softmax of the logits for every item of `dataset` (items are (image tensor, anything)): exact for
+    the loss where probabilities round to 0 or 1."""
+    loader = DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, pin_memory=device.type == "cuda")
+    batches = [torch.log_softmax(model(images.to(device, non_blocking=True)).float(), dim=1).cpu()
+               for images, _ in loader]
+    return torch.cat(batches) if batches else torch.empty(0, num_classes)
+
+
+def eval_transform(metadata):
+    return build_transform(int(metadata["image_size"]), train=False, preprocessing=metadata.get("preprocessing"))

@@ -1,0 +1,80 @@
+"""Predict the classes of images with a trained model.
+
+    python src/predict.py --model model.pt photo.jpg more_photos/
+    python src/predict.py --model model.pt --top_k 3 --json photo.jpg
+"""
+import argparse
+import json
+from pathlib import Path
+
+from torchvision.datasets.folder import IMG_EXTENSIONS
+
+from ..data.folders import load_rgb
+from ..utils.failures import UsageError, check_counts
+from .load import default_device, eval_transform, load_model, predict_log_probabilities
+
+
+def image_paths(inputs):
+    paths = []
+    for item in map(Path, inputs):
+        if item.is_dir():
+            # Hidden files (macOS `._photo.jpg`, `.ipynb_checkpoints/`) are not photos, as in training.
+            paths += sorted(p for p in item.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS
+                            and not any(part.startswith(".") for part in p.relative_to(item).parts))
+        elif item.is_file():
+            paths.append(item)
+        else:
+            raise UsageError(f"{item}: no such image or folder")
+    if not paths:
+        raise UsageError("no images found in " + ", ".join(map(str, inputs)))
+    return paths
+
+
+class Images:
+    """The images as a dataset of (tensor, index), preprocessed as in validation."""
+
+    def __init__(self, paths, transform):
+        self.paths, self.transform = paths, transform
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        try:
+            return self.transform(load_rgb(self.paths[index])), index
+        except Exception as err:  # noqa: BLE001 - corrupt data raises OSError, SyntaxError, ValueError, ...
+            raise UsageError(f"{self.paths[index]}: not a readable image ({err})") from None
+
+
+def get_args_parser():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="exported .pt/.safetensors file or a checkpoint folder")
+    parser.add_argument("images", nargs="+", metavar="IMAGE_OR_DIR")
+    parser.add_argument("--top_k", type=int, default=5)
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--batch_size", type=int, default=64)
+    return parser
+
+
+def main(argv=None):
+    args = get_args_parser().parse_args(argv)
+    check_counts(args, batch_size=1, top_k=1)
+
+    paths = image_paths(args.images)
+    device = default_device()
+    model, metadata = load_model(args.model, device)
+    # Worker processes would turn a bad image's UsageError into a traceback: decode in this process.
+    probabilities = predict_log_probabilities(model, Images(paths, eval_transform(metadata)),
+                                              len(metadata["class_names"]), device, args.batch_size,
+                                              num_workers=0).exp()
+    k = max(1, min(args.top_k, len(metadata["class_names"])))
+    top = probabilities.topk(k, dim=1)
+    results = [{"image": str(path), "predictions": [
+        {"class": metadata["class_names"][i], "probability": round(p, 6)}
+        for p, i in zip(values.tolist(), indices.tolist())]}
+        for path, values, indices in zip(paths, top.values, top.indices)]
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    for result in results:
+        print(f"{result['image']}: " + ", ".join(f"{p['class']} {p['probability']:.3f}" for p in result["predictions"]))

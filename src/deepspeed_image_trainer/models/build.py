@@ -1,0 +1,373 @@
+"""The trainer's models: any torchvision classifier by name (ResNet18 as ResNet18Animals90, with today's
+state_dict keys), normalisation layers that compute in fp32 under DeepSpeed's half-precision weights
+(batch norm optionally synchronised over ranks), and ImageNet weights through torchvision's weights API."""
+import collections
+import contextlib
+import difflib
+import urllib.error
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
+from torchvision.models.convnext import LayerNorm2d
+from torchvision.models.resnet import BasicBlock, ResNet
+
+from ..utils.failures import UsageError
+from ..utils.loading import load_checked
+from .names import DEFAULT_MODEL, architecture
+
+
+class BatchNorm2dFP32(nn.BatchNorm2d):
+    """BatchNorm2d that normalises in fp32 and keeps its running statistics in fp32.
+
+    DeepSpeed's fp16/bf16 modes cast every parameter to half precision but leave buffers in fp32,
+    which plain BatchNorm2d rejects; half-precision statistics would also lose accuracy. This layer
+    then upcasts the input and its affine weights, and returns the input's dtype. With fp32 weights
+    (fp32 or autocast) BatchNorm2d's own kernels already take half-precision input and compute in fp32.
+
+    With `sync = True` (see `synchronize_batch_norm`) training batches are normalised with the mean and
+    variance over all ranks' micro-batches, as torch.nn.SyncBatchNorm does. That one needs CUDA and fp32
+    weights; this one works over gloo on CPU too and under half-precision weights.
+    """
+
+    sync = False
+
+    def forward(self, x):
+        if self.sync and self.training and dist.is_initialized() and dist.get_world_size() > 1:
+            return self._synced_forward(x)
+        if self.weight.dtype == torch.float32:
+            return super().forward(x)
+        if self.training and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+        with torch.autocast(x.device.type, enabled=False):
+            out = F.batch_norm(
+                x.float(), self.running_mean, self.running_var,
+                self.weight.float(), self.bias.float(),
+                self.training, self.momentum, self.eps,
+            )
+        return out.to(x.dtype)
+
+    def _synced_forward(self, x):
+        """Batch statistics over every rank: all-reduce the sum, then the squared deviations (two passes,
+        no cancellation). The all-reduces are differentiable, so gradients flow through the global
+        statistics to every rank's input, as in SyncBatchNorm."""
+        with torch.autocast(x.device.type, enabled=False):
+            xf = x.float()
+            sums = differentiable_all_reduce(torch.cat([xf.sum(dim=(0, 2, 3)), xf.new_full((1,), xf[:, 0].numel())]))
+            count = sums[-1]
+            mean = sums[:-1] / count
+            centered = xf - mean[None, :, None, None]
+            var = differentiable_all_reduce(centered.square().sum(dim=(0, 2, 3))) / count
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                momentum = self.momentum if self.momentum is not None else 1 / self.num_batches_tracked.item()
+                self.running_mean.lerp_(mean, momentum)
+                self.running_var.lerp_(var * count / (count - 1).clamp(min=1), momentum)
+            scale = self.weight.float() * torch.rsqrt(var + self.eps)
+            out = centered * scale[None, :, None, None] + self.bias.float()[None, :, None, None]
+        return out.to(x.dtype)
+
+
+def synchronize_batch_norm(model):
+    """Make every BatchNorm2dFP32 in `model` normalise training batches over all ranks (--sync_bn)."""
+    layers = [m for m in model.modules() if isinstance(m, BatchNorm2dFP32)]
+    for layer in layers:
+        layer.sync = True
+    return len(layers)
+
+
+def _float(tensor):
+    return None if tensor is None else tensor.float()
+
+
+class LayerNormFP32(nn.LayerNorm):
+    """LayerNorm computing in fp32 under half-precision weights (ViT, Swin, MaxViT, ConvNeXt's head)."""
+
+    def forward(self, x):
+        if self.weight is None or self.weight.dtype == torch.float32:
+            return super().forward(x)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), _float(self.bias),
+                                self.eps).to(x.dtype)
+
+
+class LayerNorm2dFP32(LayerNorm2d):
+    """ConvNeXt's channels-first LayerNorm, computing in fp32 under half-precision weights."""
+
+    def forward(self, x):
+        if self.weight is None or self.weight.dtype == torch.float32:
+            return super().forward(x)
+        with torch.autocast(x.device.type, enabled=False):
+            out = F.layer_norm(x.float().permute(0, 2, 3, 1), self.normalized_shape, self.weight.float(),
+                               _float(self.bias), self.eps)
+        return out.permute(0, 3, 1, 2).to(x.dtype)
+
+
+class GroupNormFP32(nn.GroupNorm):
+    def forward(self, x):
+        if self.weight is None or self.weight.dtype == torch.float32:
+            return super().forward(x)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.group_norm(x.float(), self.num_groups, self.weight.float(), _float(self.bias),
+                                self.eps).to(x.dtype)
+
+
+# Each class above adds behaviour and no state: a layer's class is swapped in place, its state_dict unchanged.
+FP32_NORMS = {nn.BatchNorm2d: BatchNorm2dFP32, nn.LayerNorm: LayerNormFP32, LayerNorm2d: LayerNorm2dFP32,
+              nn.GroupNorm: GroupNormFP32}
+
+
+def fp32_norms(model):
+    """Make every normalisation layer of `model` compute in fp32 under half-precision weights; their count."""
+    swapped = 0
+    for module in model.modules():
+        if type(module) in FP32_NORMS:
+            module.__class__ = FP32_NORMS[type(module)]
+            swapped += 1
+    return swapped
+
+
+class ResNet18Animals90(ResNet):
+    """torchvision's ResNet18 (same state_dict keys) with fp32 batch norm and `num_classes` outputs.
+
+    `pretrained` is False, a weights name (DEFAULT, IMAGENET1K_V1) or the path of a torchvision ResNet18
+    weights file, or True for DEFAULT (see load_pretrained).
+    """
+
+    def __init__(self, num_classes=90, pretrained=False):
+        super().__init__(BasicBlock, [2, 2, 2, 2], num_classes=num_classes, norm_layer=BatchNorm2dFP32)
+        if pretrained:
+            load_pretrained(self, DEFAULT_MODEL, "DEFAULT" if pretrained is True else pretrained, num_classes)
+
+
+def with_versions(state_dict, versions):
+    """A copy of `state_dict` carrying the module versions `versions` (`_metadata`, as model.state_dict() has
+    them): an export (a plain dict, or safetensors) has none, and MNASNet's loader refuses a state without."""
+    state_dict = collections.OrderedDict(state_dict)
+    state_dict._metadata = versions
+    return state_dict
+
+
+def load_weights(model, state_dict, source):
+    """model.load_state_dict(state_dict), strict; keys or shapes that do not fit are a UsageError naming `source`."""
+    try:
+        model.load_state_dict(with_versions(state_dict, model.state_dict()._metadata))  # ours: today's versions
+    except RuntimeError as err:  # torch's first line only names the model; the next says what did not fit
+        detail = next((line.strip() for line in str(err).splitlines()[1:] if line.strip()), str(err).strip())
+        raise UsageError(f"{source}: not a {type(model).__name__} state_dict ({detail[:300]})") from None
+
+
+def model_names():
+    """Every classifier of torchvision.models, by the name --model takes."""
+    return torchvision.models.list_models(module=torchvision.models)
+
+
+def check_saved_model(name, source):
+    """`name` as read from `source` (a checkpoint's extra_info.json, an export's sidecar) is a model we build."""
+    if not isinstance(name, str) or architecture(name) not in model_names():
+        raise UsageError(f"{source} names the model {name!r}, which is not a torchvision classifier; use a file "
+                         "this trainer wrote")
+    return name
+
+
+def check_model_name(name):
+    if architecture(name) not in model_names():
+        close = difflib.get_close_matches(name, model_names(), n=3)
+        raise UsageError(f"--model {name}: not a torchvision classifier" + (f" (did you mean {', '.join(close)}?)"
+                         if close else "") + "; python launch_deepspeed.py --list_models lists them")
+
+
+def construction_args(name, image_size):
+    """What some models need at construction: the input size (ViT, MaxViT); no auxiliary heads for GoogLeNet
+    and Inception V3 (their training-mode tuple outputs are not logits)."""
+    if name.startswith("vit_"):
+        return {"image_size": image_size}
+    if name == "maxvit_t":
+        return {"input_size": (image_size, image_size)}
+    if name in ("googlenet", "inception_v3"):  # transform_input: the input scaling their ImageNet weights expect
+        return {"aux_logits": False, "init_weights": True, "transform_input": True}
+    return {}
+
+
+def build_model(name, num_classes, image_size=224, pretrained=None):
+    """The model `name` (a torchvision classifier) with `num_classes` outputs and fp32 normalisation layers;
+    `pretrained`: None, a weights name of the model (DEFAULT, IMAGENET1K_V1, ...) or a state_dict file."""
+    name = architecture(name)
+    check_model_name(name)
+    if name == DEFAULT_MODEL:
+        model = ResNet18Animals90(num_classes=num_classes)
+    else:
+        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes,
+                                             **construction_args(name, image_size))
+        fp32_norms(model)
+        for module in model.modules():
+            if hasattr(module, "cpb_mlp"):  # Swin V2: an fp32 coordinate table goes through half-precision weights
+                module.cpb_mlp.register_forward_pre_hook(_in_weights_dtype)
+    if pretrained:
+        load_pretrained(model, name, pretrained, num_classes)
+    return model
+
+
+def _in_weights_dtype(module, inputs):
+    """Inputs cast to the module's weights' dtype (DeepSpeed's fp16/bf16 modes cast parameters, not buffers)."""
+    dtype = next(module.parameters()).dtype
+    return tuple(x.to(dtype) if torch.is_tensor(x) and x.is_floating_point() else x for x in inputs)
+
+
+@contextlib.contextmanager
+def _no_initialisation():
+    """torch.nn.init's functions as no-ops: a model built only for its shapes skips seconds of random numbers."""
+    names = [n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(nn.init, n, fn)
+
+
+def model_for_weights(name, num_classes, image_size):
+    """The model `name` built without initialisation, for a strict load of every weight (an export, a
+    checkpoint's): the random numbers it skips took ViT-B/16 0.6 s on 2 CPU cores."""
+    with _no_initialisation():
+        return build_model(name, num_classes, image_size)
+
+
+def shape_model(name, num_classes=1000, image_size=224):
+    """The model on the meta device: its shapes without its memory or initialisation."""
+    try:
+        with torch.device("meta"):
+            return build_model(name, num_classes, image_size)
+    except NotImplementedError:  # RegNet computes its widths with tensors, which meta ones cannot give back
+        with _no_initialisation():
+            return build_model(name, num_classes, image_size).to("meta")
+
+
+def check_image_size(name, num_classes, image_size):
+    """Stop before anything starts when `name` cannot take `image_size` px (too small for its downsampling,
+    not a multiple of its patch or window): a forward pass on the meta device. Returns that meta model."""
+    try:
+        model = shape_model(name, num_classes, image_size)
+    except (ValueError, AssertionError) as err:  # ViT and MaxViT check the size at construction
+        raise UsageError(f"--model {name} cannot take --image_size {image_size}: {err}") from None
+    try:
+        model(torch.zeros(2, 3, image_size, image_size, device="meta"))
+    except (RuntimeError, ValueError, AssertionError) as err:
+        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UsageError(f"--model {name} cannot take --image_size {image_size} ({detail}); use a larger or "
+                         "rounder size, such as 224") from None
+    return model
+
+
+def default_image_size(name):
+    """The input size of the model's DEFAULT weights (224 for most)."""
+    weights = torchvision.models.get_model_weights(architecture(name)).DEFAULT
+    return weights.transforms.keywords.get("crop_size", 224)
+
+
+def list_models():
+    """One line per classifier: name, parameters, input size of its default weights, its weights."""
+    lines = [f"{'model':<22} {'params':>9}  {'input':>5}  weights (--pretrained)"]
+    for name in model_names():
+        params = sum(p.numel() for p in shape_model(name).parameters())
+        weights = torchvision.models.get_model_weights(name)
+        lines.append(f"{name:<22} {params / 1e6:8.1f}M  {default_image_size(name):>4}px  "
+                     + " ".join(["DEFAULT", *(w.name for w in weights)]))
+    return "\n".join(lines)
+
+
+def _weights(name, choice):
+    """torchvision's weights enum member `choice` (or DEFAULT) of model `name`, or None when it names none."""
+    weights = torchvision.models.get_model_weights(name)
+    if choice == "DEFAULT":
+        return weights.DEFAULT
+    return weights.__members__.get(choice)
+
+
+def preprocessing(name, pretrained):
+    """How images become input for `name` started from `pretrained`: torchvision's weights bring their mean,
+    std, resize and interpolation (data.DEFAULT_PREPROCESSING for anything else)."""
+    from ..data.folders import DEFAULT_PREPROCESSING
+
+    check_model_name(architecture(name))
+    weights = _weights(architecture(name), pretrained) if isinstance(pretrained, str) else None
+    if weights is None:
+        return dict(DEFAULT_PREPROCESSING)
+    preset = weights.transforms()
+    return {"mean": list(preset.mean), "std": list(preset.std),
+            "resize_ratio": preset.resize_size[0] / preset.crop_size[0], "interpolation": preset.interpolation.value}
+
+
+def weights_file(name, choice):
+    """The local file of `choice`: a path as given, or the weights `choice` of model `name` in the torch hub
+    cache (TORCH_HOME), downloaded there when missing."""
+    if Path(choice).is_file():
+        return Path(choice)
+    weights = _weights(name, choice)
+    if weights is None:
+        names = ", ".join(["DEFAULT", *(w.name for w in torchvision.models.get_model_weights(name))])
+        raise UsageError(f"--pretrained {choice}: no such file, and not a weights name of {name} ({names})")
+    folder = Path(torch.hub.get_dir()) / "checkpoints"
+    path = folder / Path(urlparse(weights.url).path).name
+    if path.is_file():
+        return path
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.hub.download_url_to_file(weights.url, str(path), hash_prefix=path.stem.rsplit("-", 1)[-1])
+    except (urllib.error.URLError, OSError, RuntimeError) as err:
+        reason = getattr(err, "reason", None) or err
+        raise UsageError(f"--pretrained {choice}: {path.name} is not in {folder} and could not be downloaded "
+                         f"from {weights.url} ({reason}); download it into that folder (TORCH_HOME sets where "
+                         "it is), or give the file's path") from None
+    return path
+
+
+AUXILIARY_HEADS = ("aux1.", "aux2.", "AuxLogits.")  # GoogLeNet's and Inception V3's, left out (see above)
+
+
+def pretrained_state(model, name, choice, num_classes, mmap=False):
+    """The state_dict of weights `choice` (a weights name or a file, see weights_file) to load into `model`, a
+    `name` with `num_classes` outputs (on the meta device too: only shapes are compared). The classifier
+    head is left out when the class count differs."""
+    path = weights_file(name, choice)
+    state = load_checked(path, mmap=mmap, deepspeed_classes=False)
+    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+        raise UsageError(f"--pretrained {path} is not a state_dict (tensors by name)"
+                         + ("; for a checkpoint of this trainer, export it first with export_model.py"
+                            if isinstance(state, dict) and "module" in state else ""))
+    own = model.state_dict()
+    versions = getattr(state, "_metadata", None)  # the file's module versions (MNASNet's stem depends on them)
+    if not (isinstance(versions, dict) and all(isinstance(v, dict) for v in versions.values())):
+        versions = own._metadata
+    state = {k: v for k, v in state.items() if not k.startswith(AUXILIARY_HEADS)}
+    if name.startswith("vit_") and "encoder.pos_embedding" in state and "encoder.pos_embedding" in own:
+        from torchvision.models.vision_transformer import interpolate_embeddings
+
+        if state["encoder.pos_embedding"].shape != own["encoder.pos_embedding"].shape:  # another --image_size
+            state = interpolate_embeddings(model.image_size, model.patch_size, state)
+    head = {k for k, v in state.items() if k in own and v.shape != own[k].shape and v.ndim == own[k].ndim
+            and own[k].ndim and own[k].shape[0] == num_classes and v.shape[1:] == own[k].shape[1:]}
+    kept = {k: v for k, v in state.items() if k not in head}
+    unexpected = [k for k in kept if k not in own]
+    missing = [k for k in own if k not in kept and k not in head]
+    mismatched = [k for k, v in kept.items() if k in own and v.shape != own[k].shape]
+    if unexpected or missing or mismatched:
+        what = "; ".join(f"{label} {', '.join(keys[:3])}" for label, keys in
+                         (("missing", missing), ("unexpected", unexpected), ("other shapes", mismatched)) if keys)
+        raise UsageError(f"--pretrained {path} is not a {name} state_dict ({what})")
+    return with_versions(kept, versions)
+
+
+def load_pretrained(model, name, choice, num_classes):
+    """Load weights `choice` into `model` (see pretrained_state)."""
+    try:
+        model.load_state_dict(pretrained_state(model, name, choice, num_classes), strict=False)
+    except ValueError as err:  # a module's own check of its saved version (MNASNet)
+        raise UsageError(f"--pretrained {choice}: {err}") from None

@@ -1,0 +1,320 @@
+"""Checkpoint policy in one place: what is saved when, how it is published, and how a run resumes.
+
+Layout under --checkpoint_dir (each folder is DeepSpeed's save_dir, holding the tag folder, DeepSpeed's
+`latest` file and extra_info.json):
+
+    last/last/           every epoch (--save_last_every), and on SIGINT/SIGTERM: what `--resume auto` finds
+    best_model/best/     the best validation accuracy so far
+    epoch_N/epoch_N/     every --save_every epochs; --keep_last K keeps the newest K
+
+Each epoch DeepSpeed writes one checkpoint into a staging folder (every rank its own shards); rank 0
+then hard-links it into the published names and swaps each in with renames, so a reader sees the old
+checkpoint or the new one, never a half-written one. A crash between the two renames of a swap leaves
+`.old-<name>`, which readers fall back to.
+
+The files are written in the background while the next epoch trains: DeepSpeed hands each file's state
+to BackgroundCheckpointEngine, which copies it to host memory (the training may then change the live
+tensors) and queues the torch.save on one writer thread. After a checkpoint's files, every rank marks
+its part written; rank 0 waits for all the marks, publishes, and only then writes the history line of
+that epoch, so the history never names an epoch whose checkpoint is not published. The next save, the
+end of the run and a stop by a signal wait for the queue.
+
+A failed write (disk full, permissions) on any rank stops that rank with WriteFailed (exit status 4) at
+its next save or at the end, and leaves the published checkpoints as they were; the `deepspeed`
+launcher (like torchrun) then ends the other ranks, which would otherwise wait in the next barrier for good.
+"""
+import json
+import os
+import shutil
+import time
+import zipfile
+from pathlib import Path
+
+from ..engine.config import lr_schedule, precision
+from ..engine.distributed import barrier, rank, rank_zero_only, world_size
+from ..models.names import saved_name
+from ..utils.failures import UsageError, stop_on_write_error
+from ..utils.files import write_json_atomic
+from ..utils.text import listed
+from . import universal
+
+EXTRA_INFO = "extra_info.json"
+LAST, BEST = "last", "best_model"
+STAGING = ".staging"
+# In the staging folder: that rank's files of the checkpoint are complete, or could not be written.
+WRITTEN, FAILED = ".written-rank{}", ".failed-rank{}"
+MARK_POLL_S = 0.01
+
+
+def _tag(name):
+    return {LAST: "last", BEST: "best"}.get(name, name)
+
+
+def _link_or_copy(src, dst):
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _copy_as(staging, target, tag):
+    """Copy the staged checkpoint into `target` with its tag folder renamed to `tag` (hard links)."""
+    target.mkdir()
+    for entry in staging.iterdir():
+        if entry.is_dir():
+            shutil.copytree(entry, target / tag, copy_function=_link_or_copy)
+        elif entry.name == "latest":
+            (target / "latest").write_text(tag)
+        elif entry.name != EXTRA_INFO and not entry.name.startswith((WRITTEN.format(""), FAILED.format(""))):
+            _link_or_copy(entry, target / entry.name)
+
+
+def _publish(ready, final):
+    old = final.with_name(f".old-{final.name}")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.rename(final, old)
+    os.rename(ready, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def readable(folder):
+    """`folder`, or the copy a crash in the middle of a swap left behind, or None (also when its
+    extra_info.json is damaged)."""
+    folder = Path(folder)
+    candidates = [folder, folder.with_name(f".old-{folder.name}")] if folder.name else [folder]
+    for candidate in candidates:
+        if (candidate / EXTRA_INFO).is_file():
+            try:
+                read_info(candidate)
+                return candidate
+            except UsageError:
+                continue
+    return None
+
+
+def read_info(folder):
+    """A checkpoint's extra_info.json; UsageError when it is not what this trainer writes."""
+    path = Path(folder) / EXTRA_INFO
+    try:
+        info = json.loads(path.read_bytes())
+    except (OSError, ValueError) as err:
+        raise UsageError(f"{path} is unreadable ({str(err).splitlines()[0]}): use another checkpoint (last, "
+                         "best_model, epoch_N)") from None
+    if not isinstance(info, dict) or not isinstance(info.get("epoch"), int) or not isinstance(info.get("tag"), str):
+        raise UsageError(f"{path} is not a checkpoint description this trainer wrote (no epoch and tag): use "
+                         "another checkpoint (last, best_model, epoch_N)")
+    return info
+
+
+class CheckpointSaver:
+    def __init__(self, engine, checkpoint_dir, save_every, keep_last, save_last_every=1, background=True):
+        self.engine = engine
+        self.dir = Path(checkpoint_dir)
+        self.save_every = save_every
+        self.keep_last = keep_last
+        self.save_last_every = save_last_every
+        from .checkpoint_engine import BackgroundCheckpointEngine  # DeepSpeed's classes: not for the launcher
+
+        self.background = engine.checkpoint_engine = BackgroundCheckpointEngine(self._mark_failed, background)
+        self.earlier = []
+
+    def retire_after_first_save(self, *earlier):
+        """Once this run's first checkpoint is published, each of `earlier` that is not None (what an earlier run
+        left in these folders) is told the names it was published under: retire(names). Until then a run that
+        fails leaves them as they were."""
+        self.earlier = [what for what in earlier if what is not None]
+
+    @stop_on_write_error("checkpoint", "--checkpoint_dir")
+    def wait(self):
+        """Until every checkpoint saved so far is written and published (and what came after it)."""
+        self.background.wait()
+
+    def after(self, fn, *args):
+        """fn(*args) once the checkpoints saved so far are published (the history line of their epoch)."""
+        self.background.after(fn, *args)
+
+    def save(self, epoch, info, state, best=False, interrupted=False):
+        """Save after `epoch` (or mid-epoch when interrupted); it is published under the names due once
+        written, in the background. Every rank must call this: DeepSpeed's save_checkpoint is collective.
+        Returns the names it will be published under."""
+        names = []
+        if best:
+            names.append(BEST)
+        if not interrupted and self.save_every and epoch % self.save_every == 0:
+            names.append(f"epoch_{epoch}")
+        if interrupted or (self.save_last_every and epoch % self.save_last_every == 0):
+            names.append(LAST)
+        if not names:
+            return names
+        self.wait()  # the previous checkpoint is out of the staging folder
+        staging = self.dir / STAGING
+        barrier()
+        rank_zero_only(shutil.rmtree)(staging, ignore_errors=True)
+        barrier()
+        self.staging = staging
+        with stop_on_write_error("checkpoint", "--checkpoint_dir"):
+            self.engine.save_checkpoint(str(staging), tag="staged", client_state=state)
+            self.after(self._mark, staging, WRITTEN)
+            self.after(self._publish_staged, staging, names, {**info, "epoch": epoch})
+            if self.earlier:  # rank 0's: in this thread, not the writer's, while no monitor writes a row
+                self.wait()
+                for what in self.earlier:
+                    what.retire(names)
+                self.earlier = []
+                self._prune()
+        return names
+
+    @staticmethod
+    def _mark(staging, kind):
+        (staging / kind.format(rank())).touch()
+
+    def _mark_failed(self):
+        try:
+            self._mark(self.staging, FAILED)
+        except OSError:  # as full as the disk that failed the write: rank 0 then waits until this rank exits
+            pass
+
+    @rank_zero_only
+    def _publish_staged(self, staging, names, info):
+        for r in range(world_size()):  # the other ranks' writer threads
+            while not (staging / WRITTEN.format(r)).exists():
+                if (staging / FAILED.format(r)).exists():
+                    raise OSError(f"rank {r} could not write its part of the checkpoint (its own error "
+                                  "is in its output)")
+                time.sleep(MARK_POLL_S)
+        for name in names:
+            ready = self.dir / f".ready-{name}"
+            shutil.rmtree(ready, ignore_errors=True)
+            _copy_as(staging, ready, _tag(name))
+            write_json_atomic(ready / EXTRA_INFO, {**info, "tag": _tag(name)})
+            _publish(ready, self.dir / name)
+        shutil.rmtree(staging, ignore_errors=True)
+        if not self.earlier:  # else once the earlier run's epoch_N are gone, which --keep_last would count
+            self._prune()
+
+    def _prune(self):
+        if not self.keep_last:
+            return
+        numbered = sorted((int(p.name.split("_")[1]), p) for p in self.dir.glob("epoch_*")
+                          if p.name.split("_")[1].isdigit())
+        for _, folder in numbered[:-self.keep_last]:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def find_checkpoint(resume, checkpoint_dir):
+    """The folder to resume from: for "auto", the newest under checkpoint_dir (None when there is none);
+    otherwise a checkpoint folder, its tag folder, or a name under checkpoint_dir (last, best, epoch_N)."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if resume == "auto":
+        names = {p.name.removeprefix(".old-") for p in checkpoint_dir.iterdir()} if checkpoint_dir.is_dir() else ()
+        found = [f for f in (readable(checkpoint_dir / n) for n in sorted(names) if not n.startswith("."))
+                 if f is not None]
+        if not found:
+            return None
+        # The newest run's (an --overwrite run cut before it removed the earlier run's epoch_N), then its newest
+        # epoch; at the same epoch `last`, which may hold a mid-epoch interruption.
+        return max(found, key=lambda f: (read_info(f).get("run_started") or 0, read_info(f)["epoch"],
+                                         f.name.endswith(LAST)))
+    path = Path(resume)
+    candidates = [path, path.parent, checkpoint_dir / resume, checkpoint_dir / {"best": BEST}.get(resume, resume)]
+    for candidate in candidates:
+        folder = readable(candidate)
+        if folder is not None:
+            return folder
+        if (Path(candidate) / EXTRA_INFO).is_file():
+            read_info(candidate)  # a damaged one: stop naming what is wrong with it
+    raise UsageError(f"no checkpoint at {resume} (looked for {EXTRA_INFO} in {path} and {checkpoint_dir / resume})")
+
+
+def saved_stage(folder):
+    """The ZeRO stage a checkpoint was saved with (what --zero_stage auto resumes with), or None."""
+    return read_info(folder)["zero_stage"] if folder is not None else None
+
+
+def saved_precision(folder):
+    """The precision a checkpoint was saved with (ds_config.precision's name: what --precision_mode auto
+    resumes with), or None."""
+    if folder is None:
+        return None
+    info = read_info(folder)
+    return info.get("settings", {}).get("precision", info.get("precision"))
+
+
+# What a resumed run must share with the run it continues (the data it learns, the model's input, and what
+# the saved optimizer and scheduler state were built for), with the flag that sets each. --epochs may change.
+SETTINGS_FLAGS = {"model": "--model", "class_names": "the classes of --train_dir", "image_size": "--image_size",
+                  "train_batch_size": "the global batch (--batch_size x ranks x --gradient_accumulation_steps)",
+                  "learning_rate": "--learning_rate", "weight_decay": "--weight_decay", "lr_schedule": "--lr_schedule",
+                  "warmup_epochs": "--warmup_epochs", "label_smoothing": "--label_smoothing", "precision": "precision"}
+
+
+def run_settings(args, ds_config, class_names):
+    """The SETTINGS_FLAGS values of a run, saved with its checkpoints."""
+    optimizer = ds_config["optimizer"]["params"]
+    return {"model": saved_name(args.model), "class_names": list(class_names), "image_size": args.image_size,
+            "train_batch_size": ds_config["train_batch_size"], "learning_rate": optimizer["lr"],
+            "weight_decay": optimizer.get("weight_decay"), "lr_schedule": lr_schedule(ds_config),
+            "warmup_epochs": args.warmup_epochs, "label_smoothing": args.label_smoothing,
+            "precision": precision(ds_config)}
+
+
+def _shown(key, value):
+    if key == "class_names":
+        return f"{len(value)} classes ({listed(value, 4)})"
+    return str(value)
+
+
+def check_resumable(folder, world_size, zero_stage, settings):
+    """Stop with a message naming what differs when `folder` cannot be resumed by this run: another ZeRO
+    stage; other settings (SETTINGS_FLAGS; checkpoints from before settings were saved are compared on what
+    they hold). Another world size is fine (see `load`) but for a mid-epoch checkpoint from before positions
+    were saved in samples."""
+    info = read_info(folder)
+    saved = {**{key: info[key] for key in ("model", "class_names", "image_size", "precision") if key in info},
+             **info.get("settings", {})}
+    if info.get("zero_stage") != zero_stage:
+        raise UsageError(f"cannot resume from {folder}: it was saved with ZeRO stage {info.get('zero_stage')} (this "
+                         f"run: {zero_stage}); resume with its --zero_stage (auto takes it), or start a new run")
+    if info.get("world_size") != world_size and "interrupted_at" in info and "samples" not in info["interrupted_at"]:
+        raise UsageError(f"cannot resume from {folder}: it was saved by {info.get('world_size')} rank(s) (this run: "
+                         f"{world_size}) in the middle of an epoch, by a version of the trainer that did not record "
+                         "the position in samples; resume from the end of an epoch (--resume epoch_N or best), "
+                         "resume with the same --num_gpus/--num_nodes, or start a new run")
+    differs = [f"{SETTINGS_FLAGS[key]} {_shown(key, saved[key])} (this run: {_shown(key, value)})"
+               for key, value in settings.items() if key in saved and saved[key] != value]
+    if differs:
+        raise UsageError(f"cannot resume from {folder}: it was saved with " + "; ".join(differs)
+                         + ". Resume with the run's own flags, or start a new run (--overwrite, or other folders)")
+    for path in sorted(Path(folder, info["tag"]).glob("*.pt")):
+        # torch.save's files are zip archives, whose directory is at the end: one cut short (a full disk, a copy
+        # stopped) stops here, before any rank starts, instead of in DeepSpeed's load on every rank
+        try:
+            zipfile.ZipFile(path).close()
+        except (zipfile.BadZipFile, OSError) as err:
+            raise UsageError(f"cannot resume from {folder}: {path.name} is cut short or not a torch file ({err}); "
+                             "resume from another checkpoint (--resume PATH: last, best, epoch_N) or start a new "
+                             "run") from None
+    return info
+
+
+def load(engine, folder, info, checkpoint_dir):
+    """Load model, optimizer, loss scaler and LR scheduler from `folder`, whose check_resumable gave `info`;
+    return the saved training state. Every file goes through the trainer's checkpoint engine, so through
+    loading.load_checked: a damaged or foreign one stops here naming it. A ZeRO-0 checkpoint holds the whole
+    optimizer state in one file, which DeepSpeed loads on any number of ranks; a ZeRO-1/2/3 one saved by
+    another number of ranks goes through a universal checkpoint (universal.py)."""
+
+    try:
+        if universal.needed(info, world_size()):
+            load_path, state = universal.load(engine, folder, info, checkpoint_dir)
+        else:
+            load_path, state = engine.load_checkpoint(str(folder), tag=info["tag"])
+    except UsageError as err:
+        advice = UsageError(f"cannot resume from {folder}: {err}; resume from another checkpoint (--resume PATH: "
+                            "last, best, epoch_N) or start a new run")
+        advice.every_rank = err.every_rank
+        raise advice from None
+    if load_path is None or state is None:
+        raise UsageError(f"cannot resume from {folder}: DeepSpeed found no checkpoint there")
+    return state

@@ -1,0 +1,154 @@
+"""Plot training curves from logs/training_history.json, or compare several runs on one figure.
+
+    python src/utils.py --history logs/training_history.json --output curves.png
+    python src/utils.py --history a/logs/training_history.json b/logs/training_history.json --labels A B
+"""
+import argparse
+import json
+import math
+from pathlib import Path
+
+from ..utils.failures import UsageError, check_output_file
+
+
+def load_history(path):
+    path = Path(path)
+    if not path.is_file():
+        raise UsageError(f"history file not found: {path}")
+    try:
+        history = json.loads(path.read_text())
+        epochs = history["epochs"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise UsageError(f"{path} is not a training history file ({err})") from None
+    if not epochs:
+        raise UsageError(f"{path} holds no completed epoch yet")
+    return history
+
+
+# (history key, title, y-axis label); the last three only when a history records them (skipped steps:
+# when there were any).
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")  # matplotlib writes each without extras
+PANELS = (("loss", "Loss", "cross-entropy"), ("acc", "Top-1 accuracy", "accuracy"),
+          ("lr", "Learning rate (last step of the epoch)", "learning rate"),
+          ("images_per_s", "Training throughput", "images / s"),
+          ("epoch_wall_s", "Time per epoch (dashed: training loop)", "seconds"),
+          ("peak_gpu_memory_gib", "Peak GPU memory (max over ranks)", "GiB"),
+          ("skipped_steps", "Optimizer steps skipped (fp16 overflow)", "steps"))
+
+
+def run_labels(paths):
+    """Legend names for several runs: the parts of their history paths that differ."""
+    parts = [Path(p).with_suffix("").parts for p in paths]
+    head = tail = 0
+    while all(len(p) > head + 1 for p in parts) and len({p[head] for p in parts}) == 1:
+        head += 1
+    while all(len(p) > head + tail + 1 for p in parts) and len({p[-1 - tail] for p in parts}) == 1:
+        tail += 1
+    labels = ["/".join(p[head:len(p) - tail]) for p in parts]
+    return labels if len(set(labels)) == len(labels) else [str(p) for p in paths]
+
+
+def _recorded(histories, key):
+    return any(e.get(key) not in (None, 0) for h in histories for e in h["epochs"])
+
+
+def _values(epochs, key):
+    return [math.nan if e.get(key) is None else e[key] for e in epochs]
+
+
+def curves_figure(histories, labels=None):
+    """Loss and accuracy (train dashed, val solid), learning rate, and images/s, the time per epoch (whole
+    and training loop), peak GPU memory and skipped fp16 steps when the histories record them (memory is
+    null on CPU), per epoch; one colour per run; a star and a
+    dotted line at each run's best epoch. Returns the matplotlib figure (close it when done)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    labels = list(labels) if labels else [None] * len(histories)
+    panels = [panel for panel in PANELS if panel[0] in ("loss", "acc", "lr") or _recorded(histories, panel[0])]
+    ncols = min(3, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    fig, grid = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 4.2 * nrows), constrained_layout=True,
+                             squeeze=False)
+    for unused in grid.flat[len(panels):]:
+        fig.delaxes(unused)
+    axes = {key: ax for (key, _, _), ax in zip(panels, grid.flat)}
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+
+    for index, (history, label) in enumerate(zip(histories, labels)):
+        colour = colours[index % len(colours)]
+        prefix = f"{label}: " if label else ""
+        epochs = history["epochs"]
+        x = [e["epoch"] for e in epochs]
+        for key in ("loss", "acc"):
+            axes[key].plot(x, [e[f"train_{key}"] for e in epochs], "o--", color=colour, markersize=3,
+                           label=f"{prefix}train")
+            axes[key].plot(x, [e[f"val_{key}"] for e in epochs], "s-", color=colour, markersize=3,
+                           label=f"{prefix}val")
+        for key in ("lr", "images_per_s", "epoch_wall_s", "peak_gpu_memory_gib", "skipped_steps"):
+            if key in axes:
+                axes[key].plot(x, _values(epochs, key), "o-", color=colour, markersize=3, label=label)
+        if "epoch_wall_s" in axes:
+            axes["epoch_wall_s"].plot(x, _values(epochs, "epoch_time_s"), "o--", color=colour, markersize=3)
+        best = history.get("best") or {}
+        if best.get("epoch") is not None:
+            for ax in axes.values():
+                ax.axvline(best["epoch"], color=colour, linestyle=":", alpha=0.6)
+            axes["acc"].plot([best["epoch"]], [best["val_acc"]], "*", color=colour, markersize=14,
+                             label=f"{prefix}best {best['val_acc']:.3f} (epoch {best['epoch']})")
+
+    for key, title, ylabel in panels:
+        ax = axes[key]
+        ax.set_title(title)
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(ylabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        if key in ("loss", "acc") or any(labels):
+            ax.legend(fontsize="small")
+    axes["acc"].set_ylim(0, 1.02)
+    axes["lr"].ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
+    if len(histories) == 1:
+        config = histories[0].get("config", {})
+        fig.suptitle(f"{labels[0] or config.get('model', 'model')}: {config.get('precision', '')} "
+                     f"ZeRO-{config.get('zero_stage', '?')}, {config.get('world_size', '?')} rank(s)")
+    else:
+        fig.suptitle(f"{len(histories)} runs: " + ", ".join(str(label) for label in labels))
+    return fig
+
+
+def plot_history(histories, output, labels=None):
+    """curves_figure(histories, labels) as a PNG at `output`; returns its path."""
+    import matplotlib.pyplot as plt
+
+    fig = curves_figure(histories, labels)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=120)
+    plt.close(fig)
+    return output
+
+
+def get_args_parser():
+    parser = argparse.ArgumentParser(
+        description="Plot loss, accuracy, learning rate, images/s and peak GPU memory per epoch, of one run "
+                    "or of several on one figure.")
+    parser.add_argument("--history", nargs="+", default=["logs/training_history.json"], metavar="JSON",
+                        help="training_history.json of each run")
+    parser.add_argument("--labels", nargs="+", metavar="NAME",
+                        help="a legend name per --history file (default: the parts of their paths that differ)")
+    parser.add_argument("--output", default="training_curves.png")
+    return parser
+
+
+def main(argv=None):
+    args = get_args_parser().parse_args(argv)
+    check_output_file(args.output, "--output", PLOT_SUFFIXES)
+    if args.labels and len(args.labels) != len(args.history):
+        raise UsageError(f"--labels gives {len(args.labels)} name(s) for {len(args.history)} --history file(s)")
+    histories = [load_history(path) for path in args.history]
+    labels = args.labels or (run_labels(args.history) if len(histories) > 1 else None)
+    print(f"curves written to {plot_history(histories, args.output, labels)}")

@@ -1,0 +1,227 @@
+"""One run at a time in --checkpoint_dir and --log_dir, and never over another run's results unasked.
+
+- Two locks in each folder (fcntl.flock: the OS releases one however its holder dies), so that a second run
+  into the same folders stops at once, naming the first, before it writes anything there:
+  `.launch.lock`, held by the run's owner from before it writes into the folders: the launcher, from the end
+  of its checks to its exit (its rank 0 is told the launcher's token, --launch_token), or rank 0 of a run
+  started without it; and `.lock`, held by rank 0 for its whole life, which keeps the next run out while the
+  ranks of a killed launcher still save.
+- A new run (no --resume) into folders that hold an earlier run's checkpoints or history stops before
+  anything starts: --resume auto continues it, --overwrite replaces it. The earlier run's checkpoints, history
+  and CSV rows go only once the new run's first checkpoint is published (EarlierRun), so a new run that fails
+  before that leaves them as they were. --resume auto that finds nothing to resume there stops the same way.
+- What an interrupted save left (the staging folder, `.ready-*`, `.old-*` of a swap) is tidied up under
+  the lock: a swap cut between its two renames is completed or undone.
+"""
+import os
+import secrets
+import shutil
+import socket
+from pathlib import Path
+
+from ..utils.failures import UsageError
+from .checkpoints import BEST, EXTRA_INFO, LAST, STAGING, read_info, readable
+from .history import HISTORY_FILE
+from .universal import UNIVERSAL
+
+LOCK_FILE = ".lock"  # rank 0's
+LAUNCH_LOCK_FILE = ".launch.lock"  # the run's owner: its launcher, or rank 0 of a run started without one
+LOCK_FILES = (LOCK_FILE, LAUNCH_LOCK_FILE)
+_held = []  # open lock files: closing one releases its lock
+
+
+def _not_in_children():
+    """A forked child (a loader worker) closes its copies: a flock lives while any copy is open, so a worker
+    outliving a killed rank 0 by the seconds it takes to notice would keep the next run out."""
+    for f in _held:
+        os.close(f.fileno())
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_not_in_children)
+
+
+def _checkpoint_names(checkpoint_dir):
+    """Published checkpoint folders under checkpoint_dir (with or without their extra_info.json)."""
+    if not checkpoint_dir.is_dir():
+        return []
+    return sorted(p.name for p in checkpoint_dir.iterdir() if p.is_dir() and not p.name.startswith(".")
+                  and (p.name in (LAST, BEST) or p.name.startswith("epoch_") or (p / EXTRA_INFO).exists()
+                       or (p / "latest").exists()))
+
+
+def earlier_results(checkpoint_dir, log_dir):
+    """What an earlier run left in these folders, one phrase per item (empty when nothing)."""
+    checkpoint_dir, history = Path(checkpoint_dir), Path(log_dir) / HISTORY_FILE
+    found = []
+    for name in _checkpoint_names(checkpoint_dir):
+        folder = readable(checkpoint_dir / name)
+        if folder is not None:
+            state = f"epoch {read_info(folder)['epoch']}"
+        elif (checkpoint_dir / name / EXTRA_INFO).exists():
+            state = f"unreadable {EXTRA_INFO}"
+        else:
+            state = f"no {EXTRA_INFO}: damaged"
+        found.append(f"{checkpoint_dir / name} ({state})")
+    if history.exists():
+        found.append(str(history))
+    return found
+
+
+def check_new_run(args, resume_from):
+    """Stop a run that would overwrite an earlier run's results without --overwrite."""
+    if resume_from is not None or args.overwrite:
+        return
+    found = earlier_results(args.checkpoint_dir, args.log_dir)
+    if not found:
+        return
+    what = "; ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+    if args.resume:
+        raise UsageError(f"--resume auto found no checkpoint to continue from, but these hold an earlier run's "
+                         f"results: {what}; --resume PATH picks a checkpoint, --overwrite replaces them")
+    raise UsageError(f"an earlier run's results are here: {what}; continue it with --resume auto, replace it "
+                     f"with --overwrite, or choose another --checkpoint_dir and --log_dir")
+
+
+def _locked(f):
+    """Take the lock of open file `f` now; False when another process holds it."""
+    import fcntl
+
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def _in_use(folder, flag, name=LOCK_FILE):
+    try:
+        holder = ((Path(folder) / name).read_text().splitlines() or ["another run"])[0]
+    except OSError:
+        holder = "another run"
+    return UsageError(f"{flag} {folder} is in use by {holder}: wait for it to finish or stop it (a run stopped by "
+                      f"Ctrl-C or SIGTERM saves, and continues with --resume auto)")
+
+
+def lock(folder, flag, name=LOCK_FILE, note=None):
+    """Hold the lock `name` of `folder` until this process ends (or release()); stop with a message naming the
+    holder when it is held. The file says who holds it, and `note` on a second line."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    f = open(folder / name, "a+")
+    if not _locked(f):
+        f.close()
+        raise _in_use(folder, flag, name)
+    f.truncate(0)
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n" + (f"{note}\n" if note else ""))
+    f.flush()
+    _held.append(f)
+
+
+def release():
+    """Give the folders back: the run in them is over (its process may go on, to start another)."""
+    for f in _held:
+        f.close()
+    _held.clear()
+
+
+def check_unlocked(folder, flag, name=LOCK_FILE):
+    """Stop when a run holds `folder`'s lock `name` now; creates nothing."""
+    path = Path(folder) / name
+    if path.is_file():
+        with open(path, "a+") as f:  # for writing: NFS refuses an exclusive flock on a file open for reading
+            if not _locked(f):
+                raise _in_use(folder, flag, name)
+
+
+def _claimed_for(folder, flag, token):
+    """Whether the launcher that started this run holds `folder` for it (its token); stop when another does.
+    False when nobody holds it: the launcher has gone, or its folder of that name is on another machine."""
+    path = Path(folder) / LAUNCH_LOCK_FILE
+    if not path.is_file():
+        return False
+    with open(path, "a+") as f:  # for writing, as in check_unlocked
+        if _locked(f):  # released again as the file closes
+            return False
+        f.seek(0)
+        holder = f.read().splitlines()
+    if f"run {token}" not in holder:
+        raise _in_use(folder, flag, LAUNCH_LOCK_FILE)
+    return True
+
+
+def _folders(args):
+    folders = [(Path(args.checkpoint_dir), "--checkpoint_dir")]
+    if Path(args.log_dir).resolve() != Path(args.checkpoint_dir).resolve():
+        folders.append((Path(args.log_dir), "--log_dir"))
+    return folders
+
+
+def tidy(checkpoint_dir):
+    """Remove what an interrupted save or conversion left; finish or undo a swap cut between its renames."""
+    checkpoint_dir = Path(checkpoint_dir)
+    if not checkpoint_dir.is_dir():
+        return
+    for leftover in checkpoint_dir.iterdir():
+        if leftover.name in (STAGING, UNIVERSAL) or leftover.name.startswith(".ready-"):
+            shutil.rmtree(leftover, ignore_errors=True)
+        elif leftover.name.startswith(".old-"):
+            published = checkpoint_dir / leftover.name.removeprefix(".old-")
+            if (published / EXTRA_INFO).is_file():
+                shutil.rmtree(leftover, ignore_errors=True)
+            elif not published.exists():
+                os.rename(leftover, published)
+
+
+class EarlierRun:
+    """The checkpoints and history an earlier run left where an --overwrite run starts: they stay until the new
+    run's first checkpoint is published (CheckpointSaver.retire_after_first_save), then go."""
+
+    def __init__(self, checkpoint_dir, log_dir):
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.names = _checkpoint_names(self.checkpoint_dir)
+        self.history = Path(log_dir) / HISTORY_FILE
+
+    def retire(self, published):
+        """The new run has published its checkpoint under the names `published`: the rest of the earlier run's
+        go, and its history, which the new run's replaces."""
+        for name in self.names:
+            if name not in published and (self.checkpoint_dir / name).exists():
+                shutil.rmtree(self.checkpoint_dir / name)
+        self.history.unlink(missing_ok=True)
+
+
+def claim(args, resume_from):
+    """The launcher, after its checks, before it writes anything into the folders: hold them for this run until
+    it exits, refuse to overwrite an earlier run unasked. The token it returns tells its rank 0 the folders
+    are held for it."""
+    token = secrets.token_hex(8)
+    try:
+        if os.name == "posix":  # fcntl; elsewhere keeping two runs out of one folder is the user's part
+            for folder, flag in _folders(args):
+                lock(folder, flag, LAUNCH_LOCK_FILE, note=f"run {token}")
+                check_unlocked(folder, flag)  # ranks of a run whose launcher was killed, still saving
+        check_new_run(args, resume_from)
+    except BaseException:
+        release()
+        raise
+    return token
+
+
+def take(args):
+    """Rank 0, before anything reads the checkpoints: hold both folders for this run and tidy them."""
+    if os.name == "posix":
+        token = getattr(args, "launch_token", None)
+        for folder, flag in _folders(args):
+            if token is None or not _claimed_for(folder, flag, token):
+                lock(folder, flag, LAUNCH_LOCK_FILE)
+            lock(folder, flag)
+    tidy(args.checkpoint_dir)
+
+
+def start(args, resume_from):
+    """Rank 0, with the folders taken: refuse to overwrite an earlier run unasked. With --overwrite, the
+    EarlierRun to retire once this run's first checkpoint is published."""
+    check_new_run(args, resume_from)
+    return EarlierRun(args.checkpoint_dir, args.log_dir) if args.overwrite else None

@@ -1,0 +1,103 @@
+"""Why a training run stops before its last epoch, and what to do about it.
+
+Each cause is one exception with its own exit status, reported by `run_cli` as one line on stderr:
+
+    2  bad input (UsageError, checked before anything starts)
+    3  the loss stayed NaN/inf (Diverged)
+    4  a checkpoint or the history could not be written (WriteFailed)
+    5  the GPU ran out of memory (OutOfMemory)
+"""
+import contextlib
+import os
+from pathlib import Path
+
+
+class CliError(Exception):
+    """A reason to stop that the user can act on: one line on stderr, no traceback, exit status `exit_status`
+    (reported by options.run_cli)."""
+    exit_status = 1
+    every_rank = False  # True: every rank raises it at the same point, and rank 0 alone reports it
+
+
+class UsageError(CliError):
+    """Bad input from the user: reported as one line on stderr with exit status 2, no traceback."""
+    exit_status = 2
+
+
+class Diverged(CliError):
+    exit_status = 3
+    every_rank = True  # the ranks agree on the step, so rank 0 alone reports it
+
+
+class WriteFailed(CliError):
+    exit_status = 4
+
+
+class OutOfMemory(CliError):
+    exit_status = 5
+
+
+DIVERGED_ADVICE = ("The run stopped without saving: the checkpoints and history of earlier epochs are intact. Lower "
+                   "--learning_rate, clip with --clip_grad 1 or use --bf16 rather than --fp16, then continue with "
+                   "--resume auto (--max_nonfinite_steps 0 never stops)")
+
+
+def check_writable(folder, flag):
+    """Refuse an output folder that cannot be created or written, before any training; creates nothing."""
+    folder = Path(folder)
+    existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"{flag} {folder}: {existing} is not a folder; choose another {flag}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {folder}: {existing} is not writable; fix its permissions or choose another {flag}")
+
+
+def check_counts(args, **minimums):
+    """Refuse a flag below its minimum (--batch_size 0, --num_workers -1) before any work."""
+    for name, minimum in minimums.items():
+        if getattr(args, name) < minimum:
+            raise UsageError(f"--{name} must be at least {minimum}, got {getattr(args, name)}")
+
+
+def check_output_file(path, flag, suffixes):
+    """Refuse an output file name that is a folder, has a suffix other than `suffixes`, or cannot be written."""
+    path = Path(path)
+    if path.suffix.lower() not in suffixes:
+        raise UsageError(f"{flag} {path}: use a file name ending in " + ", ".join(suffixes))
+    if path.is_dir():
+        raise UsageError(f"{flag} {path} is a folder: give a file name inside it")
+    check_writable(path.parent, flag)
+
+
+# torch.save reports a failed write from its C++ zip writer as a RuntimeError, not an OSError.
+TORCH_WRITE_ERRORS = ("PytorchStreamWriter", "iostream error", "unexpected pos", "file write failed")
+
+
+def _write_error_detail(err):
+    """The OS error's text, or for torch.save's RuntimeErrors the first one raised (the later ones only
+    say the zip file ended early); None when `err` is not a failed write."""
+    if isinstance(err, OSError):
+        return str(err).splitlines()[0] if str(err) else type(err).__name__
+    chain = [err]
+    while isinstance(chain[-1].__context__, RuntimeError):
+        chain.append(chain[-1].__context__)
+    if not any(marker in str(e) for e in chain for marker in TORCH_WRITE_ERRORS):
+        return None
+    return f"torch.save failed ({str(chain[-1]).splitlines()[0].strip()})"
+
+
+@contextlib.contextmanager
+def stop_on_write_error(what, folder_flag, retry="run again (--resume auto continues from the last checkpoint)"):
+    """Turn a failed write (disk full, permissions) into WriteFailed naming the file and the OS error.
+
+    Usable as a decorator. Checkpoints and the history are published with renames, so what an earlier
+    epoch wrote stays valid whatever broke.
+    """
+    try:
+        yield
+    except (OSError, RuntimeError) as err:
+        detail = _write_error_detail(err)
+        if detail is None:
+            raise
+        raise WriteFailed(f"cannot write the {what}: {detail}. The files written before are intact; free disk "
+                          f"space or fix the permissions (or choose another {folder_flag}) and {retry}") from None

@@ -1,0 +1,87 @@
+"""Files that readers see whole or not at all: written to a temporary name beside them, then renamed."""
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+
+def write_json_atomic(path, data):
+    """Write JSON so that readers see the old file or the new one, never a partial one."""
+    write_atomic(path, json.dumps(data, indent=2).encode())
+
+
+def write_atomic(path, data):
+    """Write bytes so that readers see the old file or the new one, never a partial one. The temporary name
+    is unique to this writer: every node's launcher may write the same file into one shared folder, and
+    containers often give their processes the same PID."""
+    tmp = written_beside(path, data)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def written_beside(path, data):
+    """`data` (bytes) in a new temporary file beside `path`, written through to the disk: its name."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)  # a full disk leaves no half-written temporary file behind
+        raise
+    return Path(tmp)
+
+
+def replace_together(pairs):
+    """os.replace(new, final) for each (new, final) in order, as one change: when one fails, the finals
+    replaced before it get their earlier files back (or go, when they had none), and the error is raised.
+    Two files that belong together (an export and its sidecar) are then never left half old, half new."""
+    replaced = []  # (final, its earlier file under a temporary name, or None)
+    try:
+        for new, final in pairs:
+            backup = _backup(Path(final))
+            try:
+                os.replace(new, final)
+            except BaseException:
+                _remove_backup(backup)
+                raise
+            replaced.append((Path(final), backup))
+    except BaseException:
+        for final, backup in reversed(replaced):
+            if backup is not None:
+                os.replace(backup, final)
+                backup.parent.rmdir()
+            else:
+                final.unlink(missing_ok=True)
+        raise
+    for _, backup in replaced:
+        _remove_backup(backup)
+
+
+def _backup(final):
+    """A hard link to `final` (a copy where links cannot be made) in a temporary folder beside it, or None."""
+    if not final.exists():
+        return None
+    folder = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".{final.name}."))
+    try:
+        try:
+            os.link(final, folder / final.name)
+        except OSError:  # no hard links on this file system, or an immutable file (whose replace then fails)
+            shutil.copy2(final, folder / final.name)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return folder / final.name
+
+
+def _remove_backup(backup):
+    if backup is not None:
+        backup.unlink(missing_ok=True)
+        backup.parent.rmdir()

@@ -1,0 +1,75 @@
+"""Loading files a user hands over (checkpoints, weights, exports) without running code from them.
+
+torch.load with weights_only=True rebuilds only tensors, containers and plain values, and here also the
+few DeepSpeed classes its checkpoints hold; a file naming anything else is refused before any of it runs.
+DeepSpeed's own loaders that unpickle everything (zero_to_fp32 in export_model.py) are reached only after
+each file of the checkpoint passed here; a resumed run's engine loads every file through here.
+"""
+import contextlib
+import pickle
+import sys
+from pathlib import Path
+
+import torch
+
+from .failures import UsageError
+
+
+def deepspeed_checkpoint_classes():
+    """The classes DeepSpeed pickles into its checkpoints' optimizer states (found with
+    torch.serialization.get_unsafe_globals_in_checkpoint on ZeRO 1-3 checkpoints, fp16 and bf16)."""
+    # DeepSpeed logs on stdout, which may carry JSON (predict.py --json); its logger binds the stream on import.
+    with contextlib.redirect_stdout(sys.stderr):
+        from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, OffloadDeviceEnum, fragment_address]
+
+
+def load_checked(path, map_location="cpu", mmap=False, deepspeed_classes=True):
+    """torch.load(path) of tensors and plain values only (and DeepSpeed's checkpoint classes); a file that is
+    damaged, not a torch file, or names other Python objects stops with a UsageError naming it."""
+    allowed = deepspeed_checkpoint_classes() if deepspeed_classes else []
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        refused = _refused_global(err)
+        if refused is None:
+            raise UsageError(f"{path} is damaged or not a torch file ({_detail(err)})") from None
+        raise UsageError(f"{path} holds Python objects other than tensors ({refused}): not loaded, since loading "
+                         "it could run any code; use a file this trainer or torchvision wrote") from None
+    except OSError as err:
+        raise UsageError(f"{path}: {err.strerror or _first_line(err)}") from None
+    except Exception as err:  # noqa: BLE001 - a damaged file fails in zip, pickle or tensor code, each its own way
+        raise UsageError(f"{path} is damaged or not a torch file ({type(err).__name__}: {_first_line(err)})") from None
+
+
+def check_checkpoint_files(folder, tag):
+    """Every file of a DeepSpeed checkpoint's tag folder, through load_checked (memory-mapped)."""
+    files = sorted(Path(folder, tag).glob("*.pt"))
+    if not files:
+        raise UsageError(f"{Path(folder, tag)} holds no checkpoint files (*.pt)")
+    for path in files:
+        load_checked(path, mmap=True)
+
+
+def _first_line(err):
+    return str(err).strip().splitlines()[0] if str(err).strip() else "no detail"
+
+
+def _lines(err):
+    """torch's weights-only message without its boilerplate: the lines that say what it met."""
+    return [line.strip().removeprefix("WeightsUnpickler error:").strip() for line in str(err).splitlines()
+            if line.strip() and not line.startswith(("Weights only load failed", "Please file an issue", "Check the"))]
+
+
+def _refused_global(err):
+    """The global torch's weights-only unpickler refused ("... unsupported GLOBAL posix.system ..."), or None."""
+    return next((line for line in _lines(err) if "GLOBAL" in line), None)
+
+
+def _detail(err):
+    return next((line for line in _lines(err) if line), _first_line(err))

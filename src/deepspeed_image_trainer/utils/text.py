@@ -1,0 +1,13 @@
+"""Short text for one-line messages: lists cut to a few items, the first line of an error."""
+SHOWN = 5  # files named in a one-line warning
+
+
+def error_line(err):
+    """The first line of why a file cannot be read."""
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
+
+
+def listed(items, shown=SHOWN):
+    items = list(items)
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(map(str, items[:shown])) + more
