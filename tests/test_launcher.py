@@ -1,5 +1,6 @@
 import base64
 import sys
+import time
 
 import pytest
 
@@ -142,3 +143,36 @@ def test_more_gpus_than_the_machine_has_are_refused(tiny_data, tmp_path, monkeyp
 def test_unknown_flag_is_rejected_by_argparse_with_status_2(tmp_path):
     result = launch(["--no_such_flag"], tmp_path)
     assert result.returncode == 2 and "unrecognized arguments: --no_such_flag" in result.stderr
+
+
+# The launcher's signal handling around training processes that take their time to save (they ignore SIGTERM).
+FORWARDER = ("import sys; from deepspeed_image_trainer.cli.launch import run_and_forward_signals; "
+             "sys.exit(run_and_forward_signals([sys.executable, '-c', 'import signal, time; "
+             "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(5)'], 0))")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signals, status, message", [
+    (1, None, "Stopping: the training saves a checkpoint"),
+    (2, 128 + 9, "error: the training processes were killed (a second Ctrl-C or SIGTERM); --resume auto"),
+])
+def test_a_second_ctrl_c_kills_the_training_and_says_so(signals, status, message):
+    import signal
+    import subprocess
+
+    launcher = subprocess.Popen([sys.executable, "-c", FORWARDER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    try:
+        assert launcher.stdout.readline().strip() == "1"  # the "training" runs
+        for _ in range(signals):
+            launcher.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+        if status is None:  # one Ctrl-C: the training saves as long as it needs
+            with pytest.raises(subprocess.TimeoutExpired):
+                launcher.wait(timeout=2)
+            launcher.kill()
+        assert launcher.wait(timeout=30) == (status or -9)
+        assert launcher.stderr.read().strip().splitlines()[-1].startswith(message)
+    finally:
+        launcher.kill()
+        launcher.wait()

@@ -292,6 +292,10 @@ def run_and_forward_signals(command, launched_at):
                   "were killed", file=sys.stderr, flush=True)
             return 128 + signal.SIGKILL
         time.sleep(0.2)
+    if len(received) > 1:
+        print("error: the training processes were killed (a second Ctrl-C or SIGTERM); --resume auto continues from "
+              "the last checkpoint published", file=sys.stderr, flush=True)
+        return 128 + signal.SIGKILL
     return 128 + received[0] if received else status
 
 
