@@ -16,7 +16,7 @@ from conftest import TINY_CLASSES, data_args, join_process_group, launch, spawn_
 from deepspeed_image_trainer.data.folders import DEFAULT_PREPROCESSING, build_transform, check_preprocessing
 from deepspeed_image_trainer.utils.failures import UsageError
 from deepspeed_image_trainer.models.build import (LayerNorm2dFP32, build_model, check_image_size, list_models,
-                                                  load_weights, model_for_weights, preprocessing,
+                                                  load_weights, model_for_weights, preprocessing, pretrained_state,
                                                   synchronize_batch_norm)
 from deepspeed_image_trainer.cli.options import run_cli
 from deepspeed_image_trainer.models.names import saved_name
@@ -125,6 +125,16 @@ def test_weights_without_module_versions_load_into_mnasnet(tmp_path, monkeypatch
     torch.save(state, path)
     with pytest.raises(UsageError, match=f"--pretrained {path}: version should be set to 1 or 2 instead of 3"):
         build_model("mnasnet0_5", 3, pretrained=str(path))
+
+
+def test_pretrained_weights_in_torchs_legacy_format_load_in_the_launcher_and_the_ranks(tmp_path):
+    path = tmp_path / "legacy.pt"
+    state = build_model("mobilenet_v3_small", 3).state_dict()
+    torch.save(state, path, _use_new_zipfile_serialization=False)
+    shapes = check_image_size("mobilenet_v3_small", 3, 224)
+    checked = pretrained_state(shapes, "mobilenet_v3_small", str(path), 3, mmap=True)  # as the launcher reads it
+    loaded = build_model("mobilenet_v3_small", 3, pretrained=str(path)).state_dict()  # as each rank does
+    assert all(torch.equal(checked[k], v) and torch.equal(loaded[k], v) for k, v in state.items())
 
 
 def test_pretrained_without_the_file_or_the_network_names_both(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ each file of the checkpoint passed here; a resumed run's engine loads every file
 import contextlib
 import pickle
 import sys
+import zipfile
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ def load_checked(path, map_location="cpu", mmap=False, deepspeed_classes=True):
     """torch.load(path) of tensors and plain values only (and DeepSpeed's checkpoint classes); a file that is
     damaged, not a torch file, or names other Python objects stops with a UsageError naming it."""
     allowed = deepspeed_checkpoint_classes() if deepspeed_classes else []
+    mmap = mmap and zipfile.is_zipfile(path)  # torch's legacy format (before 1.6) cannot be memory-mapped
     try:
         with torch.serialization.safe_globals(allowed):
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
