@@ -40,7 +40,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # the package, installed or not
+# The package, installed or not: after this folder, so that `memory_profile` stays this module (src/ holds the
+# forwarding script of that name).
+sys.path.append(str(Path(__file__).resolve().parents[1] / "src"))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402

@@ -332,8 +332,9 @@ def test_a_nodes_other_ranks_wait_for_its_decode_past_the_process_groups_timeout
     make_sample_dataset(tmp_path / "data", num_classes=2, train_per_class=4, val_per_class=2, image_size=32, seed=0)
     assert recheck_on_two_ranks(tmp_path) == {0: 8, 1: 8}
     failed = recheck_on_two_ranks(tmp_path, fail=True)
-    assert failed[0] == "failures.UsageError: no readable image"
-    assert failed[1].startswith("failures.UsageError: a node's first rank could not decode the dataset")
+    error = "deepspeed_image_trainer.utils.failures.UsageError"
+    assert failed[0] == f"{error}: no readable image"
+    assert failed[1].startswith(f"{error}: a node's first rank could not decode the dataset")
 
 
 @pytest.mark.slow
