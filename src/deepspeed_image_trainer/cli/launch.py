@@ -14,16 +14,16 @@ import time
 from pathlib import Path
 
 from ..data.check import check_data, decodes_every_file
-from ..engine.config import build_ds_config, check_run, check_with_deepspeed, load_base_config, num_parameters
+from ..engine.config import load_base_config, num_parameters
 from ..engine.distributed import free_port
 from ..engine.interrupt import die_with_parent_call
 from ..engine.timing import LAUNCHED_AT_ENV, SPAWNED_AT_ENV
 from ..models.names import DEFAULT_MODEL
 from ..outputs import run_folders
-from ..outputs.checkpoints import check_resumable, find_checkpoint, run_settings, saved_precision, saved_stage
 from ..utils.failures import UsageError, check_writable, stop_on_write_error
 from ..utils.files import write_json_atomic
 from .options import add_training_args, parse_args
+from .preflight import preflight
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "train_deepspeed.py"  # src/
 LAUNCHER_FLAGS = {"num_gpus", "num_nodes", "hostfile", "master_addr", "master_port", "launcher", "node_rank",
@@ -226,17 +226,10 @@ def main(argv=None, launched_at=None):
         num_params = sum(p.numel() for p in shapes.parameters())
         if args.pretrained:  # downloads torchvision's weights once, here, rather than in every rank
             pretrained_state(shapes, args.model, args.pretrained, len(class_names), mmap=True)
-    resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
     base = load_base_config(args.deepspeed_config)
-    config = build_ds_config(args, world_size, num_train_images, base=base,
-                             device_type=device_type, num_params=num_params,
-                             resumed_stage=saved_stage(resume_from), resumed_precision=saved_precision(resume_from))
-    check_run(config, args, device_type)
-    if args.deepspeed_config:
-        check_with_deepspeed(config, args.deepspeed_config)
-    if resume_from is not None:
-        check_resumable(resume_from, world_size, config["zero_optimization"]["stage"],
-                        run_settings(args, config, class_names))
+    checked = preflight(args, base, world_size=world_size, device_type=device_type, class_names=class_names,
+                        num_train_images=num_train_images, num_params=num_params)
+    config, resume_from = checked.ds_config, checked.resume_from
     config_path = Path(args.log_dir) / "ds_config.json"
     given_path = given_config_path(args.log_dir, base) if args.deepspeed_config else None
     if args.dry_run:

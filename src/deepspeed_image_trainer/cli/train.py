@@ -9,6 +9,7 @@ import gc
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,8 +19,7 @@ from ..data.check import decodes_every_file
 from ..data.device import build_device_loaders, choose_device_data, train_square_size
 from ..data.folders import build_loaders, load_datasets
 from ..engine import overrides as deepspeed_overrides
-from ..engine.config import (build_ds_config, check_run, check_with_deepspeed, load_base_config, lr_schedule, precision,
-                             resolve_scheduler)
+from ..engine.config import load_base_config, lr_schedule, precision, resolve_scheduler
 from ..engine.distributed import (any_rank, differing, init_distributed, local_device, patient_group, rank_zero_only,
                                   shut_down)
 from ..engine.finetune import BodyLearningRate, parameter_groups
@@ -32,13 +32,49 @@ from ..engine.timing import StartupClock
 from ..models.build import build_model, preprocessing, synchronize_batch_norm
 from ..models.names import saved_name
 from ..outputs import run_folders, universal
-from ..outputs.checkpoints import (CheckpointSaver, check_resumable, find_checkpoint, load, run_settings,
-                                   saved_precision, saved_stage)
+from ..outputs.checkpoints import CheckpointSaver, load
 from ..outputs.history import HISTORY_FILE, TrainingHistory, epoch_line
 from ..outputs.monitor import prepare_csv_files, write_epoch_events
 from ..utils.failures import UsageError, check_writable
 from ..utils.text import listed
 from .options import add_training_args, parse_args
+from .preflight import preflight
+
+
+# What each checkpoint's extra_info.json says of its run, taken from the history's record of it (run_config).
+CHECKPOINT_KEYS = ("model", "pretrained", "preprocessing", "image_size", "class_names", "world_size", "zero_stage",
+                   "precision")
+
+
+@dataclass
+class Run:
+    """What the epoch loop works with: built once by build()."""
+    args: argparse.Namespace
+    clock: StartupClock
+    engine: object  # DeepSpeed's engine
+    ds_config: dict
+    coalesced: bool
+    tier: str  # the data tier: device, cache or workers
+    dtype: torch.dtype  # the inputs'
+    train_loader: object
+    val_loader: object
+    micro_batches: int  # a rank's, each epoch
+    samples_per_micro_batch: int  # over all ranks: a position any world size can take up
+    body_lr: BodyLearningRate | None
+    history: TrainingHistory
+    saver: CheckpointSaver
+    health: StepHealth
+    extra_info: dict
+    world_size: int
+    start_epoch: int
+    start_step: int
+    carried: dict | None  # the interrupted epoch's sums, resumed mid-epoch
+
+    def training_state(self, next_epoch, next_step=0, carried=None):
+        """What a checkpoint holds beyond DeepSpeed's state: where to go on, the history, the RNG state."""
+        return {"next_epoch": next_epoch, "next_step": next_step,
+                "next_sample": next_step * self.samples_per_micro_batch, "carried": carried,
+                "history": self.history.data, "rng": rng_state()}
 
 
 def get_args_parser():
@@ -97,6 +133,13 @@ def train(argv, process_started):
     if "LOCAL_RANK" in os.environ:  # started by a launcher: stop (and save) when it dies
         die_with_parent_call(os.getppid())()
     args = parse_args(get_args_parser, argv)
+    run = build(args, clock)
+    stopped = epoch_loop(run)
+    return stopped if stopped is not None else finish(run)
+
+
+def build(args, clock):
+    """Preflight, the folders taken, the model, the engine, the data and the outputs: a Run ready to train."""
     deepspeed_overrides.enabled()  # refuses a bad TRAINER_DEEPSPEED_OVERRIDES before any folder is made
     check_writable(args.checkpoint_dir, "--checkpoint_dir")
     check_writable(args.log_dir, "--log_dir")
@@ -110,24 +153,19 @@ def train(argv, process_started):
         run_folders.take(args)  # before any rank looks for a checkpoint: tidying may rename one
 
     rank, world_size = init_distributed()
-    resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
-    earlier_run = rank_zero_only(run_folders.start)(args, resume_from)
     seed_everything(args.seed)
     model = build_model(args.model, len(train_set.classes), args.image_size, args.pretrained)
     model_name = saved_name(args.model)
     num_params = sum(p.numel() for p in model.parameters())
-    ds_config = build_ds_config(args, world_size, len(train_set), base=base_config, device_type=device_type,
-                                num_params=num_params, resumed_stage=saved_stage(resume_from),
-                                resumed_precision=saved_precision(resume_from))
-    coalesced = check_run(ds_config, args, device_type)
+    checked = preflight(args, base_config, world_size=world_size, device_type=device_type,
+                        class_names=train_set.classes, num_train_images=len(train_set), num_params=num_params)
+    ds_config, coalesced, resume_from, resumed_info = (checked.ds_config, checked.coalesced, checked.resume_from,
+                                                       checked.resumed_info)
+    earlier_run = rank_zero_only(run_folders.start)(args, resume_from)
     if args.coalesce_grad_reduction == "on" and not coalesced:
         say("--coalesce_grad_reduction on: one micro-batch a step (--gradient_accumulation_steps 1), so nothing "
             "to coalesce")
-    if args.deepspeed_config:
-        check_with_deepspeed(ds_config, args.deepspeed_config)
     zero_stage = ds_config["zero_optimization"]["stage"]
-    settings = run_settings(args, ds_config, train_set.classes)
-    resumed_info = check_resumable(resume_from, world_size, zero_stage, settings) if resume_from else None
     if resumed_info and universal.needed(resumed_info, world_size):
         universal.enable(ds_config)
     if device_type == "cuda":
@@ -206,7 +244,7 @@ def train(argv, process_started):
 
     run_config = {
         "model": model_name, "pretrained": args.pretrained, "preprocessing": inputs,
-        "num_classes": len(train_set.classes), "image_size": args.image_size,
+        "num_classes": len(train_set.classes), "class_names": train_set.classes, "image_size": args.image_size,
         "train_dir": str(args.train_dir), "val_dir": str(args.val_dir),
         "train_images": data_check.train.num_images, "val_images": data_check.val.num_images,
         "epochs": args.epochs, "world_size": world_size, "device": device_type,
@@ -229,10 +267,8 @@ def train(argv, process_started):
     saver = CheckpointSaver(engine, args.checkpoint_dir, args.save_every, args.keep_last, args.save_last_every,
                             background=device_type == "cuda")
     health = StepHealth(engine, args.max_nonfinite_steps)
-    extra_info = {"model": model_name, "pretrained": args.pretrained, "preprocessing": inputs,
-                  "image_size": args.image_size, "class_names": train_set.classes,
-                  "world_size": world_size, "zero_stage": zero_stage, "precision": precision(ds_config),
-                  "settings": settings,
+    # What each checkpoint says of its run (extra_info.json), from the history's record of the run
+    extra_info = {**{key: run_config[key] for key in CHECKPOINT_KEYS}, "settings": checked.settings,
                   "run_started": resumed_info.get("run_started") if resumed_info else clock.started}
 
     start_epoch, start_step, carried = 1, 0, None
@@ -249,7 +285,8 @@ def train(argv, process_started):
             + (f", step {start_step} of {micro_batches}" if start_step else ""))
     earlier_rows = prepare_csv_files(engine, start_epoch if resume_from is not None else None)
     saver.retire_after_first_save(earlier_run, earlier_rows)  # --overwrite: the earlier run stays until then
-    say(f"{model_name}: {data_check.train.num_images} train / {data_check.val.num_images} val images, {len(train_set.classes)} classes; "
+    say(f"{model_name}: {data_check.train.num_images} train / {data_check.val.num_images} val images, "
+        f"{len(train_set.classes)} classes; "
         f"{world_size} rank(s) on {device_type}, ZeRO-{zero_stage}, {run_config['precision']}, "
         f"global batch {ds_config['train_batch_size']}"
         + (f" ({accumulation} micro-batches a step, their gradients reduced once)" if coalesced else ""))
@@ -257,40 +294,48 @@ def train(argv, process_started):
     # What is built by now lives until the end: the cyclic garbage collector need not walk it again (a full
     # collection over what torch, torchvision and DeepSpeed leave took 0.17 s on 2 CPU cores).
     gc.freeze()
+    return Run(args=args, clock=clock, engine=engine, ds_config=ds_config, coalesced=coalesced, tier=tier,
+               dtype=dtype, train_loader=train_loader, val_loader=val_loader, micro_batches=micro_batches,
+               samples_per_micro_batch=samples_per_micro_batch, body_lr=body_lr, history=history, saver=saver,
+               health=health, extra_info=extra_info, world_size=world_size, start_epoch=start_epoch,
+               start_step=start_step, carried=carried)
 
-    def training_state(next_epoch, next_step=0, carried=None):
-        return {"next_epoch": next_epoch, "next_step": next_step, "next_sample": next_step * samples_per_micro_batch,
-                "carried": carried, "history": history.data, "rng": rng_state()}
 
-    with (StopOnSignal(engine.device, world_size) as stop,
-          advise_on_out_of_memory(ds_config, tier == "device", coalesced)):
-        for epoch in range(start_epoch, args.epochs + 1):
+def epoch_loop(run):
+    """Train and validate each epoch, save and record it; the exit status when a signal stopped the run."""
+    args, engine, history, saver = run.args, run.engine, run.history, run.saver
+    start_step, carried = run.start_step, run.carried
+    with (StopOnSignal(engine.device, run.world_size) as stop,
+          advise_on_out_of_memory(run.ds_config, run.tier == "device", run.coalesced)):
+        for epoch in range(run.start_epoch, args.epochs + 1):
             # a resumed epoch's time before the stop counts, as it does in the epoch's training time
             epoch_started = time.perf_counter() - (carried or {}).get("time_s", 0.0)
-            if body_lr is not None:
-                body_lr.set_epoch(epoch)
-            loader = train_loader.epoch(epoch, start_batch=start_step)
-            train = train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step, carried, stop,
-                                    args.label_smoothing, health, on_first_step=clock.first_step, coalesced=coalesced)
+            if run.body_lr is not None:
+                run.body_lr.set_epoch(epoch)
+            loader = run.train_loader.epoch(epoch, start_batch=start_step)
+            train = train_one_epoch(engine, loader, epoch, run.dtype, run.micro_batches, start_step, carried, stop,
+                                    args.label_smoothing, run.health, on_first_step=run.clock.first_step,
+                                    coalesced=run.coalesced)
             if train.get("interrupted"):
-                at = {"epoch": epoch, "step": train["step"], "samples": train["step"] * samples_per_micro_batch}
-                saver.save(epoch - 1, {**extra_info, "interrupted_at": at},
-                           training_state(epoch, train["step"], train["carried"]), interrupted=True)
+                at = {"epoch": epoch, "step": train["step"], "samples": train["step"] * run.samples_per_micro_batch}
+                saver.save(epoch - 1, {**run.extra_info, "interrupted_at": at},
+                           run.training_state(epoch, train["step"], train["carried"]), interrupted=True)
                 saver.wait()
-                say(f"Stopped by {stop.name} at epoch {epoch}, step {train['step']} of {micro_batches}: saved "
+                say(f"Stopped by {stop.name} at epoch {epoch}, step {train['step']} of {run.micro_batches}: saved "
                     f"{Path(args.checkpoint_dir) / 'last'}; continue with --resume auto")
                 return 128 + stop.signal
             if not history.data["timing"]:
-                history.data["timing"] = clock.summary()
-                say(clock.line())
+                history.data["timing"] = run.clock.summary()
+                say(run.clock.line())
             start_step, carried = 0, None
             validation_started = time.perf_counter()
-            val = evaluate(engine, val_loader, dtype)
-            health.check_validation(val["loss"], epoch)
+            val = evaluate(engine, run.val_loader, run.dtype)
+            run.health.check_validation(val["loss"], epoch)
             validation_s = time.perf_counter() - validation_started
+            body_scale = run.body_lr.body_scale() if run.body_lr else 1.0
             record = {"epoch": epoch, "train_loss": train["loss"], "train_acc": train["acc"],
                       "val_loss": val["loss"], "val_acc": val["acc"], "val_images": val["images"],
-                      "lr": train["lr"], "backbone_lr": train["lr"] * (body_lr.body_scale() if body_lr else 1.0),
+                      "lr": train["lr"], "backbone_lr": train["lr"] * body_scale,
                       "epoch_time_s": train["time_s"], "validation_s": validation_s,
                       "images_per_s": train["images_per_s"],
                       "data_wait_s": train["data_wait_s"], "compute_s": train["compute_s"],
@@ -298,7 +343,7 @@ def train(argv, process_started):
                       "skipped_steps": train["skipped_steps"], "nonfinite_steps": train["nonfinite_steps"]}
             is_best = history.add(record)
             saving_started = time.perf_counter()
-            saver.save(epoch, {**extra_info, "metrics": record}, training_state(epoch + 1), best=is_best)
+            saver.save(epoch, {**run.extra_info, "metrics": record}, run.training_state(epoch + 1), best=is_best)
             history.update_last(checkpoint_s=time.perf_counter() - saving_started,
                                 epoch_wall_s=time.perf_counter() - epoch_started)
             saver.after(history.save, history.snapshot())  # once this epoch's checkpoint is published
@@ -308,20 +353,24 @@ def train(argv, process_started):
                 saver.wait()
                 say(f"Stopped by {stop.name} after epoch {epoch}; continue with --resume auto")
                 return 128 + stop.signal
-            if args.early_stopping_patience and history.epochs_since_best() >= args.early_stopping_patience:
+            patience = args.early_stopping_patience
+            if patience and history.epochs_since_best() >= patience:
                 say(f"Early stopping after epoch {epoch}: val acc has not improved on epoch "
                     f"{history.data['best']['epoch']}'s for {history.epochs_since_best()} epoch(s) "
-                    f"(--early_stopping_patience {args.early_stopping_patience})")
+                    f"(--early_stopping_patience {patience})")
                 break
+    return None
 
-    saver.wait()
-    best = history.data["best"]
+
+def finish(run):
+    """The run is over (its last epoch, or early stopping): the history's total time, and the summary."""
+    run.saver.wait()
+    best = run.history.data["best"]
     if best["epoch"] is not None:
-        history.data["timing"]["total_s"] = round(clock.since_start(), 3)
-        history.save()
-        total = datetime.timedelta(seconds=round(clock.since_start()))
+        run.history.data["timing"]["total_s"] = round(run.clock.since_start(), 3)
+        run.history.save()
+        total = datetime.timedelta(seconds=round(run.clock.since_start()))
         say(f"Best val acc {best['val_acc']:.4f} at epoch {best['epoch']}; total time {total}; "
-            f"history in {history.path}, checkpoints in {args.checkpoint_dir}")
-    run_folders.release()
+            f"history in {run.history.path}, checkpoints in {run.args.checkpoint_dir}")
     shut_down()  # together: a rank leaving gloo while rank 0 still writes can abort in the backend's teardown
     return 0

@@ -1,0 +1,32 @@
+"""The run's preflight, one function the launcher (before any process starts) and every rank (before the
+engine) both call: the DeepSpeed config resolved from the flags and the user's JSON, what no run can use
+refused, and the checkpoint it resumes from, checked against this run."""
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..engine.config import build_ds_config, check_run, check_with_deepspeed
+from ..outputs.checkpoints import check_resumable, find_checkpoint, run_settings, saved_precision, saved_stage
+
+
+@dataclass
+class Preflight:
+    ds_config: dict
+    coalesced: bool  # whether the run coalesces the gradient reduction (engine/config.py)
+    settings: dict  # what a resumed run must share with this one (outputs/checkpoints.py's SETTINGS_FLAGS)
+    resume_from: Path | None
+    resumed_info: dict | None  # the extra_info.json of resume_from
+
+
+def preflight(args, base, *, world_size, device_type, class_names, num_train_images, num_params):
+    """Stop with one line on what this run cannot do; `base`: the user's JSON as read (load_base_config)."""
+    resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
+    ds_config = build_ds_config(args, world_size, num_train_images, base=base, device_type=device_type,
+                                num_params=num_params, resumed_stage=saved_stage(resume_from),
+                                resumed_precision=saved_precision(resume_from))
+    coalesced = check_run(ds_config, args, device_type)
+    if args.deepspeed_config:
+        check_with_deepspeed(ds_config, args.deepspeed_config)
+    settings = run_settings(args, ds_config, class_names)
+    resumed_info = (check_resumable(resume_from, world_size, ds_config["zero_optimization"]["stage"], settings)
+                    if resume_from is not None else None)
+    return Preflight(ds_config, coalesced, settings, resume_from, resumed_info)
