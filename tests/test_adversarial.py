@@ -81,6 +81,8 @@ def test_the_readme_dry_run_works_without_a_dataset(tmp_path, monkeypatch, capsy
     (["--batch_size", "8"], r"the global batch (--batch_size x ranks x --gradient_accumulation_steps) 4 (this run: 8)"),
     (["--learning_rate", "0.01"], "--learning_rate 0.001 (this run: 0.01)"),
     (["--image_size", "48"], "--image_size 32 (this run: 48)"),
+    (["--backbone_lr_scale", "0.5"], "--backbone_lr_scale or --freeze_backbone_epochs: one parameter group (this "
+                                     "run: head and body in parameter groups of their own)"),
     (["--train_dir", "OTHER_CLASSES"], "the classes of --train_dir 3 classes (antelope, badger, bat) (this run: "
                                        "4 classes"),
 ])

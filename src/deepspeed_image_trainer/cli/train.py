@@ -22,7 +22,7 @@ from ..engine import overrides as deepspeed_overrides
 from ..engine.config import load_base_config, lr_schedule, precision, resolve_scheduler
 from ..engine.distributed import (any_rank, differing, init_distributed, local_device, patient_group, rank_zero_only,
                                   shut_down)
-from ..engine.finetune import BodyLearningRate, parameter_groups
+from ..engine.finetune import BodyLearningRate, fine_tuning, parameter_groups
 from ..engine.interrupt import StopOnSignal, die_with_parent_call
 from ..engine.loop import evaluate, input_dtype, peak_gpu_memory_gib, replace_lr_scheduler, train_one_epoch
 from ..engine.memory import advise_on_out_of_memory
@@ -198,8 +198,7 @@ def build(args, clock):
                                       world_size, args.seed, device, dtype, args.device_train_size, data_check.records,
                                       inputs, tier, cache)
         # Head and body in parameter groups of their own only when fine-tuning controls ask for them.
-        fine_tuning = args.backbone_lr_scale != 1 or args.freeze_backbone_epochs > 0
-        parameters = parameter_groups(model, len(train_set.classes)) if fine_tuning else model.parameters()
+        parameters = parameter_groups(model, len(train_set.classes)) if fine_tuning(args) else model.parameters()
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameters, config=ds_config)
         if args.compile:
             engine.compile()
@@ -239,7 +238,7 @@ def build(args, clock):
         ds_config["scheduler"] = scheduler  # the history records the steps that run
         replace_lr_scheduler(engine, scheduler, ds_config["optimizer"]["params"]["lr"])
     body_lr = (BodyLearningRate(engine.lr_scheduler, engine.optimizer, args.backbone_lr_scale,
-                                args.freeze_backbone_epochs) if fine_tuning else None)
+                                args.freeze_backbone_epochs) if fine_tuning(args) else None)
     samples_per_micro_batch = micro_batch * world_size  # over all ranks: a position any world size can take up
 
     run_config = {

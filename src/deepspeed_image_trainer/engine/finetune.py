@@ -17,6 +17,12 @@ def head_module(model, num_classes):
     return layers[-1]
 
 
+def fine_tuning(args):
+    """Whether the run keeps head and body in parameter groups of their own (only when the flags ask for it:
+    the optimizer's state is cut by group, so a resumed run must do as the run it continues did)."""
+    return args.backbone_lr_scale != 1 or args.freeze_backbone_epochs > 0
+
+
 def parameter_groups(model, num_classes):
     """[head group, body group] for the optimizer."""
     head = {id(p) for p in head_module(model, num_classes).parameters()}

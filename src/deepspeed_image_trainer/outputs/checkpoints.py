@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ..engine.config import lr_schedule, precision
 from ..engine.distributed import barrier, rank, rank_zero_only, world_size
+from ..engine.finetune import fine_tuning
 from ..models.names import saved_name
 from ..utils.failures import UsageError, stop_on_write_error
 from ..utils.files import write_json_atomic
@@ -246,7 +247,9 @@ def saved_precision(folder):
 SETTINGS_FLAGS = {"model": "--model", "class_names": "the classes of --train_dir", "image_size": "--image_size",
                   "train_batch_size": "the global batch (--batch_size x ranks x --gradient_accumulation_steps)",
                   "learning_rate": "--learning_rate", "weight_decay": "--weight_decay", "lr_schedule": "--lr_schedule",
-                  "warmup_epochs": "--warmup_epochs", "label_smoothing": "--label_smoothing", "precision": "precision"}
+                  "warmup_epochs": "--warmup_epochs", "label_smoothing": "--label_smoothing", "precision": "precision",
+                  "parameter_groups": "--backbone_lr_scale or --freeze_backbone_epochs:"}
+GROUPS = {False: "one parameter group", True: "head and body in parameter groups of their own"}
 
 
 def run_settings(args, ds_config, class_names):
@@ -256,10 +259,12 @@ def run_settings(args, ds_config, class_names):
             "train_batch_size": ds_config["train_batch_size"], "learning_rate": optimizer["lr"],
             "weight_decay": optimizer.get("weight_decay"), "lr_schedule": lr_schedule(ds_config),
             "warmup_epochs": args.warmup_epochs, "label_smoothing": args.label_smoothing,
-            "precision": precision(ds_config)}
+            "precision": precision(ds_config), "parameter_groups": fine_tuning(args)}
 
 
 def _shown(key, value):
+    if key == "parameter_groups":
+        return GROUPS[value]
     if key == "class_names":
         return f"{len(value)} classes ({listed(value, 4)})"
     return str(value)
