@@ -229,6 +229,37 @@ def test_a_failed_export_leaves_the_earlier_one_as_it_was(export_of_a_run, tiny_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("damage", ["files removed", "tag folder removed", "tag names no folder"])
+def test_resume_auto_passes_over_a_checkpoint_with_files_missing(trained, tmp_path, monkeypatch, capsys, damage):
+    from deepspeed_image_trainer.outputs.checkpoints import find_checkpoint
+
+    workdir, first = trained("zero0")
+    for name in ("logs", "checkpoints_deepspeed"):
+        shutil.copytree(workdir / name, tmp_path / name)
+    last = tmp_path / "checkpoints_deepspeed/last"
+    if damage == "files removed":  # an interrupted copy
+        for path in (last / "last").glob("*.pt"):
+            path.unlink()
+    elif damage == "tag folder removed":
+        shutil.rmtree(last / "last")
+    else:
+        info = json.loads((last / "extra_info.json").read_text())
+        (last / "extra_info.json").write_text(json.dumps({**info, "tag": "nothing_here"}))
+    skipped = []
+    assert find_checkpoint("auto", tmp_path / "checkpoints_deepspeed", skipped).name in ("best_model", "epoch_2")
+    assert [folder.name for folder, _ in skipped] == ["last"]
+    before = digests(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    _, err = assert_usage_error_in_process(launch_deepspeed.main, first.args[2:] + ["--epochs", "3", "--resume", "last"],
+                                           capsys, "cannot resume from checkpoints_deepspeed/last: 1 of its files are "
+                                                   "missing (")
+    assert "an interrupted copy? Resume from another checkpoint" in err
+    launch_deepspeed.main(first.args[2:] + ["--epochs", "3", "--resume", "auto", "--dry_run"])
+    assert "warning: --resume auto skips checkpoints_deepspeed/last: 1 of its files are missing" in capsys.readouterr().err
+    assert digests(tmp_path) == before
+
+
+@pytest.mark.slow
 def test_resuming_from_a_truncated_checkpoint_stops_with_a_hint(trained, tiny_data, tmp_path, monkeypatch, capsys):
     workdir, first = trained("zero0")
     for name in ("logs", "checkpoints_deepspeed"):

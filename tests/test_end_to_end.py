@@ -11,7 +11,7 @@ from torchvision.datasets import ImageFolder
 
 from conftest import (ROOT, TINY_CLASSES, TINY_VAL_IMAGES, TINY_VAL_PER_CLASS, TRAINED_EPOCHS, TRAINED_RUNS,
                       assert_usage_error, assert_usage_error_in_process, data_args, launch, run)
-from deepspeed_image_trainer.outputs.checkpoints import saved_precision
+from deepspeed_image_trainer.outputs.checkpoints import missing_files, read_info, saved_precision
 from deepspeed_image_trainer.data.folders import build_transform
 from deepspeed_image_trainer.models.build import ResNet18Animals90
 
@@ -45,6 +45,8 @@ def test_training_run_writes_history_and_checkpoints(name, trained, tiny_data):
     assert config["precision"] == ("bf16" if "bf16" in name else "fp32")
     # what --precision_mode auto resumes with
     assert saved_precision(workdir / "checkpoints_deepspeed/last") == config["precision"]
+    for folder in (workdir / "checkpoints_deepspeed").glob("[!.]*"):  # DeepSpeed's file names, as resume expects
+        assert missing_files(folder, read_info(folder)) == [], folder
     assert config["sync_bn"] == ("--sync_bn" in TRAINED_RUNS[name])
     ds = config["deepspeed"]
     assert ds["train_batch_size"] == 4 * ds["gradient_accumulation_steps"] * config["world_size"]

@@ -1,11 +1,16 @@
 """The run's preflight, one function the launcher (before any process starts) and every rank (before the
 engine) both call: the DeepSpeed config resolved from the flags and the user's JSON, what no run can use
 refused, and the checkpoint it resumes from, checked against this run."""
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine.config import build_ds_config, check_run, check_with_deepspeed
+from ..engine.distributed import rank_zero_only
 from ..outputs.checkpoints import check_resumable, find_checkpoint, run_settings, saved_precision, saved_stage
+from ..utils.text import listed
+
+say = rank_zero_only(print)  # in the launcher, and in rank 0
 
 
 @dataclass
@@ -19,7 +24,11 @@ class Preflight:
 
 def preflight(args, base, *, world_size, device_type, class_names, num_train_images, num_params):
     """Stop with one line on what this run cannot do; `base`: the user's JSON as read (load_base_config)."""
-    resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
+    skipped = []
+    resume_from = find_checkpoint(args.resume, args.checkpoint_dir, skipped) if args.resume else None
+    for folder, missing in skipped:
+        say(f"warning: --resume auto skips {folder}: {len(missing)} of its files are missing ({listed(missing, 2)})",
+            file=sys.stderr)
     ds_config = build_ds_config(args, world_size, num_train_images, base=base, device_type=device_type,
                                 num_params=num_params, resumed_stage=saved_stage(resume_from),
                                 resumed_precision=saved_precision(resume_from))

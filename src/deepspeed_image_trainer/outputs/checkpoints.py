@@ -203,14 +203,36 @@ class CheckpointSaver:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def find_checkpoint(resume, checkpoint_dir):
-    """The folder to resume from: for "auto", the newest under checkpoint_dir (None when there is none);
-    otherwise a checkpoint folder, its tag folder, or a name under checkpoint_dir (last, best, epoch_N)."""
+def missing_files(folder, info):
+    """The files of DeepSpeed's that checkpoint `folder` (its extra_info.json: `info`) lacks for its ZeRO stage
+    and number of ranks: an interrupted copy, files removed by hand."""
+    tag, stage, ranks = Path(folder, info["tag"]), info.get("zero_stage", 0), info.get("world_size", 1)
+    if not isinstance(stage, int) or not isinstance(ranks, int) or ranks < 1:
+        return [f"{tag} (extra_info.json names no ZeRO stage and number of ranks)"]
+    present = {path.name for path in tag.glob("*.pt")}
+    wanted = ([f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(ranks)] if stage == 3
+              else ["mp_rank_00_model_states.pt"])
+    if stage:  # the optimizer's shards, one a rank (bf16_zero_pp_rank_... with DeepSpeed's bf16 weights)
+        wanted += [name for r in range(ranks) for name in [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"]
+                   if name not in present and f"bf16_{name}" not in present]
+    return [str(tag / name) for name in wanted if name not in present]
+
+
+def find_checkpoint(resume, checkpoint_dir, skipped=None):
+    """The folder to resume from: for "auto", the newest whole one under checkpoint_dir (None when there is
+    none), adding those it passed over for missing files to `skipped` as (folder, missing files); otherwise a
+    checkpoint folder, its tag folder, or a name under checkpoint_dir (last, best, epoch_N)."""
     checkpoint_dir = Path(checkpoint_dir)
     if resume == "auto":
         names = {p.name.removeprefix(".old-") for p in checkpoint_dir.iterdir()} if checkpoint_dir.is_dir() else ()
         found = [f for f in (readable(checkpoint_dir / n) for n in sorted(names) if not n.startswith("."))
                  if f is not None]
+        for folder in list(found):
+            missing = missing_files(folder, read_info(folder))
+            if missing:
+                found.remove(folder)
+                if skipped is not None:
+                    skipped.append((folder, missing))
         if not found:
             return None
         # The newest run's (an --overwrite run cut before it removed the earlier run's epoch_N), then its newest
@@ -291,6 +313,11 @@ def check_resumable(folder, world_size, zero_stage, settings):
     if differs:
         raise UsageError(f"cannot resume from {folder}: it was saved with " + "; ".join(differs)
                          + ". Resume with the run's own flags, or start a new run (--overwrite, or other folders)")
+    missing = missing_files(folder, info)
+    if missing:
+        raise UsageError(f"cannot resume from {folder}: {len(missing)} of its files are missing "
+                         f"({listed(missing, 2)}): an interrupted copy? Resume from another checkpoint (--resume PATH: "
+                         "last, best, epoch_N) or start a new run")
     for path in sorted(Path(folder, info["tag"]).glob("*.pt")):
         # torch.save's files are zip archives, whose directory is at the end: one cut short (a full disk, a copy
         # stopped) stops here, before any rank starts, instead of in DeepSpeed's load on every rank
