@@ -2,6 +2,7 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from conftest import ROOT
 from deepspeed_image_trainer.engine.config import (build_ds_config, check_device_support, check_monitor_support,
@@ -42,6 +43,18 @@ def test_defaults():
     assert config["scheduler"]["params"]["total_num_steps"] == 62 * 50
     assert config["scheduler"]["params"]["warmup_num_steps"] == 62
     assert precision(config) == "fp32"
+
+
+@pytest.mark.parametrize("kind, settings, optimizer_class", [
+    ("SGD", {"momentum": 0.9}, torch.optim.SGD),
+    ("Adagrad", {"eps": 1e-10}, torch.optim.Adagrad),  # DeepSpeed's CPU Adagrad takes what torch's does
+    ("Lion", {"betas": [0.9, 0.99], "weight_decay": 0.1}, None),
+])
+def test_an_optimizer_from_the_json_gets_only_the_settings_it_takes(kind, settings, optimizer_class):
+    params = build(base={"optimizer": {"type": kind, "params": {"lr": 0.01, **settings}}})["optimizer"]["params"]
+    assert params == {"lr": 0.01, "weight_decay": 0.05, **settings}  # no AdamW betas or eps
+    if optimizer_class is not None:  # as DeepSpeed builds it: the class with the config's params
+        optimizer_class([torch.nn.Parameter(torch.zeros(1))], **params)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 8])

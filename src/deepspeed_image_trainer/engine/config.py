@@ -357,11 +357,20 @@ def _skip_unused_grad_norm(config):
         zero.setdefault("compute_grad_norm", False)
 
 
+# The moment estimates' settings each of DeepSpeed's optimizers takes (lower-case type): filled in when the
+# JSON leaves them out; an optimizer not named takes neither (SGD's constructor refuses them).
+ADAM_SETTINGS = {"betas": [0.9, 0.999], "eps": 1e-8}
+OPTIMIZER_SETTINGS = {**dict.fromkeys(("adam", "adamw", "lamb", "onebitadam", "zerooneadam", "onebitlamb"),
+                                      ("betas", "eps")),
+                      "lion": ("betas",), "adagrad": ("eps",)}
+
+
 def _resolve_optimizer(config, args, device_type):
     optimizer = config.setdefault("optimizer", {"type": "AdamW", "params": {}})
     params = optimizer.setdefault("params", {})
-    auto_values = {"lr": args.learning_rate, "betas": [0.9, 0.999], "eps": 1e-8,
-                   "weight_decay": args.weight_decay}
+    takes = OPTIMIZER_SETTINGS.get(str(optimizer.get("type", "")).lower(), ())
+    auto_values = {"lr": args.learning_rate, "weight_decay": args.weight_decay,
+                   **{key: value for key, value in ADAM_SETTINGS.items() if key in takes or params.get(key) == AUTO}}
     for key, value in auto_values.items():
         flag = {"lr": "learning_rate", "weight_decay": "weight_decay"}.get(key)
         if params.get(key, AUTO) == AUTO or (flag and flag in args.explicit):
