@@ -295,6 +295,18 @@ def test_the_tools_refuse_values_no_run_can_use(export_of_a_run, tiny_data, caps
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_predict_skips_what_is_not_an_image_file_in_a_folder(export_of_a_run, tiny_data, tmp_path, capsys):
+    folder = tmp_path / "photos"
+    (folder / "dir.jpg").mkdir(parents=True)  # a folder named like an image
+    os.mkfifo(folder / "x.jpg")  # reading it would wait for a writer for good
+    shutil.copy(next((tiny_data / "val").rglob("*.jpg")), folder / "photo.jpg")
+    predict.main(["--model", str(export_of_a_run / "model.pt"), str(folder)])
+    assert [line.split(":")[0] for line in capsys.readouterr().out.splitlines()] == [str(folder / "photo.jpg")]
+    assert_usage_error_in_process(predict.main, ["--model", str(export_of_a_run / "model.pt"), str(folder / "x.jpg")],
+                                  capsys, "x.jpg: not an image file or a folder")
+
+
 @pytest.mark.parametrize("content", [b"\x89PNG\r\n\x1a\n" + b"\x00" * 40, b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + b"\xff" * 30])
 def test_predict_names_an_image_pil_cannot_parse(export_of_a_run, tmp_path, capsys, content):
     (tmp_path / "broken.png").write_bytes(content)

@@ -18,11 +18,14 @@ def image_paths(inputs):
     paths = []
     for item in map(Path, inputs):
         if item.is_dir():
-            # Hidden files (macOS `._photo.jpg`, `.ipynb_checkpoints/`) are not photos, as in training.
-            paths += sorted(p for p in item.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS
+            # Hidden files (macOS `._photo.jpg`, `.ipynb_checkpoints/`) are not photos, as in training; nor are a
+            # folder named like one or a FIFO (reading it would wait for a writer for good).
+            paths += sorted(p for p in item.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS and p.is_file()
                             and not any(part.startswith(".") for part in p.relative_to(item).parts))
         elif item.is_file():
             paths.append(item)
+        elif item.exists():
+            raise UsageError(f"{item}: not an image file or a folder (a FIFO, a device?)")
         else:
             raise UsageError(f"{item}: no such image or folder")
     if not paths:
