@@ -38,6 +38,9 @@ FLAGS = [
     (["--seed", "4294967296"], "--seed must be in 0 .. 4294967295"),
     (["--warmup_epochs", "1e308"], "--warmup_epochs 1e+308 is longer than the run (--epochs 50)"),
     (["--batch_size", "1", "--image_size", "32"], "--batch_size 1 at --image_size 32"),
+    (["--model", "inception_v3", "--image_size", "75", "--batch_size", "1"],
+     "--batch_size 1 at --image_size 75: a batch norm layer of inception_v3 then sees one value per channel"),
+    (["--model", "maxvit_t", "--image_size", "32"], "--model maxvit_t cannot take --image_size 32: Input size (8, 8)"),
     (["--overwrite", "--resume", "auto"], "give one of them"),
     (["--deepspeed_config", "OPTIMIZER_TYPE"], "optimizer.type in the DeepSpeed config must be a name, got 5"),
     (["--deepspeed_config", "BUCKET_WORDS"], 'zero_optimization.reduce_bucket_size: Input should be a valid integer'),
@@ -109,9 +112,12 @@ def damage(path, how, marker):
         path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
     elif how == "payload":
         torch.save({"module": Payload(marker)}, path)
+    elif how == "class_names 5":
+        path.write_text(json.dumps({**json.loads(path.read_text()), "class_names": 5}))
 
 
 CHECKPOINT_DAMAGE = [("extra_info.json", "random bytes", "unreadable"),
+                     ("extra_info.json", "class_names 5", "(class_names of the wrong kind)"),
                      ("last/mp_rank_00_model_states.pt", "truncated", "is damaged or not a torch file"),
                      ("last/mp_rank_00_model_states.pt", "random bytes", "is damaged or not a torch file"),
                      ("last/mp_rank_00_model_states.pt", "payload", "holds Python objects other than tensors")]

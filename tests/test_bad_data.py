@@ -176,6 +176,10 @@ def test_the_cache_spares_unchanged_files_a_second_decode(bad_data, tmp_path, mo
     assert inspected == [(str(root / "bat/bat_0000.jpg"), True)]
     assert first.inspected == len(first.train.records) and again.inspected == 1 and again.decoded
     assert [path for path, _ in again.skipped] == [str(root / "bat/bat_0000.jpg"), str(root / "bat/truncated.jpg")]
+    cache = data_check.cache_path(root)  # records that are not (an edited or foreign cache): inspected again
+    edited = json.loads(cache.read_text())
+    cache.write_text(json.dumps({**edited, "files": {path: 7 for path in edited["files"]}}))
+    assert check_folders(root).inspected == len(first.train.records)
 
 
 def test_a_check_of_headers_only_decodes_nothing_and_leaves_a_full_check_to_decode(bad_data, tmp_path, monkeypatch):

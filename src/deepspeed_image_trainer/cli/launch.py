@@ -222,7 +222,7 @@ def main(argv=None, launched_at=None):
     if args.model != DEFAULT_MODEL or args.pretrained:  # the training script's checks, before any process starts
         from ..models.build import check_image_size, pretrained_state
 
-        shapes = check_image_size(args.model, len(class_names), args.image_size)
+        shapes = check_image_size(args.model, len(class_names), args.image_size, args.batch_size)
         num_params = sum(p.numel() for p in shapes.parameters())
         if args.pretrained:  # downloads torchvision's weights once, here, rather than in every rank
             pretrained_state(shapes, args.model, args.pretrained, len(class_names), mmap=True)

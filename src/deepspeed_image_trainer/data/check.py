@@ -319,7 +319,9 @@ def load_cache(root):
     or outdated)."""
     try:
         cache = json.loads(cache_path(root).read_text())
-        return cache["files"] if cache.get("version") == CACHE_VERSION else {}
+        files = cache["files"] if cache.get("version") == CACHE_VERSION else {}
+        # a record that is not one (an edited or foreign file) is inspected again, as a file not in the cache is
+        return {path: record for path, record in files.items() if isinstance(record, dict)}
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return {}
 

@@ -250,20 +250,31 @@ def shape_model(name, num_classes=1000, image_size=224):
             return build_model(name, num_classes, image_size).to("meta")
 
 
-def check_image_size(name, num_classes, image_size):
+def check_image_size(name, num_classes, image_size, batch_size=2):
     """Stop before anything starts when `name` cannot take `image_size` px (too small for its downsampling,
-    not a multiple of its patch or window): a forward pass on the meta device. Returns that meta model."""
+    not a multiple of its patch or window), or a micro-batch of `batch_size` (one image where a batch norm
+    layer then sees one value per channel): forward passes on the meta device. Returns that meta model."""
     try:
         model = shape_model(name, num_classes, image_size)
     except (ValueError, AssertionError) as err:  # ViT and MaxViT check the size at construction
-        raise UsageError(f"--model {name} cannot take --image_size {image_size}: {err}") from None
+        raise UsageError(f"--model {name} cannot take --image_size {image_size}: {_first_line(err)}") from None
     try:
         model(torch.zeros(2, 3, image_size, image_size, device="meta"))
     except (RuntimeError, ValueError, AssertionError) as err:
-        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UsageError(f"--model {name} cannot take --image_size {image_size} ({detail}); use a larger or "
-                         "rounder size, such as 224") from None
+        raise UsageError(f"--model {name} cannot take --image_size {image_size} ({_first_line(err)}); use a larger "
+                         "or rounder size, such as 224") from None
+    if batch_size == 1:
+        try:
+            model(torch.zeros(1, 3, image_size, image_size, device="meta"))
+        except ValueError as err:  # "Expected more than 1 value per channel when training"
+            raise UsageError(f"--batch_size 1 at --image_size {image_size}: a batch norm layer of {name} then sees "
+                             f"one value per channel ({_first_line(err)}); use --batch_size 2 or more, or a larger "
+                             "--image_size") from None
     return model
+
+
+def _first_line(err):
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def default_image_size(name):

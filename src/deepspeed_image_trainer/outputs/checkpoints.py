@@ -94,6 +94,17 @@ def readable(folder):
     return None
 
 
+def _whole_number(value, low=0):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+# What the fields of extra_info.json that the tools read must be, where present (older checkpoints lack some).
+INFO_TYPES = {"class_names": lambda v: isinstance(v, list) and v and all(isinstance(n, str) for n in v),
+              "image_size": lambda v: _whole_number(v, 1), "world_size": lambda v: _whole_number(v, 1),
+              "zero_stage": lambda v: v in (0, 1, 2, 3) and _whole_number(v),
+              "settings": lambda v: isinstance(v, dict)}
+
+
 def read_info(folder):
     """A checkpoint's extra_info.json; UsageError when it is not what this trainer writes."""
     path = Path(folder) / EXTRA_INFO
@@ -105,6 +116,10 @@ def read_info(folder):
     if not isinstance(info, dict) or not isinstance(info.get("epoch"), int) or not isinstance(info.get("tag"), str):
         raise UsageError(f"{path} is not a checkpoint description this trainer wrote (no epoch and tag): use "
                          "another checkpoint (last, best_model, epoch_N)")
+    wrong = [key for key, right in INFO_TYPES.items() if key in info and not right(info[key])]
+    if wrong:
+        raise UsageError(f"{path} is not a checkpoint description this trainer wrote ({', '.join(wrong)} of the "
+                         "wrong kind): use another checkpoint (last, best_model, epoch_N)")
     return info
 
 
