@@ -55,8 +55,9 @@ from deepspeed_image_trainer.engine import distributed  # noqa: E402
 from deepspeed_image_trainer.engine.distributed import (exit_now, init_distributed, rank_zero_only, run_on_free_port,  # noqa: E402
                                                         shut_down)
 from deepspeed_image_trainer.engine.config import build_ds_config, coalesces_grad_reduction, precision  # noqa: E402
-from deepspeed_image_trainer.utils.failures import UsageError  # noqa: E402
-from deepspeed_image_trainer.models.build import build_model, construction_args, shape_model  # noqa: E402
+from deepspeed_image_trainer.utils.failures import UsageError, check_writable  # noqa: E402
+from deepspeed_image_trainer.models.build import (build_model, check_image_size, construction_args,  # noqa: E402
+                                                  shape_model)
 from deepspeed_image_trainer.cli.options import parse_args, run_cli  # noqa: E402
 from machine import environment, machine_slug, shown, source_commit, usable_cores  # noqa: E402
 from deepspeed_image_trainer.engine.loop import GradientAccumulation, input_dtype  # noqa: E402
@@ -607,15 +608,22 @@ def earlier_results(args, env, world_size):
     path = results_path(args, env, world_size)
     if not args.update or not path.exists():
         return [], None, []
-    earlier = json.loads(path.read_text())
+    try:
+        earlier = json.loads(path.read_text())
+        measured = {**earlier["environment"], **{f"--{key}": value for key, value in earlier["settings"].items()}}
+        results = earlier["results"], earlier.get("reference"), earlier["environment"].get("commands", [])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise UsageError(f"--update: {path} is not a memory report's JSON ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else ''}); move it away or write to another "
+                         "--output_dir") from None
     differs = [key for key in ("gpu", "torch", "torchvision", "deepspeed", "cuda")
-               if earlier["environment"].get(key) != env.get(key)]
+               if measured.get(key) != env.get(key)]
     differs += [f"--{key}" for key in ("num_classes", "image_size", "fp16", "bf16", "precision_mode", "find_max_batch",
-                                       "gpu_memory_gib", "steps") if earlier["settings"].get(key) != getattr(args, key)]
+                                       "gpu_memory_gib", "steps") if measured.get(f"--{key}") != getattr(args, key)]
     if differs:
         raise UsageError(f"--update: {path} was measured with another {', '.join(differs)}; write to another "
                          "--output_dir")
-    return earlier["results"], earlier.get("reference"), earlier["environment"].get("commands", [])
+    return results
 
 
 def write_results(args, rows, world_size, env, reference=None):
@@ -723,8 +731,11 @@ def largest_over_ranks(per_rank):
 def check_args(args, cuda):
     if args.fp16 and args.bf16:
         raise UsageError("--fp16 and --bf16 exclude each other")
-    if args.batch_size < 1 or args.steps < 1:
-        raise UsageError("--batch_size and --steps must be at least 1")
+    for name in ("batch_size", "steps", "image_size", "num_classes"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    check_writable(args.output_dir, "--output_dir")
+    check_image_size(args.model, args.num_classes, args.image_size, args.batch_size)  # on the meta device
     if args.fp16 and not cuda:
         raise UsageError("fp16 needs a GPU: use --bf16 on a CPU-only machine")
     if args.find_max_batch and (not cuda or int(os.environ.get("WORLD_SIZE", "1")) > 1):

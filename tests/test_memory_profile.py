@@ -298,3 +298,22 @@ def test_every_configuration_gets_its_largest_batch_its_speed_and_the_reference(
     args.gpu_memory_gib = 24
     with pytest.raises(memory_profile.UsageError, match="measured with another --gpu_memory_gib"):
         memory_profile.report(args, [], 1, env)
+    path.write_text('{"results": [')  # a damaged report: refused, and left as it is
+    with pytest.raises(memory_profile.UsageError, match="is not a memory report's JSON .JSONDecodeError"):
+        memory_profile.report(args, [], 1, env)
+    assert path.read_text() == '{"results": ['
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--image_size", "0"], "--image_size must be at least 1, got 0"),
+    (["--image_size=-5"], "--image_size must be at least 1, got -5"),
+    (["--num_classes", "0"], "--num_classes must be at least 1, got 0"),
+    (["--model", "vit_b_16", "--image_size", "30"], "--model vit_b_16 cannot take --image_size 30"),
+    (["--output_dir", "FILE"], "is not a folder; choose another --output_dir"),
+])
+def test_values_no_report_can_use_are_one_error_line(tmp_path, capsys, argv, message):
+    from conftest import assert_usage_error_in_process
+
+    (tmp_path / "FILE").write_text("")
+    argv = [str(tmp_path / arg) if arg == "FILE" else arg for arg in argv]
+    assert_usage_error_in_process(memory_profile.main, ["--model", "resnet18", *argv], capsys, message)
