@@ -266,6 +266,23 @@ def test_resume_auto_passes_over_a_checkpoint_with_files_missing(trained, tmp_pa
 
 
 @pytest.mark.slow
+def test_a_shard_that_loads_no_tensors_stops_the_launcher(trained, tmp_path, monkeypatch, capsys):
+    """A valid zip archive whose pickle names other objects, in rank 1's optimizer shard: the launcher reads
+    every shard as the load will, before any rank starts."""
+    workdir, first = trained("zero2-2ranks")
+    for name in ("logs", "checkpoints_deepspeed"):
+        shutil.copytree(workdir / name, tmp_path / name)
+    shard = tmp_path / "checkpoints_deepspeed/last/last/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    damage(shard, "payload", tmp_path / "ran")
+    before = digests(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    _, err = assert_usage_error_in_process(launch_deepspeed.main, first.args[2:] + ["--epochs", "3", "--resume", "last"],
+                                           capsys, "cannot resume from checkpoints_deepspeed/last: ")
+    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt holds Python objects other than tensors" in err
+    assert not (tmp_path / "ran").exists() and digests(tmp_path) == before
+
+
+@pytest.mark.slow
 def test_resuming_from_a_truncated_checkpoint_stops_with_a_hint(trained, tiny_data, tmp_path, monkeypatch, capsys):
     workdir, first = trained("zero0")
     for name in ("logs", "checkpoints_deepspeed"):

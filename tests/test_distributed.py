@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 import memory_profile
 from conftest import spawn_ranks
-from deepspeed_image_trainer.engine.distributed import average_buffers, differing, free_port
+from deepspeed_image_trainer.engine.distributed import agreed, average_buffers, differing, free_port
+from deepspeed_image_trainer.utils.failures import UsageError
 from deepspeed_image_trainer.models.build import BatchNorm2dFP32, build_model, synchronize_batch_norm
 
 pytestmark = pytest.mark.slow  # every test here starts processes (training runs, or ranks of a process group)
@@ -69,7 +70,17 @@ def on_each_rank(rank, port, results):
     # memory_profile's search: one try's figures as each rank measured them
     attempt = {"batch": 4, "fits": True, "peak_allocated_bytes": 100 + rank, "peak_reserved_bytes": 200 - rank,
                "model_states_gib": None, "images_per_s": 10.0 + rank}
-    results[rank] = {"differing": (differing({"images": 10 + rank, "classes": 3}, cpu), differing({"images": 10}, cpu)),
+    def refusing_on_rank_1():
+        if rank == 1:
+            raise UsageError("rank 1 cannot read its shard")
+        return rank
+
+    try:
+        agreement = agreed(refusing_on_rank_1)
+    except UsageError as err:
+        agreement = (str(err), err.every_rank)
+    results[rank] = {"agreed": (agreed(lambda: rank), agreement),
+                     "differing": (differing({"images": 10 + rank, "classes": 3}, cpu), differing({"images": 10}, cpu)),
                      "over_ranks": memory_profile.over_ranks(attempt, cpu, WORLD_SIZE),
                      "model_running": model_running_means(model),
                      "input_grad": x_shard.grad, "param_grads": grads,
@@ -113,6 +124,13 @@ def test_ranks_agree_on_a_memory_search_try(ranks):
     agreed = {"batch": 4, "fits": True, "peak_allocated_bytes": 101.0, "peak_reserved_bytes": 200.0,
               "model_states_gib": None, "images_per_s": 20.0}
     assert [result["over_ranks"] for result in ranks] == [agreed] * WORLD_SIZE
+
+
+def test_a_refusal_on_one_rank_is_every_ranks_for_rank_0_to_report(ranks):
+    """What a rank's preflight does: one rank unable to read its shard of a checkpoint would otherwise stop
+    alone, and leave the others waiting."""
+    assert [result["agreed"] for result in ranks] == [(rank, ("rank 1 cannot read its shard", True))
+                                                      for rank in range(WORLD_SIZE)]
 
 
 def test_sync_bn_reaches_every_batch_norm_of_a_model(ranks):

@@ -228,7 +228,7 @@ def main(argv=None, launched_at=None):
             pretrained_state(shapes, args.model, args.pretrained, len(class_names), mmap=True)
     base = load_base_config(args.deepspeed_config)
     checked = preflight(args, base, world_size=world_size, device_type=device_type, class_names=class_names,
-                        num_train_images=num_train_images, num_params=num_params)
+                        num_train_images=num_train_images, num_params=num_params, read_shards=True)
     config, resume_from = checked.ds_config, checked.resume_from
     config_path = Path(args.log_dir) / "ds_config.json"
     given_path = given_config_path(args.log_dir, base) if args.deepspeed_config else None

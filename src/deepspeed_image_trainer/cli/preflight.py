@@ -22,8 +22,10 @@ class Preflight:
     resumed_info: dict | None  # the extra_info.json of resume_from
 
 
-def preflight(args, base, *, world_size, device_type, class_names, num_train_images, num_params):
-    """Stop with one line on what this run cannot do; `base`: the user's JSON as read (load_base_config)."""
+def preflight(args, base, *, world_size, device_type, class_names, num_train_images, num_params, read_shards=False):
+    """Stop with one line on what this run cannot do; `base`: the user's JSON as read (load_base_config);
+    `read_shards`: read every file of the checkpoint resumed as its rank will (the launcher, before any rank
+    starts: a rank that could not would stop alone, its peers waiting in DeepSpeed's load)."""
     skipped = []
     resume_from = find_checkpoint(args.resume, args.checkpoint_dir, skipped) if args.resume else None
     for folder, missing in skipped:
@@ -36,6 +38,6 @@ def preflight(args, base, *, world_size, device_type, class_names, num_train_ima
     if args.deepspeed_config:
         check_with_deepspeed(ds_config, args.deepspeed_config)
     settings = run_settings(args, ds_config, class_names)
-    resumed_info = (check_resumable(resume_from, world_size, ds_config["zero_optimization"]["stage"], settings)
-                    if resume_from is not None else None)
+    resumed_info = (check_resumable(resume_from, world_size, ds_config["zero_optimization"]["stage"], settings,
+                                    read_shards) if resume_from is not None else None)
     return Preflight(ds_config, coalesced, settings, resume_from, resumed_info)

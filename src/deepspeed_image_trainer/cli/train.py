@@ -20,8 +20,8 @@ from ..data.device import build_device_loaders, choose_device_data, train_square
 from ..data.folders import build_loaders, load_datasets
 from ..engine import overrides as deepspeed_overrides
 from ..engine.config import load_base_config, lr_schedule, precision, resolve_scheduler
-from ..engine.distributed import (any_rank, differing, init_distributed, local_device, patient_group, rank_zero_only,
-                                  shut_down)
+from ..engine.distributed import (agreed, any_rank, differing, init_distributed, local_device, patient_group,
+                                  rank_zero_only, shut_down)
 from ..engine.finetune import BodyLearningRate, fine_tuning, parameter_groups
 from ..engine.interrupt import StopOnSignal, die_with_parent_call
 from ..engine.loop import evaluate, input_dtype, peak_gpu_memory_gib, replace_lr_scheduler, train_one_epoch
@@ -39,7 +39,6 @@ from ..utils.failures import UsageError, check_writable
 from ..utils.text import listed
 from .options import add_training_args, parse_args
 from .preflight import preflight
-
 
 # What each checkpoint's extra_info.json says of its run, taken from the history's record of it (run_config).
 CHECKPOINT_KEYS = ("model", "pretrained", "preprocessing", "image_size", "class_names", "world_size", "zero_stage",
@@ -157,8 +156,9 @@ def build(args, clock):
     model = build_model(args.model, len(train_set.classes), args.image_size, args.pretrained)
     model_name = saved_name(args.model)
     num_params = sum(p.numel() for p in model.parameters())
-    checked = preflight(args, base_config, world_size=world_size, device_type=device_type,
-                        class_names=train_set.classes, num_train_images=len(train_set), num_params=num_params)
+    checked = agreed(lambda: preflight(args, base_config, world_size=world_size, device_type=device_type,
+                                       class_names=train_set.classes, num_train_images=len(train_set),
+                                       num_params=num_params))
     ds_config, coalesced, resume_from, resumed_info = (checked.ds_config, checked.coalesced, checked.resume_from,
                                                        checked.resumed_info)
     earlier_run = rank_zero_only(run_folders.start)(args, resume_from)

@@ -9,6 +9,8 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ..utils.failures import UsageError
+
 
 def init_distributed():
     """Join the process group the launcher set up (deepspeed, torchrun), or form a group of one.
@@ -138,6 +140,25 @@ def any_rank(flag, group=None):
     """Whether `flag` is true on any rank (of `group`, a gloo one such as a patient_group); every rank calls
     this."""
     return bool(all_reduce({"flag": bool(flag)}, torch.device("cpu"), dist.ReduceOp.MAX, group)["flag"])
+
+
+def agreed(fn):
+    """fn()'s result, or the UsageError fn raised on any rank (the lowest's) raised on every rank, for rank 0
+    alone to report: a rank that stopped alone would leave the others waiting in their next collective, and
+    each rank's own line would interleave with the others'. Every rank calls this."""
+    try:
+        result, failure = fn(), None
+    except UsageError as err:
+        result, failure = None, str(err)
+    if _initialized() and dist.get_world_size() > 1:
+        failures = [None] * dist.get_world_size()
+        dist.all_gather_object(failures, failure)
+        failure = next((f for f in failures if f is not None), None)
+    if failure is not None:
+        error = UsageError(failure)
+        error.every_rank = True
+        raise error
+    return result
 
 
 def from_rank_zero(value):

@@ -36,6 +36,7 @@ from ..engine.finetune import fine_tuning
 from ..models.names import saved_name
 from ..utils.failures import UsageError, stop_on_write_error
 from ..utils.files import write_json_atomic
+from ..utils.loading import check_checkpoint_files
 from ..utils.text import listed
 from . import universal
 
@@ -307,11 +308,12 @@ def _shown(key, value):
     return str(value)
 
 
-def check_resumable(folder, world_size, zero_stage, settings):
+def check_resumable(folder, world_size, zero_stage, settings, read_shards=False):
     """Stop with a message naming what differs when `folder` cannot be resumed by this run: another ZeRO
     stage; other settings (SETTINGS_FLAGS; checkpoints from before settings were saved are compared on what
-    they hold). Another world size is fine (see `load`) but for a mid-epoch checkpoint from before positions
-    were saved in samples."""
+    they hold); files missing, cut short, or (`read_shards`, the launcher's check) that do not load as the
+    ranks would load them. Another world size is fine (see `load`) but for a mid-epoch checkpoint from
+    before positions were saved in samples."""
     info = read_info(folder)
     saved = {**{key: info[key] for key in ("model", "class_names", "image_size", "precision") if key in info},
              **info.get("settings", {})}
@@ -342,6 +344,12 @@ def check_resumable(folder, world_size, zero_stage, settings):
             raise UsageError(f"cannot resume from {folder}: {path.name} is cut short or not a torch file ({err}); "
                              "resume from another checkpoint (--resume PATH: last, best, epoch_N) or start a new "
                              "run") from None
+    try:  # every rank's shard, read as its rank will read it (memory-mapped: the structure, not the tensors)
+        if read_shards:
+            check_checkpoint_files(folder, info["tag"])
+    except UsageError as err:
+        raise UsageError(f"cannot resume from {folder}: {err}; resume from another checkpoint (--resume PATH: last, "
+                         "best, epoch_N) or start a new run") from None
     return info
 
 

@@ -6,6 +6,7 @@ DeepSpeed's own loaders that unpickle everything (zero_to_fp32 in export_model.p
 each file of the checkpoint passed here; a resumed run's engine loads every file through here.
 """
 import contextlib
+import os
 import pickle
 import sys
 import zipfile
@@ -20,13 +21,28 @@ def deepspeed_checkpoint_classes():
     """The classes DeepSpeed pickles into its checkpoints' optimizer states (found with
     torch.serialization.get_unsafe_globals_in_checkpoint on ZeRO 1-3 checkpoints, fp16 and bf16)."""
     # DeepSpeed logs on stdout, which may carry JSON (predict.py --json); its logger binds the stream on import.
-    with contextlib.redirect_stdout(sys.stderr):
+    with contextlib.redirect_stdout(sys.stderr), _cpu_named():
         from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
         from deepspeed.runtime.zero.config import ZeroStageEnum
         from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
         from deepspeed.utils.tensor_fragment import fragment_address
 
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, OffloadDeviceEnum, fragment_address]
+
+
+@contextlib.contextmanager
+def _cpu_named():
+    """Without a GPU DeepSpeed warns at import that it found none and takes its CPU accelerator; named (for the
+    import alone) it says nothing, so a refusal before any rank starts stays one line."""
+    name = "DS_ACCELERATOR"
+    if "deepspeed" in sys.modules or name in os.environ or torch.cuda.is_available():
+        yield
+        return
+    os.environ[name] = "cpu"
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
 
 
 def load_checked(path, map_location="cpu", mmap=False, deepspeed_classes=True):
