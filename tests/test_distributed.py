@@ -2,16 +2,18 @@
 and the averaging of running statistics that runs before every validation and save without it; and the
 ranks' comparison of their dataset sizes."""
 import os
+import signal
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import spawn_ranks
 
 import memory_profile
-from conftest import spawn_ranks
 from deepspeed_image_trainer.engine.distributed import agreed, average_buffers, differing, free_port
-from deepspeed_image_trainer.utils.failures import UsageError
+from deepspeed_image_trainer.engine.interrupt import StopOnSignal
 from deepspeed_image_trainer.models.build import BatchNorm2dFP32, build_model, synchronize_batch_norm
+from deepspeed_image_trainer.utils.failures import UsageError
 
 pytestmark = pytest.mark.slow  # every test here starts processes (training runs, or ranks of a process group)
 
@@ -79,7 +81,10 @@ def on_each_rank(rank, port, results):
         agreement = agreed(refusing_on_rank_1)
     except UsageError as err:
         agreement = (str(err), err.every_rank)
+    stop = StopOnSignal(cpu, WORLD_SIZE)
+    stop.signal = signal.SIGTERM if rank == 0 else None  # reached rank 0 alone, during validation
     results[rank] = {"agreed": (agreed(lambda: rank), agreement),
+                     "stop_after_epoch": (stop.requested_after_epoch(), stop.signal),
                      "differing": (differing({"images": 10 + rank, "classes": 3}, cpu), differing({"images": 10}, cpu)),
                      "over_ranks": memory_profile.over_ranks(attempt, cpu, WORLD_SIZE),
                      "model_running": model_running_means(model),
@@ -131,6 +136,10 @@ def test_a_refusal_on_one_rank_is_every_ranks_for_rank_0_to_report(ranks):
     alone, and leave the others waiting."""
     assert [result["agreed"] for result in ranks] == [(rank, ("rank 1 cannot read its shard", True))
                                                       for rank in range(WORLD_SIZE)]
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_the_epoch(ranks):
+    assert [result["stop_after_epoch"] for result in ranks] == [(True, signal.SIGTERM)] * WORLD_SIZE
 
 
 def test_sync_bn_reaches_every_batch_norm_of_a_model(ranks):

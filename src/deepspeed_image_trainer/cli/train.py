@@ -348,7 +348,7 @@ def epoch_loop(run):
             saver.after(history.save, history.snapshot())  # once this epoch's checkpoint is published
             write_epoch_events(engine, record)
             say(epoch_line(history.data["epochs"][-1], args.epochs, is_best))
-            if stop.signal is not None:
+            if stop.requested_after_epoch():
                 saver.wait()
                 say(f"Stopped by {stop.name} after epoch {epoch}; continue with --resume auto")
                 return 128 + stop.signal

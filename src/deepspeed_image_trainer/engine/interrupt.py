@@ -43,6 +43,15 @@ class StopOnSignal:
         self.checks += 1
         if self.checks % AGREE_EVERY:
             return False
+        return self._agreed()
+
+    def requested_after_epoch(self):
+        """Whether to stop after the epoch just saved; every rank calls this then. A signal that reached one rank
+        during validation or the save (DeepSpeed's launcher signals one rank after the other) stops them all,
+        where that rank alone would leave and the others wait for it in the next epoch's first collective."""
+        return self._agreed() if self.world_size > 1 else self.signal is not None
+
+    def _agreed(self):
         votes = all_reduce({"signal": self.signal or 0}, self.device, op=torch.distributed.ReduceOp.MAX)
         if votes["signal"] and self.signal is None:
             self.signal = int(votes["signal"])
