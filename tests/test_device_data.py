@@ -176,3 +176,16 @@ def test_training_with_the_dataset_on_the_device(tiny_data, tmp_path):
                       for x, y in val_loader]
         assert sum(c for _, c in scored) / TINY_VAL_IMAGES == epoch["val_acc"]
         assert sum(loss for loss, _ in scored) / TINY_VAL_IMAGES == pytest.approx(epoch["val_loss"], rel=1e-5)
+    # evaluate decodes as the run validated (its checkpoint, and its export, say the tier): the logged figures
+    from deepspeed_image_trainer.inference import evaluate, export
+
+    best = history["epochs"][history["best"]["epoch"] - 1]
+    export.main([str(tmp_path / "checkpoints_deepspeed/best_model"), "--output", str(tmp_path / "model.pt")])
+    for model, decode in (("checkpoints_deepspeed/best_model", "auto"), ("model.pt", "auto"), ("model.pt", "pil")):
+        evaluate.main(["--model", str(tmp_path / model), "--data_dir", str(tiny_data / "val"), "--output_dir",
+                       str(tmp_path / "eval"), "--num_workers", "0", "--decode", decode])
+        report = json.loads((tmp_path / "eval/report.json").read_text())
+        assert report["decode"] == ("pil" if decode == "pil" else "torchvision")
+        if decode == "auto":
+            assert report["top1"] == pytest.approx(best["val_acc"])
+            assert report["loss"] == pytest.approx(best["val_loss"], rel=1e-5)

@@ -42,7 +42,7 @@ from .preflight import preflight
 
 # What each checkpoint's extra_info.json says of its run, taken from the history's record of it (run_config).
 CHECKPOINT_KEYS = ("model", "pretrained", "preprocessing", "image_size", "class_names", "world_size", "zero_stage",
-                   "precision")
+                   "precision", "data_tier")
 
 
 @dataclass

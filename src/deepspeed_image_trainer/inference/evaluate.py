@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from ..data.folders import image_folder
 from ..utils.failures import check_counts, check_writable
 from ..utils.files import write_json_atomic
-from .load import default_device, eval_transform, load_model, predict_log_probabilities
+from .load import (DECODES, decoded_log_probabilities, default_device, eval_transform, load_model,
+                   predict_log_probabilities, trained_decode)
 
 
 def metrics(log_probabilities, labels, class_names, top_k=5):
@@ -59,6 +60,10 @@ def get_args_parser():
     parser.add_argument("--output_dir", default="evaluation", help="where report.json and confusion_matrix.png go")
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--num_workers", type=int, default=2)
+    parser.add_argument("--decode", choices=("auto", *DECODES), default="auto",
+                        help="how images become the model's input: PIL's resize (the DataLoader tier's validation) or "
+                             "torchvision's on decoded tensors (the device and cache tiers'); auto: as the model's "
+                             "training validated, so that the report gives its logged figures")
     return parser
 
 
@@ -72,10 +77,14 @@ def main(argv=None):
     dataset, check = image_folder(args.data_dir, eval_transform(metadata), classes=metadata["class_names"])
     for line in check.warnings():
         print(line, file=sys.stderr)
-    log_probabilities = predict_log_probabilities(model, dataset, len(dataset.classes), device, args.batch_size,
-                                                  args.num_workers)
+    decode = trained_decode(metadata) if args.decode == "auto" else args.decode
+    if decode == "torchvision":
+        log_probabilities = decoded_log_probabilities(model, dataset, metadata, device, args.batch_size)
+    else:
+        log_probabilities = predict_log_probabilities(model, dataset, len(dataset.classes), device, args.batch_size,
+                                                      args.num_workers)
     labels = torch.tensor(dataset.targets)
-    report = {"model": str(args.model), "data_dir": str(args.data_dir), "device": device.type,
+    report = {"model": str(args.model), "data_dir": str(args.data_dir), "device": device.type, "decode": decode,
               **metrics(log_probabilities, labels, dataset.classes)}
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -84,6 +93,6 @@ def main(argv=None):
     top_k = next(k for k in report if k.startswith("top") and k != "top1")
     worst = sorted((acc, name) for name, acc in report["per_class_accuracy"].items() if acc is not None)[:3]
     weakest = ", ".join(f"{name} {acc:.2f}" for acc, name in worst)
-    print(f"{report['images']} images: loss {report['loss']:.4f}, top-1 {report['top1']:.4f}, "
+    print(f"{report['images']} images ({decode} decode): loss {report['loss']:.4f}, top-1 {report['top1']:.4f}, "
           f"{top_k} {report[top_k]:.4f}; weakest classes: {weakest}")
     print(f"report: {output_dir / 'report.json'}, confusion matrix: {output_dir / 'confusion_matrix.png'}")

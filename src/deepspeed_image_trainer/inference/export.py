@@ -82,7 +82,8 @@ def export(checkpoint, output):
     preprocessing = check_preprocessing(info.get("preprocessing"), Path(info["folder"]) / "extra_info.json")
     metadata = {"model": info["model"], "pretrained": info.get("pretrained"), "preprocessing": preprocessing,
                 "image_size": info["image_size"], "class_names": info["class_names"],
-                "source_checkpoint": info["folder"], "epoch": info["epoch"], "metrics": info.get("metrics")}
+                "source_checkpoint": info["folder"], "epoch": info["epoch"], "metrics": info.get("metrics"),
+                "data_tier": info.get("data_tier")}
     output.parent.mkdir(parents=True, exist_ok=True)
     # Both files are written beside their names, then renamed over them together: a failed export leaves an
     # earlier one (model and sidecar) as it was.

@@ -5,6 +5,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
+from ..data.device import Normalize, decode_dataset, resize_size
 from ..data.folders import build_transform, check_preprocessing
 from ..engine.finetune import head_module
 from ..models.build import check_saved_model, load_weights, model_for_weights
@@ -98,6 +99,33 @@ def predict_log_probabilities(model, dataset, num_classes, device, batch_size=64
     batches = [torch.log_softmax(model(images.to(device, non_blocking=True)).float(), dim=1).cpu()
                for images, _ in loader]
     return torch.cat(batches) if batches else torch.empty(0, num_classes)
+
+
+# How validation images became the model's input: PIL's resize (torchvision's transforms, the DataLoader tier's
+# validation) or torchvision's on decoded tensors (the device and cache tiers'). The pixels differ a little, so
+# a report is the trained run's logged figure only when it decodes as that run validated.
+DECODES = ("pil", "torchvision")
+
+
+def trained_decode(metadata):
+    """The decode the model's run validated with (a checkpoint's or export's data_tier; pil when unknown)."""
+    return "torchvision" if metadata.get("data_tier") in ("device", "cache") else "pil"
+
+
+@torch.no_grad()
+def decoded_log_probabilities(model, dataset, metadata, device, batch_size=64):
+    """predict_log_probabilities over `dataset`'s files decoded and resized as the device and cache tiers
+    validate (data/device.py), in fp32."""
+    size, preprocessing = int(metadata["image_size"]), metadata.get("preprocessing")
+    paths = [path for path, _ in dataset.samples]
+    images, unreadable = decode_dataset(paths, resize_size(size, preprocessing), size, device)
+    if unreadable:
+        raise UsageError(f"{len(unreadable)} image(s) do not decode with torchvision (" + ", ".join(
+            f"{paths[index]}: {why}" for index, why in list(unreadable.items())[:3]) + "): use --decode pil")
+    normalize = Normalize(device, torch.float32, preprocessing)
+    batches = [torch.log_softmax(model(normalize(images[start:start + batch_size])).float(), dim=1).cpu()
+               for start in range(0, len(images), batch_size)]
+    return torch.cat(batches) if batches else torch.empty(0, len(metadata["class_names"]))
 
 
 def eval_transform(metadata):
