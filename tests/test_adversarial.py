@@ -31,7 +31,18 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "UNKNOWN_ZERO_KEY": {"zero_optimization": {"stage": 2, "reduce_bucket_sise": 5}},
         "NO_SUCH_SCHEDULER": {"scheduler": {"type": "NoSuchLR"}},
         "NO_SUCH_OPTIMIZER": {"optimizer": {"type": "NoSuchOpt"}},
-        "BF16_MAYBE": {"bf16": {"enabled": "maybe"}}}
+        "BF16_MAYBE": {"bf16": {"enabled": "maybe"}},
+        # what DeepSpeed's config models let through and its engine then fails to build, in every rank
+        "SGD_NO_SUCH_PARAM": {"optimizer": {"type": "SGD", "params": {"lr": 0.01, "nesterov_x": True}}},
+        "BETAS_WORDS": {"optimizer": {"type": "AdamW", "params": {"betas": "x"}}},
+        "WARMUP_WORDS": {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "ten"}}},
+        "ONECYCLE_BARE": {"scheduler": {"type": "OneCycle", "params": {}}},
+        "STEPLR_BARE": {"scheduler": {"type": "StepLR"}},
+        "LAMB": {"optimizer": {"type": "Lamb"}},
+        "LION": {"optimizer": {"type": "Lion"}},
+        "MUADAM": {"optimizer": {"type": "MuAdam"}},
+        "NVME_NO_PATH": {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+        "STEPS_WORDS": {"steps_per_print": "x"}}
 
 FLAGS = [
     (["--seed", "-1"], "--seed must be in 0 .. 4294967295, got -1"),
@@ -48,6 +59,18 @@ FLAGS = [
     (["--deepspeed_config", "NO_SUCH_SCHEDULER"], "scheduler.type 'NoSuchLR' is neither one of DeepSpeed's"),
     (["--deepspeed_config", "NO_SUCH_OPTIMIZER"], "optimizer.type 'NoSuchOpt' is neither one of DeepSpeed's"),
     (["--deepspeed_config", "BF16_MAYBE"], 'bf16.enabled in the DeepSpeed config must be true, false or "auto"'),
+    (["--deepspeed_config", "SGD_NO_SUCH_PARAM"], "optimizer SGD cannot be built from optimizer.params "
+                                                  "(SGD.__init__() got an unexpected keyword argument 'nesterov_x')"),
+    (["--deepspeed_config", "BETAS_WORDS"], "optimizer AdamW cannot be built from optimizer.params"),
+    (["--deepspeed_config", "WARMUP_WORDS"], "scheduler WarmupLR cannot be built from scheduler.params "
+                                             "(warmup_num_steps must be a positive integer, got ten)"),
+    (["--deepspeed_config", "ONECYCLE_BARE"], "missing 2 required positional arguments: 'cycle_min_lr'"),
+    (["--deepspeed_config", "STEPLR_BARE"], "missing 1 required positional argument: 'step_size'"),
+    (["--deepspeed_config", "LAMB"], "optimizer Lamb is DeepSpeed's FusedLamb, a CUDA op: it needs a GPU"),
+    (["--deepspeed_config", "LION"], "with --offload_optimizer DeepSpeed's CPU Lion runs here"),
+    (["--deepspeed_config", "MUADAM"], "optimizer MuAdam needs the mup package"),
+    (["--deepspeed_config", "NVME_NO_PATH"], "zero_optimization.offload_param to nvme needs its nvme_path"),
+    (["--deepspeed_config", "STEPS_WORDS"], "steps_per_print must be a whole number of steps, got 'x'"),
     (["--pretrained", "RANDOM_BYTES"], "is damaged or not a torch file"),
     (["--pretrained", "MODEL_STATES"], "export it first with export_model.py"),
     (["--pretrained", "PAYLOAD"], "holds Python objects other than tensors"),

@@ -36,7 +36,7 @@ def preflight(args, base, *, world_size, device_type, class_names, num_train_ima
                                 resumed_precision=saved_precision(resume_from))
     coalesced = check_run(ds_config, args, device_type)
     if args.deepspeed_config:
-        check_with_deepspeed(ds_config, args.deepspeed_config)
+        check_with_deepspeed(ds_config, args.deepspeed_config, device_type)
     settings = run_settings(args, ds_config, class_names)
     resumed_info = (check_resumable(resume_from, world_size, ds_config["zero_optimization"]["stage"], settings,
                                     read_shards) if resume_from is not None else None)

@@ -503,7 +503,7 @@ DEEPSPEED_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedFP16
                       "CommsConfig": "comms_logger", "DeepSpeedCheckpointConfig": "checkpoint"}
 
 
-def check_with_deepspeed(config, path):
+def check_with_deepspeed(config, path, device_type):
     """DeepSpeed's own checks of a config built on a user's --deepspeed_config (its pydantic config models,
     and the optimizer and scheduler names it accepts), so that a bad value stops before any rank starts."""
     import torch
@@ -530,5 +530,86 @@ def check_with_deepspeed(config, path):
         raise UsageError(f"{where}: {key}: {first['msg']} (got {json.dumps(first.get('input'), default=str)})") \
             from None
     except Exception as err:  # noqa: BLE001 - DeepSpeed reports other config problems as assertions and plain errors
-        detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UsageError(f"{where}: DeepSpeed rejects it ({detail})") from None
+        raise UsageError(f"{where}: DeepSpeed rejects it ({_first_line(err)})") from None
+    steps_per_print = config.get("steps_per_print", 1)
+    if not isinstance(steps_per_print, int) or isinstance(steps_per_print, bool) or steps_per_print < 1:
+        raise UsageError(f"{where}: steps_per_print must be a whole number of steps, got {steps_per_print!r}")
+    for section in ("offload_param", "offload_optimizer"):
+        offload = config["zero_optimization"].get(section) or {}
+        if offload.get("device") == "nvme" and not offload.get("nvme_path"):
+            raise UsageError(f"{where}: zero_optimization.{section} to nvme needs its nvme_path (a folder on the "
+                             "NVMe drive)")
+    check_scheduler(config, built_optimizer(config, where, device_type), where)
+
+
+def _first_line(err):
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+
+
+def built_optimizer(config, where, device_type):
+    """The optimizer DeepSpeed's engine builds from `config` (engine._configure_basic_optimizer), on a
+    one-parameter stand-in, so that parameters it cannot take stop here: torch's optimizers are built; DeepSpeed's
+    compiled ones (FusedAdam, CPUAdam, Lamb, Lion, CPU Adagrad), whose op compiles on first use, are checked
+    against their constructor's signature. Returns a torch optimizer for the scheduler's check."""
+    import importlib.util
+    import inspect
+
+    import torch
+
+    kind = config["optimizer"]["type"]
+    params = {key: value for key, value in config["optimizer"].get("params", {}).items()
+              if key not in ("torch_adam", "adam_w_mode", "fp32_optimizer_states")}  # DeepSpeed takes these out
+    stand_in = [torch.nn.Parameter(torch.zeros(1))]
+    offloaded = _offloads(config["zero_optimization"], "offload_optimizer")
+    name = kind.lower()
+    if name in ("muadam", "muadamw", "musgd") and importlib.util.find_spec("mup") is None:
+        raise UsageError(f"{where}: optimizer {kind} needs the mup package (pip install mup)")
+    torch_adam = config["optimizer"].get("params", {}).get("torch_adam")
+    fused = {"lamb": "FusedLamb", "lion": None if offloaded else "FusedLion",
+             "adam": None if offloaded or torch_adam else "FusedAdam"}
+    if device_type == "cpu" and fused.get("adam" if name == "adamw" else name):
+        raise UsageError(f"{where}: optimizer {kind} is DeepSpeed's {fused.get('adam' if name == 'adamw' else name)}, "
+                         "a CUDA op: it needs a GPU" + (" (with --offload_optimizer DeepSpeed's CPU Lion runs here)"
+                                                        if name == "lion" else ""))
+    torch_classes = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
+                     "adagrad": torch.optim.Adagrad}
+    if name in ("adam", "adamw") and torch_adam and not offloaded:
+        built = torch_classes[name]
+    elif name in ("sgd", "adagrad") and not (name == "adagrad" and offloaded):
+        built = torch_classes[name]
+    elif hasattr(torch.optim, kind) and name not in DEEPSPEED_OPTIMIZER_CLASSES:
+        built = getattr(torch.optim, kind)
+    else:
+        built = None
+    try:
+        if built is not None:
+            return built(stand_in, **params)
+        module, cls = DEEPSPEED_OPTIMIZER_CLASSES.get(name, (None, None))
+        if module is not None:
+            constructor = getattr(importlib.import_module(module), cls)
+            inspect.signature(constructor).bind(stand_in, **params)
+    except (TypeError, ValueError, KeyError) as err:
+        raise UsageError(f"{where}: optimizer {kind} cannot be built from optimizer.params ({_first_line(err)})") \
+            from None
+    return torch.optim.AdamW(stand_in)  # for the scheduler: an optimizer with betas, as DeepSpeed's compiled ones
+
+
+# DeepSpeed's compiled optimizers, by their name in the config: checked against their signature, not built.
+DEEPSPEED_OPTIMIZER_CLASSES = {"adam": ("deepspeed.ops.adam", "FusedAdam"), "adamw": ("deepspeed.ops.adam", "FusedAdam"),
+                               "lamb": ("deepspeed.ops.lamb", "FusedLamb"), "lion": ("deepspeed.ops.lion", "FusedLion"),
+                               "adagrad": ("deepspeed.ops.adagrad", "DeepSpeedCPUAdagrad")}
+
+
+def check_scheduler(config, optimizer, where):
+    """Build the LR scheduler DeepSpeed's engine builds from `config` (engine._scheduler_from_config) over
+    `optimizer`, a stand-in: one without the parameters it needs, or with values it cannot take, stops here."""
+    import torch
+    from deepspeed.runtime import lr_schedules
+
+    kind, params = config["scheduler"]["type"], config["scheduler"].get("params", {})
+    scheduler = getattr(lr_schedules, kind, None) or getattr(torch.optim.lr_scheduler, kind)
+    try:
+        scheduler(optimizer, **params)
+    except (TypeError, ValueError, KeyError, AssertionError, ZeroDivisionError) as err:
+        raise UsageError(f"{where}: scheduler {kind} cannot be built from scheduler.params ({_first_line(err)})") \
+            from None
