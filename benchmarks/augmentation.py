@@ -145,7 +145,8 @@ def main():
         images = torch.randint(0, 256, (args.num_images, 3, side, side), dtype=torch.uint8, device=device,
                                generator=generator)
         loader = DeviceTrainLoader(images, torch.zeros(args.num_images, dtype=torch.long, device=device),
-                                   args.batch_size, args.image_size, 0, 1, 0, torch.bfloat16)
+                                   micro_batch_size=args.batch_size, image_size=args.image_size, rank=0, world_size=1,
+                                   seed=0, dtype=torch.bfloat16)
         for name, batches in VARIANTS.items():
             ms = time_per_batch(batches, loader, args, device)
             results[f"{side} px: {name}"] = {

@@ -123,8 +123,9 @@ def child(args):
         device_data.empty_host = {"pinned": empty_host,
                                   "pageable": lambda shape, dtype, _: torch.empty(shape, dtype=dtype)}[memory]
         squares, square_labels = on_device if where == "device" else (images, labels)
-        loader = device_data.DeviceTrainLoader(squares, square_labels, args.batch_size, args.image_size, 0, 1, 0,
-                                               dtype, device=device, host=where != "device")
+        loader = device_data.DeviceTrainLoader(squares, square_labels, micro_batch_size=args.batch_size,
+                                               image_size=args.image_size, rank=0, world_size=1, seed=0, dtype=dtype,
+                                               device=device, host=where != "device")
         timed = {"images": 0, "time_s": 0.0, "data_wait_s": 0.0}
         for epoch in range(args.epochs + 1):
             del seconds[:]

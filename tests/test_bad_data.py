@@ -217,8 +217,9 @@ def test_the_decode_leaves_out_what_a_check_of_headers_let_through(bad_data, tmp
     assert str(late) in [path for path, _ in train_set.samples]
     cache = tmp_path / "cache" if tier == "cache" else None
     for _ in range(2 if cache else 1):  # filled, then read back: the same files left out without a decode
-        train, val, done, unreadable = build_device_loaders(train_set, val_set, 4, 32, 0, 1, 0, device,
-                                                            torch.float32, tier=tier, cache_root=cache)
+        train, val, done, unreadable = build_device_loaders(
+            train_set, val_set, micro_batch_size=4, image_size=32, rank=0, world_size=1, seed=0, device=device,
+            dtype=torch.float32, tier=tier, cache_root=cache)
         assert sorted(unreadable) == [str(late), str(root / "val/bat/truncated.jpg")]
         assert "truncated" in unreadable[str(late)]
         drawn = torch.cat([indices.cpu() for indices, _ in train.epoch_boxes(0)]).tolist()

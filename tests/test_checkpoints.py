@@ -11,9 +11,14 @@ from deepspeed_image_trainer.utils.failures import UsageError
 
 
 def fake_checkpoint(folder, epoch, tag, world_size=1, zero_stage=2, payload="weights"):
+    """The files DeepSpeed writes for `zero_stage` and `world_size` ranks, each a zip (torch.save's form)."""
     (folder / tag).mkdir(parents=True)
-    with zipfile.ZipFile(folder / tag / "mp_rank_00_model_states.pt", "w") as archive:  # torch.save's form
-        archive.writestr("payload", payload)
+    names = ([f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world_size)] if zero_stage == 3
+             else ["mp_rank_00_model_states.pt"])
+    names += [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world_size)] if zero_stage else []
+    for name in names:
+        with zipfile.ZipFile(folder / tag / name, "w") as archive:
+            archive.writestr("payload", payload)
     (folder / "latest").write_text(tag)
     (folder / EXTRA_INFO).write_text(json.dumps({"epoch": epoch, "tag": tag, "world_size": world_size,
                                                  "zero_stage": zero_stage}))

@@ -64,8 +64,9 @@ WEIGHTS_PREPROCESSING = {"mean": [0.5] * 3, "std": [0.5] * 3, "resize_ratio": 23
 @pytest.mark.parametrize("preprocessing", [None, WEIGHTS_PREPROCESSING])
 def test_validation_images_match_the_dataloader_path(tiny_data, preprocessing):
     train_set, val_set = ImageFolder(tiny_data / "train"), ImageFolder(tiny_data / "val")
-    train_loader, val_loader, _, _ = build_device_loaders(train_set, val_set, 8, 24, 0, 1, 0, CPU, torch.float32,
-                                                       train_size=40, preprocessing=preprocessing)
+    train_loader, val_loader, _, _ = build_device_loaders(
+        train_set, val_set, micro_batch_size=8, image_size=24, rank=0, world_size=1, seed=0, device=CPU,
+        dtype=torch.float32, train_size=40, preprocessing=preprocessing)
     assert train_loader.images.shape[1:] == (3, 40, 40)  # --device_train_size: training squares only
     assert next(train_loader.epoch(0))[0].shape == (8, 3, 24, 24)
     images, labels = next(iter(val_loader))
@@ -96,7 +97,8 @@ def test_an_epoch_resumed_mid_way_gets_the_same_batches():
 
 def test_ranks_share_out_the_epoch_and_the_validation_set():
     images = torch.zeros(10, 3, 16, 16, dtype=torch.uint8)
-    shards = [DeviceValLoader(images, torch.arange(10), 3, rank, 2, torch.float32) for rank in (0, 1)]
+    shards = [DeviceValLoader(images, torch.arange(10), micro_batch_size=3, rank=rank, world_size=2,
+                              dtype=torch.float32) for rank in (0, 1)]
     assert sorted(label for shard in shards for _, labels in shard for label in labels.tolist()) == list(range(10))
     assert [len(shard) for shard in shards] == [2, 2]
     epoch_labels = [torch.cat([labels for _, labels in fake_loader(rank, 2).epoch(0)]) for rank in (0, 1)]
@@ -166,7 +168,8 @@ def test_training_with_the_dataset_on_the_device(tiny_data, tmp_path):
     # Each epoch's checkpoint holds the weights it was validated with: scored again on the device path's
     # validation images, they give the logged loss and accuracy.
     train_set, val_set, _ = load_datasets(tiny_data / "train", tiny_data / "val", 32)
-    _, val_loader, _, _ = build_device_loaders(train_set, val_set, 4, 32, 0, 1, 42, CPU, torch.float32, 40)
+    _, val_loader, _, _ = build_device_loaders(train_set, val_set, micro_batch_size=4, image_size=32, rank=0,
+                                               world_size=1, seed=42, device=CPU, dtype=torch.float32, train_size=40)
     for epoch in history["epochs"]:
         states = tmp_path / f"checkpoints_deepspeed/epoch_{epoch['epoch']}/epoch_{epoch['epoch']}"
         model = ResNet18Animals90(num_classes=TINY_CLASSES).eval()

@@ -20,8 +20,8 @@ CPU = torch.device("cpu")
 
 def loaders(data, cache, tier="device", sets=None, device=CPU):
     train_set, val_set, _ = sets or load_datasets(data / "train", data / "val", 24)
-    return build_device_loaders(train_set, val_set, 4, 24, 0, 1, 0, device, torch.float32, 40, tier=tier,
-                                cache_root=cache)
+    return build_device_loaders(train_set, val_set, micro_batch_size=4, image_size=24, rank=0, world_size=1, seed=0,
+                                device=device, dtype=torch.float32, train_size=40, tier=tier, cache_root=cache)
 
 
 def entries(cache):

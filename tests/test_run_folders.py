@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
 
 import pytest
 
@@ -38,8 +39,10 @@ def args_for(tmp_path, resume=None, overwrite=False, launch_token=None):
 
 
 def publish(checkpoint_dir, name, epoch, **info):
+    """A ZeRO-0 checkpoint as the trainer publishes it (its model states an empty zip)."""
     folder = checkpoint_dir / name
     (folder / name).mkdir(parents=True)
+    zipfile.ZipFile(folder / name / "mp_rank_00_model_states.pt", "w").close()
     (folder / "latest").write_text(name)
     (folder / "extra_info.json").write_text(json.dumps({"epoch": epoch, "tag": name, **info}))
     return folder

@@ -194,9 +194,10 @@ def build(args, clock):
     # Out of memory from here on (the engine's buffers, the dataset on the GPU) ends with the next flags to try.
     with advise_on_out_of_memory(ds_config, tier == "device", coalesced), ThreadPoolExecutor(1) as decoder:
         if on_device:  # decodes on the GPU while DeepSpeed sets up (one of them waits on the host most of the time)
-            decoding = decoder.submit(build_device_loaders, train_set, val_set, micro_batch, args.image_size, rank,
-                                      world_size, args.seed, device, dtype, args.device_train_size, data_check.records,
-                                      inputs, tier, cache)
+            decoding = decoder.submit(build_device_loaders, train_set, val_set, micro_batch_size=micro_batch,
+                                      image_size=args.image_size, rank=rank, world_size=world_size, seed=args.seed,
+                                      device=device, dtype=dtype, train_size=args.device_train_size,
+                                      records=data_check.records, preprocessing=inputs, tier=tier, cache_root=cache)
         # Head and body in parameter groups of their own only when fine-tuning controls ask for them.
         parameters = parameter_groups(model, len(train_set.classes)) if fine_tuning(args) else model.parameters()
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameters, config=ds_config)
@@ -312,9 +313,9 @@ def epoch_loop(run):
             if run.body_lr is not None:
                 run.body_lr.set_epoch(epoch)
             loader = run.train_loader.epoch(epoch, start_batch=start_step)
-            train = train_one_epoch(engine, loader, epoch, run.dtype, run.micro_batches, start_step, carried, stop,
-                                    args.label_smoothing, run.health, on_first_step=run.clock.first_step,
-                                    coalesced=run.coalesced)
+            train = train_one_epoch(engine, loader, epoch, run.dtype, run.micro_batches, start_step=start_step,
+                                    carried=carried, stop=stop, label_smoothing=args.label_smoothing,
+                                    health=run.health, on_first_step=run.clock.first_step, coalesced=run.coalesced)
             if train.get("interrupted"):
                 at = {"epoch": epoch, "step": train["step"], "samples": train["step"] * run.samples_per_micro_batch}
                 saver.save(epoch - 1, {**run.extra_info, "interrupted_at": at},

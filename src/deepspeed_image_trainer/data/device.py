@@ -340,7 +340,7 @@ class DeviceTrainLoader:
     `device`, or in host memory (`images` and `labels` there: the cache tier), gathered a few batches ahead
     in a thread and copied over."""
 
-    def __init__(self, images, labels, micro_batch_size, image_size, rank, world_size, seed, dtype,
+    def __init__(self, images, labels, *, micro_batch_size, image_size, rank, world_size, seed, dtype,
                  preprocessing=None, device=None, host=False, indices=None):
         self.images, self.labels = images, labels
         # the images it draws from (default all): those that decoded
@@ -468,7 +468,7 @@ class DeviceValLoader:
     """Validation batches of one rank's shard (images rank, rank + world_size, ... of `indices`, default all),
     resident on `device` or in host memory (the cache tier), copied a few batches ahead."""
 
-    def __init__(self, images, labels, micro_batch_size, rank, world_size, dtype, preprocessing=None, device=None,
+    def __init__(self, images, labels, *, micro_batch_size, rank, world_size, dtype, preprocessing=None, device=None,
                  host=False, indices=None):
         indices = torch.arange(len(labels)) if indices is None else torch.as_tensor(indices)
         self.positions = indices[rank::world_size].to(images.device)
@@ -493,7 +493,7 @@ class DeviceValLoader:
             yield self.normalize(images), labels
 
 
-def build_device_loaders(train_set, val_set, micro_batch_size, image_size, rank, world_size, seed, device, dtype,
+def build_device_loaders(train_set, val_set, *, micro_batch_size, image_size, rank, world_size, seed, device, dtype,
                          train_size=None, records=None, preprocessing=None, tier="device", cache_root=None):
     """Both ImageFolders decoded, or read from the decoded-image cache under `cache_root` (None: no cache),
     as training squares of `train_size` pixels (default the validation resize; `records`: the data check's,
@@ -514,11 +514,11 @@ def build_device_loaders(train_set, val_set, micro_batch_size, image_size, rank,
         kept = [index for index in range(len(paths)) if index not in failed]
         splits.append((images.to(home), torch.tensor(labels, dtype=torch.long, device=home), kept))
     (train_images, train_labels, train_kept), (val_images, val_labels, val_kept) = splits
-    host = tier == "cache"
-    train_loader = DeviceTrainLoader(train_images, train_labels, micro_batch_size, image_size, rank, world_size,
-                                     seed, dtype, preprocessing, device, host, train_kept)
-    val_loader = DeviceValLoader(val_images, val_labels, micro_batch_size, rank, world_size, dtype, preprocessing,
-                                 device, host, val_kept)
+    shared = dict(micro_batch_size=micro_batch_size, rank=rank, world_size=world_size, dtype=dtype,
+                  preprocessing=preprocessing, device=device, host=tier == "cache")
+    train_loader = DeviceTrainLoader(train_images, train_labels, image_size=image_size, seed=seed, indices=train_kept,
+                                     **shared)
+    val_loader = DeviceValLoader(val_images, val_labels, indices=val_kept, **shared)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     read = len(train_set.samples) + len(val_set.samples) - decoded

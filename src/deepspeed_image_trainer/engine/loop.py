@@ -109,7 +109,7 @@ class GradientAccumulation:
         self.inside = False
 
 
-def train_one_epoch(engine, loader, epoch, dtype, micro_batches, start_step=0, carried=None, stop=None,
+def train_one_epoch(engine, loader, epoch, dtype, micro_batches, *, start_step=0, carried=None, stop=None,
                     label_smoothing=0.0, health=None, on_first_step=None, coalesced=False):
     """Train micro-batches start_step .. micro_batches-1 of `loader`; return metrics summed over ranks
     (the loss is the one trained on, label smoothing included).
