@@ -121,6 +121,11 @@ def join_process_group(rank, port, world_size=1):
     init_distributed()
 
 
+def history_of(workdir):
+    """The training history a run in `workdir` wrote (its default --log_dir)."""
+    return json.loads((Path(workdir) / "logs/training_history.json").read_text())
+
+
 def digests(folder):
     """{relative path: sha256} of every file under `folder` but the lock files (each run writes its PID there)."""
     from deepspeed_image_trainer.outputs.run_folders import LOCK_FILES

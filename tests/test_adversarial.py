@@ -11,18 +11,17 @@ import zipfile
 import pytest
 import torch
 
-from conftest import TINY_CLASSES, Payload, assert_usage_error_in_process, data_args, digests
-
+from deepspeed_image_trainer.cli import launch as launch_deepspeed
+from deepspeed_image_trainer.cli.options import run_cli
+from deepspeed_image_trainer.data.check import check_folders
+from deepspeed_image_trainer.data.folders import ImageFiles
+from deepspeed_image_trainer.data.prepare import make_sample_dataset
 from deepspeed_image_trainer.inference import evaluate
 from deepspeed_image_trainer.inference import export as export_model
-from deepspeed_image_trainer.cli import launch as launch_deepspeed
 from deepspeed_image_trainer.inference import predict
 from deepspeed_image_trainer.outputs import plots as utils
-from deepspeed_image_trainer.data.folders import ImageFiles
-from deepspeed_image_trainer.data.check import check_folders
-from deepspeed_image_trainer.cli.options import run_cli
-from deepspeed_image_trainer.data.prepare import make_sample_dataset
 
+from conftest import TINY_CLASSES, Payload, assert_usage_error_in_process, data_args, digests
 
 # --- flags and DeepSpeed JSON, refused by the launcher before anything starts -------------------------------
 

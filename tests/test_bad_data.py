@@ -9,17 +9,17 @@ import pytest
 import torch
 from PIL import Image, ImageOps
 
+from deepspeed_image_trainer.cli import launch as launch_deepspeed
 from deepspeed_image_trainer.data import check as data_check
-from conftest import DEVICES, ROOT, assert_usage_error_in_process, data_args, launch, run
-from deepspeed_image_trainer.data.folders import ImageFiles, build_transform, load_datasets, load_rgb
 from deepspeed_image_trainer.data.check import cache_path, check_data, check_folders
 from deepspeed_image_trainer.data.device import (Normalize, build_device_loaders, decode_chunk, decode_dataset,
                                                  resize_size)
-from deepspeed_image_trainer.utils.failures import UsageError
+from deepspeed_image_trainer.data.folders import ImageFiles, build_transform, load_datasets, load_rgb
 from deepspeed_image_trainer.data.prepare import main as prepare_data_main
 from deepspeed_image_trainer.data.prepare import make_sample_dataset
+from deepspeed_image_trainer.utils.failures import UsageError
 
-from deepspeed_image_trainer.cli import launch as launch_deepspeed
+from conftest import DEVICES, ROOT, assert_usage_error_in_process, data_args, history_of, launch, run
 
 CPU = torch.device("cpu")
 # file name -> why it cannot be read
@@ -404,7 +404,7 @@ def test_check_command_prints_the_report(bad_data, tmp_path):
 
 
 def recorded_skips(workdir):
-    history = json.loads((workdir / "logs/training_history.json").read_text())
+    history = history_of(workdir)
     return [(item["path"], item["reason"]) for item in history["config"]["data_check"]["skipped"]]
 
 
@@ -442,7 +442,7 @@ def test_training_skips_the_bad_files_and_records_them(bad_data, tmp_path, monke
             entries = sorted(path.name for path in (tmp_path / "cache/decoded").iterdir())
             assert run_number == 1 or entries == filled  # nothing filled again
             filled = entries
-        history = json.loads((workdir / "logs/training_history.json").read_text())
+        history = history_of(workdir)
         recorded = history["config"]["data_check"]
         assert recorded["skipped_count"] == 8
         assert {item["path"] for item in recorded["skipped"]} == {str(root / name) for name in unreadable}

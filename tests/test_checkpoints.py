@@ -91,8 +91,8 @@ def test_another_world_size_resumes_but_not_an_old_mid_epoch_position(tmp_path):
 
 
 def settings_of(*argv, classes=("ant", "bee", "cat"), world_size=1):
-    from deepspeed_image_trainer.engine.config import build_ds_config
     from deepspeed_image_trainer.cli.options import add_training_args, parse_args
+    from deepspeed_image_trainer.engine.config import build_ds_config
 
     args = parse_args(lambda: add_training_args(argparse.ArgumentParser()), list(argv))
     return run_settings(args, build_ds_config(args, world_size, 1000, num_params=11_000_000), classes)

@@ -5,6 +5,7 @@ gradients off): it trains to the same weights."""
 import pytest
 
 from deepspeed_image_trainer.engine import overrides as deepspeed_overrides
+
 from conftest import assert_usage_error_in_process, data_args, join_process_group, spawn_ranks
 
 STEPS, ACCUMULATION = 3, 2

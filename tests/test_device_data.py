@@ -9,12 +9,13 @@ import torch.nn.functional as F
 from torchvision.datasets import ImageFolder
 from torchvision.transforms import functional as TF
 
-from conftest import TINY_CLASSES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, data_args, launch
-from deepspeed_image_trainer.data.folders import build_transform, load_datasets
 from deepspeed_image_trainer.data.device import (DeviceTrainLoader, DeviceValLoader, ResizedCrops, auto_tier,
                                                  build_device_loaders, choose_device_data, crop_weights_bytes,
                                                  dataset_bytes, random_resized_crops)
+from deepspeed_image_trainer.data.folders import build_transform, load_datasets
 from deepspeed_image_trainer.models.build import ResNet18Animals90
+
+from conftest import TINY_CLASSES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, data_args, history_of, launch
 
 CPU = torch.device("cpu")
 
@@ -155,7 +156,7 @@ def test_training_with_the_dataset_on_the_device(tiny_data, tmp_path):
                     tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"Data on cpu (--data_on_device on): decoded {TINY_TRAIN_IMAGES + TINY_VAL_IMAGES} images" in result.stdout
-    history = json.loads((tmp_path / "logs/training_history.json").read_text())
+    history = history_of(tmp_path)
     assert history["config"]["data_on_device"] is True and history["config"]["device_train_size"] == 40
     for epoch in history["epochs"]:
         assert 0 <= epoch["data_wait_s"] <= epoch["epoch_time_s"]

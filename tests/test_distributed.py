@@ -7,13 +7,14 @@ import signal
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import spawn_ranks
 
 import memory_profile
 from deepspeed_image_trainer.engine.distributed import agreed, average_buffers, differing, free_port
 from deepspeed_image_trainer.engine.interrupt import StopOnSignal
 from deepspeed_image_trainer.models.build import BatchNorm2dFP32, build_model, synchronize_batch_norm
 from deepspeed_image_trainer.utils.failures import UsageError
+
+from conftest import spawn_ranks
 
 pytestmark = pytest.mark.slow  # every test here starts processes (training runs, or ranks of a process group)
 
@@ -72,6 +73,7 @@ def on_each_rank(rank, port, results):
     # memory_profile's search: one try's figures as each rank measured them
     attempt = {"batch": 4, "fits": True, "peak_allocated_bytes": 100 + rank, "peak_reserved_bytes": 200 - rank,
                "model_states_gib": None, "images_per_s": 10.0 + rank}
+
     def refusing_on_rank_1():
         if rank == 1:
             raise UsageError("rank 1 cannot read its shard")

@@ -5,11 +5,11 @@ import shlex
 import sys
 
 import pytest
+import report
 
-from conftest import ROOT
 from deepspeed_image_trainer.cli.options import parse_args
 
-import report
+from conftest import ROOT
 
 DOCUMENTS = report.DOCUMENTS
 README_LIMIT = 12 * 1024

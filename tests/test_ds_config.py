@@ -4,13 +4,14 @@ import json
 import pytest
 import torch
 
-from conftest import ROOT
-from deepspeed_image_trainer.engine.config import (build_ds_config, check_device_support, check_monitor_support,
-                                                   check_trainer_support, coalesces_grad_reduction, load_base_config,
-                                                   lr_schedule, num_parameters, precision, resolve_scheduler,
-                                                   steps_per_epoch, ZERO3_LEAF_BLOCKS)
-from deepspeed_image_trainer.utils.failures import UsageError
 from deepspeed_image_trainer.cli.options import add_training_args, parse_args
+from deepspeed_image_trainer.engine.config import (ZERO3_LEAF_BLOCKS, build_ds_config, check_device_support,
+                                                   check_monitor_support, check_trainer_support,
+                                                   coalesces_grad_reduction, load_base_config, lr_schedule,
+                                                   num_parameters, precision, resolve_scheduler, steps_per_epoch)
+from deepspeed_image_trainer.utils.failures import UsageError
+
+from conftest import ROOT
 
 
 def make_args(*argv):

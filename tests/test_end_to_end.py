@@ -9,19 +9,15 @@ import pytest
 import torch
 from torchvision.datasets import ImageFolder
 
-from conftest import (ROOT, TINY_CLASSES, TINY_VAL_IMAGES, TINY_VAL_PER_CLASS, TRAINED_EPOCHS, TRAINED_RUNS,
-                      assert_usage_error, assert_usage_error_in_process, data_args, launch, run)
-from deepspeed_image_trainer.outputs.checkpoints import missing_files, read_info, saved_precision
+from deepspeed_image_trainer.cli import launch as launch_deepspeed
 from deepspeed_image_trainer.data.folders import build_transform
 from deepspeed_image_trainer.models.build import ResNet18Animals90
+from deepspeed_image_trainer.outputs.checkpoints import missing_files, read_info, saved_precision
 
-from deepspeed_image_trainer.cli import launch as launch_deepspeed
+from conftest import (ROOT, TINY_CLASSES, TINY_VAL_IMAGES, TINY_VAL_PER_CLASS, TRAINED_EPOCHS, TRAINED_RUNS,
+                      assert_usage_error, assert_usage_error_in_process, data_args, history_of, launch, run)
 
 pytestmark = pytest.mark.slow  # every test here starts training processes
-
-
-def load_history(workdir):
-    return json.loads((workdir / "logs/training_history.json").read_text())
 
 
 def accuracy(model, val_dir):
@@ -37,7 +33,7 @@ def accuracy(model, val_dir):
 @pytest.mark.parametrize("name", list(TRAINED_RUNS))
 def test_training_run_writes_history_and_checkpoints(name, trained, tiny_data):
     workdir, result = trained(name)
-    history = load_history(workdir)
+    history = history_of(workdir)
     config = history["config"]
     assert config["model"] == "ResNet18Animals90" and config["num_classes"] == TINY_CLASSES
     assert config["world_size"] == (2 if "2ranks" in name else 1)
@@ -113,7 +109,7 @@ def test_no_shared_memory_left_behind(name, trained):
 @pytest.mark.parametrize("name", ["zero0", "zero2-2ranks"])
 def test_best_checkpoint_reproduces_logged_val_acc(name, trained, tiny_data):
     workdir, _ = trained(name)
-    history = load_history(workdir)
+    history = history_of(workdir)
     states = workdir / "checkpoints_deepspeed/best_model/best/mp_rank_00_model_states.pt"
     model = ResNet18Animals90(num_classes=TINY_CLASSES)
     model.load_state_dict(torch.load(states, map_location="cpu")["module"])
@@ -124,7 +120,7 @@ def test_best_checkpoint_reproduces_logged_val_acc(name, trained, tiny_data):
 @pytest.mark.parametrize("name, suffix", [("zero2-2ranks", ".safetensors"), ("zero3", ".pt")])
 def test_export_from_any_stage_reproduces_logged_val_acc(name, suffix, trained, tiny_data, tmp_path):
     workdir, _ = trained(name)
-    history = load_history(workdir)
+    history = history_of(workdir)
     output = tmp_path / f"model{suffix}"
     result = run([sys.executable, str(ROOT / "src/export_model.py"),
                   str(workdir / "checkpoints_deepspeed/best_model"), "--output", str(output)], tmp_path)
@@ -164,8 +160,8 @@ def test_seeded_runs_repeat_and_deepspeed_cli_matches_launcher(trained, tiny_dat
     result = run(command, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     metrics = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
-    direct = [{k: e[k] for k in metrics} for e in load_history(tmp_path)["epochs"]]
-    assert direct == [{k: e[k] for k in metrics} for e in load_history(launched)["epochs"]]
+    direct = [{k: e[k] for k in metrics} for e in history_of(tmp_path)["epochs"]]
+    assert direct == [{k: e[k] for k in metrics} for e in history_of(launched)["epochs"]]
 
 
 def test_curves_of_a_real_history(trained, tmp_path, capsys):
@@ -190,7 +186,7 @@ def test_reference_zero2_config_fp16_is_refused_on_cpu_then_trains_in_bf16(tiny_
     assert not (tmp_path / "logs").exists()
     result = launch(args + ["--bf16"], tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    history = load_history(tmp_path)
+    history = history_of(tmp_path)
     zero = history["config"]["deepspeed"]["zero_optimization"]
     assert zero["stage"] == 2 and zero["offload_optimizer"]["device"] == "cpu" and zero["overlap_comm"]
     assert history["config"]["precision"] == "bf16" and len(history["epochs"]) == 1
@@ -230,7 +226,7 @@ def test_evaluate_reports_the_logged_accuracy(source, exported, tiny_data, tmp_p
                   str(tiny_data / "val"), "--output_dir", str(tmp_path / "eval"), "--num_workers", "0"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "eval/report.json").read_text())
-    history = load_history(workdir)
+    history = history_of(workdir)
     best = history["epochs"][history["best"]["epoch"] - 1]
     assert report["top1"] == pytest.approx(best["val_acc"])
     assert report["loss"] == pytest.approx(best["val_loss"], rel=1e-4)
@@ -255,7 +251,7 @@ def test_predict_agrees_with_evaluate(exported, tiny_data, tmp_path, trained, ca
         assert len(probabilities) == 2 and probabilities == sorted(probabilities, reverse=True)
         assert 0 < sum(probabilities) <= 1 + 1e-6
     correct = sum(Path(p["image"]).parent.name == p["predictions"][0]["class"] for p in predictions)
-    assert correct / TINY_VAL_IMAGES == pytest.approx(load_history(workdir)["best"]["val_acc"])
+    assert correct / TINY_VAL_IMAGES == pytest.approx(history_of(workdir)["best"]["val_acc"])
 
     # A ZeRO checkpoint folder works too, and DeepSpeed's consolidation notes stay off stdout.
     zero2, _ = trained("zero2-2ranks")
@@ -273,8 +269,7 @@ def test_predict_agrees_with_evaluate(exported, tiny_data, tmp_path, trained, ca
 
 
 def test_predict_and_evaluate_bad_input(exported, tmp_path, monkeypatch, capsys):
-    from deepspeed_image_trainer.inference import evaluate
-    from deepspeed_image_trainer.inference import predict
+    from deepspeed_image_trainer.inference import evaluate, predict
 
     _, model_file = exported
     (tmp_path / "broken.jpg").write_bytes(b"not a jpeg")

@@ -12,10 +12,11 @@ import sys
 import pytest
 import torch
 
-from conftest import assert_usage_error, data_args, digests, launch
+from deepspeed_image_trainer.cli.options import add_training_args, parse_args
 from deepspeed_image_trainer.engine.config import build_ds_config
 from deepspeed_image_trainer.engine.memory import out_of_memory_advice
-from deepspeed_image_trainer.cli.options import add_training_args, parse_args
+
+from conftest import assert_usage_error, data_args, digests, history_of, launch
 
 TINY_RUN = ["--batch_size", "4", "--image_size", "32", "--num_workers", "0"]
 
@@ -54,7 +55,7 @@ def test_a_loss_that_turns_nan_stops_the_run_and_keeps_the_earlier_outputs(earli
     assert "the training loss was NaN or inf for" in line and "(by epoch 3, step" in line
     assert "--max_nonfinite_steps 3" in line and "checkpoints and history of earlier epochs are intact" in line
     assert digests(workdir / "checkpoints_deepspeed") == checkpoints
-    restored = json.loads((workdir / "logs/training_history.json").read_text())["epochs"]
+    restored = history_of(workdir)["epochs"]
     measured_after_the_checkpoint = ("checkpoint_s", "epoch_wall_s")  # not in the checkpoint's copy
     assert [{k: v for k, v in e.items() if k not in measured_after_the_checkpoint} for e in restored] == \
         [{k: v for k, v in e.items() if k not in measured_after_the_checkpoint} for e in complete]
@@ -157,8 +158,8 @@ def test_out_of_memory_with_nothing_left_to_try():
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
                                    RuntimeError("CUDA error: out of memory")])
 def test_out_of_memory_in_any_form_becomes_the_advice(error):
-    from deepspeed_image_trainer.utils.failures import OutOfMemory
     from deepspeed_image_trainer.engine.memory import advise_on_out_of_memory
+    from deepspeed_image_trainer.utils.failures import OutOfMemory
 
     with pytest.raises(OutOfMemory, match=r"out of GPU memory.* at micro-batch 64 per GPU; try, in this order"):
         with advise_on_out_of_memory(config_of("--batch_size", "64", "--bf16"), data_on_device=False):

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import join_process_group, spawn_ranks
-
 from deepspeed_image_trainer.engine.finetune import BodyLearningRate, head_module, parameter_groups
+
+from conftest import join_process_group, spawn_ranks
 
 CLASSES, SCALE = 3, 0.1
 ZERO = {"zero0": {"stage": 0}, "zero1": {"stage": 1}, "zero2-offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},

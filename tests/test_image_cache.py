@@ -10,10 +10,11 @@ import sys
 import pytest
 import torch
 
-from conftest import DEVICES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES
-from deepspeed_image_trainer.data.folders import load_datasets
-from deepspeed_image_trainer.data.device import build_device_loaders, decode_dataset
 from deepspeed_image_trainer.data.cache import load_or_fill
+from deepspeed_image_trainer.data.device import build_device_loaders, decode_dataset
+from deepspeed_image_trainer.data.folders import load_datasets
+
+from conftest import DEVICES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES
 
 CPU = torch.device("cpu")
 

@@ -4,9 +4,10 @@ import time
 
 import pytest
 
+from deepspeed_image_trainer.models.build import ResNet18Animals90
+
 from conftest import (ROOT, TINY_CLASSES, assert_usage_error, assert_usage_error_in_process, data_args, launch, run,
                       split_dry_run)
-from deepspeed_image_trainer.models.build import ResNet18Animals90
 
 
 @pytest.mark.slow
@@ -127,8 +128,9 @@ def test_bad_input_on_the_command_line_is_one_line_and_exit_status_2(tiny_data, 
 
 
 def test_more_gpus_than_the_machine_has_are_refused(tiny_data, tmp_path, monkeypatch, capsys):
-    from deepspeed_image_trainer.cli import launch as launch_deepspeed
     import torch
+
+    from deepspeed_image_trainer.cli import launch as launch_deepspeed
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # what a two-GPU machine reports
     monkeypatch.chdir(tmp_path)

@@ -4,15 +4,16 @@ import subprocess
 import sys
 from argparse import Namespace
 
+import max_batch
 import pytest
 import torch
 
 import memory_profile
-from conftest import ROOT, run
-from deepspeed_image_trainer.engine.distributed import free_port
-import max_batch
-from memory_profile import GIB, paper_formula_bytes, trainer_config
 from deepspeed_image_trainer.cli.options import run_cli
+from deepspeed_image_trainer.engine.distributed import free_port
+from memory_profile import GIB, paper_formula_bytes, trainer_config
+
+from conftest import ROOT, run
 
 PSI = 1_000_000
 

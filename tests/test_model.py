@@ -4,8 +4,8 @@ import pytest
 import torch
 import torchvision
 
-from deepspeed_image_trainer.utils.failures import UsageError
 from deepspeed_image_trainer.models.build import BatchNorm2dFP32, ResNet18Animals90
+from deepspeed_image_trainer.utils.failures import UsageError
 
 
 def test_same_architecture_and_keys_as_torchvision_resnet18():

@@ -12,15 +12,16 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
-from conftest import TINY_CLASSES, data_args, join_process_group, launch, spawn_ranks
+from deepspeed_image_trainer.cli.options import run_cli
 from deepspeed_image_trainer.data.folders import DEFAULT_PREPROCESSING, build_transform, check_preprocessing
-from deepspeed_image_trainer.utils.failures import UsageError
+from deepspeed_image_trainer.data.prepare import make_sample_dataset
 from deepspeed_image_trainer.models.build import (LayerNorm2dFP32, build_model, check_image_size, list_models,
                                                   load_weights, model_for_weights, preprocessing, pretrained_state,
                                                   synchronize_batch_norm)
-from deepspeed_image_trainer.cli.options import run_cli
 from deepspeed_image_trainer.models.names import saved_name
-from deepspeed_image_trainer.data.prepare import make_sample_dataset
+from deepspeed_image_trainer.utils.failures import UsageError
+
+from conftest import TINY_CLASSES, data_args, history_of, join_process_group, launch, spawn_ranks
 
 # One small model of each family, with a size each takes.
 FAMILIES = {"resnet18": 32, "mobilenet_v3_small": 32, "mobilenet_v2": 32, "efficientnet_b0": 32, "convnext_tiny": 32,
@@ -212,13 +213,13 @@ def train_export_evaluate_predict(process, _, results, data, workdir, halves, si
     import io
     import shutil
 
+    from deepspeed.runtime import engine
+
+    from deepspeed_image_trainer.cli import train as train_deepspeed
+    from deepspeed_image_trainer.engine.distributed import free_port
     from deepspeed_image_trainer.inference import evaluate
     from deepspeed_image_trainer.inference import export as export_model
     from deepspeed_image_trainer.inference import predict
-    from deepspeed_image_trainer.cli import train as train_deepspeed
-    from deepspeed_image_trainer.engine.distributed import free_port
-
-    from deepspeed.runtime import engine
 
     torch.set_num_threads(1)  # two of these processes share the machine's cores
     join_process_group(0, free_port())  # a group of one of its own
@@ -241,7 +242,7 @@ def train_export_evaluate_predict(process, _, results, data, workdir, halves, si
             with contextlib.redirect_stdout(io.StringIO()) as printed:
                 predict.main(["--model", str(exported), str(data / "val"), "--json"])
             results[(name, stage)] = {
-                "code": code, "history": json.loads((work / "logs/training_history.json").read_text()),
+                "code": code, "history": history_of(work),
                 "sidecar": json.loads(Path(f"{exported}.json").read_text()),
                 "report": json.loads((work / "eval/report.json").read_text()),
                 "predictions": json.loads(printed.getvalue()), "leaf_modules": len(leaves[-1])}
@@ -302,7 +303,7 @@ def test_a_pretrained_torchvision_model_fine_tunes_on_two_ranks_at_zero3_exports
     result = launch(args, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "mobilenet_v3_small: 48 train / 15 val images" in result.stdout
-    history = json.loads((tmp_path / "logs/training_history.json").read_text())
+    history = history_of(tmp_path)
     info = json.loads((tmp_path / "checkpoints_deepspeed/last/extra_info.json").read_text())
     assert history["config"]["model"] == info["model"] == "mobilenet_v3_small"
     assert history["config"]["pretrained"] == info["pretrained"] == "DEFAULT"

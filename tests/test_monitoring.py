@@ -8,10 +8,11 @@ import re
 import pytest
 import torch
 
-from conftest import (TINY_CLASSES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, TINY_VAL_PER_CLASS, data_args, digests,
-                      launch)
 from deepspeed_image_trainer.models.build import ResNet18Animals90
 from deepspeed_image_trainer.outputs.monitor import EPOCH_SCALARS, epoch_events, prepare_csv_files
+
+from conftest import (TINY_CLASSES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, TINY_VAL_PER_CLASS, data_args, digests,
+                      history_of, launch)
 
 
 def read_csv(path):
@@ -43,7 +44,7 @@ def stalled_run(tiny_data, tmp_path_factory):
 @pytest.mark.slow
 def test_early_stopping_ends_the_run_and_the_csv_monitor_holds_every_epoch(stalled_run):
     workdir, result = stalled_run
-    history = json.loads((workdir / "logs/training_history.json").read_text())
+    history = history_of(workdir)
     class_0_share = TINY_VAL_PER_CLASS / TINY_VAL_IMAGES
     epochs = history["epochs"]
     assert [e["epoch"] for e in epochs] == [1, 2]  # stopped before epoch 3

@@ -1,15 +1,15 @@
 """Multi-node launching: the exact `deepspeed` commands (dry runs), their errors, and a real two-node run
 started by hand (--launcher none) with both "nodes" on this machine."""
-import json
 import subprocess
 import sys
 
 import pytest
 
 from deepspeed_image_trainer.cli import launch as launch_deepspeed
-from conftest import ROOT, TINY_VAL_IMAGES, data_args, split_dry_run
-from deepspeed_image_trainer.engine.distributed import free_port
 from deepspeed_image_trainer.cli.options import run_cli
+from deepspeed_image_trainer.engine.distributed import free_port
+
+from conftest import ROOT, TINY_VAL_IMAGES, data_args, history_of, split_dry_run
 
 RUNNER = [sys.executable, "-m", "deepspeed.launcher.runner"]
 TRAIN_SCRIPT = str(ROOT / "src/train_deepspeed.py")
@@ -96,7 +96,7 @@ def test_two_nodes_started_by_hand_train_as_one_run(tiny_data, tmp_path):
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    history = json.loads((tmp_path / "logs/training_history.json").read_text())
+    history = history_of(tmp_path)
     assert history["config"]["world_size"] == 2
     assert history["epochs"][0]["val_images"] == TINY_VAL_IMAGES
     assert "Epoch 1/1" in outputs[0] and "Epoch 1/1" not in outputs[1]  # rank 0 reports

@@ -5,9 +5,9 @@ where DeepSpeed runs torch_autocast fp16 too."""
 import pytest
 import torch
 
-from conftest import join_process_group, spawn_ranks
-
 from deepspeed_image_trainer.engine.numerics import StepHealth, back_off
+
+from conftest import join_process_group, spawn_ranks
 
 OVERFLOWING_STEPS = 3
 CONFIGS = {

@@ -5,10 +5,11 @@ import math
 
 import pytest
 
+from deepspeed_image_trainer.data.prepare import make_sample_dataset
 from deepspeed_image_trainer.inference import evaluate
 from deepspeed_image_trainer.inference import export as export_model
-from conftest import ROOT, TINY_CLASSES, data_args, join_process_group, spawn_ranks
-from deepspeed_image_trainer.data.prepare import make_sample_dataset
+
+from conftest import ROOT, TINY_CLASSES, data_args, history_of, join_process_group, spawn_ranks
 
 pytestmark = pytest.mark.slow  # it starts two training processes
 
@@ -55,7 +56,7 @@ def test_zero3_with_offload_trains_resumes_and_exports_a_transformer_and_a_cnn_o
     assert set(results.values()) == {0} and len(results) == len(MODELS) * 2 * 2
     for name, (_, flags) in MODELS.items():
         bf16 = "--bf16" in flags
-        whole, resumed = (json.loads((tmp_path / name / run / "logs/training_history.json").read_text())
+        whole, resumed = (history_of(tmp_path / name / run)
                           for run in ("whole", "resumed"))
         config = resumed["config"]
         zero = config["deepspeed"]["zero_optimization"]

@@ -4,8 +4,8 @@ import json
 import matplotlib.pyplot as plt
 import pytest
 
-from deepspeed_image_trainer.utils.failures import UsageError
 from deepspeed_image_trainer.outputs.plots import curves_figure, main, run_labels
+from deepspeed_image_trainer.utils.failures import UsageError
 
 
 def synthetic_history(epochs, best_epoch, memory=None, throughput=True, skipped=0):

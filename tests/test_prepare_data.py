@@ -3,9 +3,10 @@ import sys
 import pytest
 from torchvision.datasets import ImageFolder
 
-from conftest import ROOT, assert_usage_error, assert_usage_error_in_process, run
-from deepspeed_image_trainer.utils.failures import UsageError
 from deepspeed_image_trainer.data.prepare import ANIMALS_90, make_sample_dataset, split_dataset
+from deepspeed_image_trainer.utils.failures import UsageError
+
+from conftest import ROOT, assert_usage_error, assert_usage_error_in_process, run
 
 
 def test_animals90_class_list():

@@ -11,7 +11,7 @@ import time
 import psutil
 import pytest
 
-from conftest import ROOT, TINY_VAL_IMAGES, assert_usage_error, data_args, launch
+from conftest import ROOT, TINY_VAL_IMAGES, assert_usage_error, data_args, history_of, launch
 
 pytestmark = pytest.mark.slow  # every test here starts training processes
 
@@ -66,12 +66,8 @@ def last_epoch_saved(workdir):
         return 0
 
 
-def history(workdir):
-    return json.loads((workdir / "logs/training_history.json").read_text())
-
-
 def metrics(workdir):
-    return [{k: e[k] for k in METRICS} for e in history(workdir)["epochs"]]
+    return [{k: e[k] for k in METRICS} for e in history_of(workdir)["epochs"]]
 
 
 @pytest.fixture(scope="module")
@@ -92,16 +88,16 @@ def test_keep_last_prunes_old_epoch_checkpoints(uninterrupted):
 def test_kill_9_then_resume_equals_an_uninterrupted_run(tiny_data, tmp_path, uninterrupted):
     run = start(train_args(tiny_data), tmp_path, tmp_path / "killed.log")
     # epoch 2's checkpoint is written before its line in the history: wait for both
-    wait_for(lambda: last_epoch_saved(tmp_path) == 2 and len(history(tmp_path)["epochs"]) == 2, run)
+    wait_for(lambda: last_epoch_saved(tmp_path) == 2 and len(history_of(tmp_path)["epochs"]) == 2, run)
     kill_9_everything(run)
-    assert len(history(tmp_path)["epochs"]) == 2, "the kill came after epoch 3 had finished"
+    assert len(history_of(tmp_path)["epochs"]) == 2, "the kill came after epoch 3 had finished"
 
     result = launch(train_args(tiny_data) + ["--resume", "auto"], tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Resumed from checkpoints_deepspeed/last: epoch 3" in result.stdout
-    assert [e["epoch"] for e in history(tmp_path)["epochs"]] == [1, 2, 3]
+    assert [e["epoch"] for e in history_of(tmp_path)["epochs"]] == [1, 2, 3]
     assert metrics(tmp_path) == metrics(uninterrupted)
-    assert history(tmp_path)["best"] == history(uninterrupted)["best"]
+    assert history_of(tmp_path)["best"] == history_of(uninterrupted)["best"]
 
 
 @pytest.fixture(scope="module")
@@ -134,10 +130,10 @@ def test_sigterm_mid_epoch_saves_and_resumes_exactly_with_the_data_on_the_device
     result = launch(train_args(tiny_data, stage=()) + on_device + ["--resume", "auto"], tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"Resumed from checkpoints_deepspeed/last: epoch 2, step {info['interrupted_at']['step']}" in result.stdout
-    assert history(tmp_path)["config"]["zero_stage"] == 2
+    assert history_of(tmp_path)["config"]["zero_stage"] == 2
     assert metrics(tmp_path) == metrics(uninterrupted_on_device)
-    assert history(tmp_path)["best"] == history(uninterrupted_on_device)["best"]
-    resumed_epoch = history(tmp_path)["epochs"][1]  # its time before the stop is in both figures
+    assert history_of(tmp_path)["best"] == history_of(uninterrupted_on_device)["best"]
+    resumed_epoch = history_of(tmp_path)["epochs"][1]  # its time before the stop is in both figures
     assert resumed_epoch["epoch_wall_s"] >= sum(resumed_epoch[key] for key in ("epoch_time_s", "validation_s",
                                                                               "checkpoint_s"))
 
@@ -150,10 +146,10 @@ def test_sigterm_mid_epoch_saves_and_resumes_exactly_with_the_data_on_the_device
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "mid_epoch (saved by 1 rank) for 2 ranks with DeepSpeed's universal checkpoint" in result.stdout
     assert f"epoch 2, step {info['interrupted_at']['step']} of 12" in result.stdout
-    assert history(two)["config"]["world_size"] == 2 and not (two / "checkpoints_deepspeed/.universal").exists()
+    assert history_of(two)["config"]["world_size"] == 2 and not (two / "checkpoints_deepspeed/.universal").exists()
     resumed, whole = metrics(two), metrics(uninterrupted_on_device)
     assert resumed[0] == whole[0] and [e["lr"] for e in resumed] == pytest.approx([e["lr"] for e in whole], rel=1e-9)
-    assert all(e["val_images"] == TINY_VAL_IMAGES for e in history(two)["epochs"])
+    assert all(e["val_images"] == TINY_VAL_IMAGES for e in history_of(two)["epochs"])
 
 
 def test_resume_from_a_missing_path_is_a_usage_error(tiny_data, tmp_path):

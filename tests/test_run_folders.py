@@ -11,11 +11,13 @@ import zipfile
 import pytest
 
 from deepspeed_image_trainer.outputs import run_folders
-from conftest import ROOT, assert_usage_error, assert_usage_error_in_process, data_args, digests, launch, run
 from deepspeed_image_trainer.outputs.checkpoints import find_checkpoint
-from deepspeed_image_trainer.utils.failures import UsageError
 from deepspeed_image_trainer.outputs.run_folders import (LAUNCH_LOCK_FILE, LOCK_FILE, check_new_run, check_unlocked,
                                                          earlier_results, lock, tidy)
+from deepspeed_image_trainer.utils.failures import UsageError
+
+from conftest import (ROOT, assert_usage_error, assert_usage_error_in_process, data_args, digests, history_of, launch,
+                      run)
 
 # A process that holds a folder's lock (as a training run's rank 0 does) until killed.
 # It forks a child that outlives it, as a loader worker outlives a rank killed with SIGKILL for a few seconds.
@@ -203,7 +205,7 @@ def test_the_same_command_twice_keeps_the_first_runs_results(trained, tiny_data,
     # --keep_last counts this run's epoch_N only: the earlier run's epoch_2 goes, not the new epoch_1
     result = launch(args + ["--overwrite", "--epochs", "1", "--keep_last", "1"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
-    history = json.loads((tmp_path / "logs/training_history.json").read_text())
+    history = history_of(tmp_path)
     assert len(history["epochs"]) == 1
     assert sorted(p.name for p in (tmp_path / "checkpoints_deepspeed").iterdir()) == sorted(
         [LAUNCH_LOCK_FILE, LOCK_FILE, "best_model", "epoch_1", "last"])

@@ -11,12 +11,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from conftest import Payload, join_process_group, spawn_ranks
-
+from deepspeed_image_trainer.engine.distributed import average_buffers
 from deepspeed_image_trainer.outputs import universal
 from deepspeed_image_trainer.outputs.checkpoint_engine import BackgroundCheckpointEngine
-from deepspeed_image_trainer.engine.distributed import average_buffers
 from deepspeed_image_trainer.utils.failures import UsageError, WriteFailed
+
+from conftest import Payload, join_process_group, spawn_ranks
 
 STAGES = (0, 1, 2, 3)
 GLOBAL_BATCH, STEPS = 8, 3
