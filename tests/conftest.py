@@ -112,6 +112,21 @@ def _as_rank(rank, fn, port, results, args):
     exit_now()  # its results are with the manager; the trainer's ranks leave the same way
 
 
+def tiny_engine(model, parameters=None, *, micro_batch=4, lr=1e-3, optimizer=None, zero=None, **sections):
+    """deepspeed.initialize over `model` (or its `parameters`, groups included) with a small config: torch's AdamW
+    (as the trainer picks on a CPU: DeepSpeed's CPUAdam or FusedAdam would compile first, a minute each on a
+    fresh machine) at `lr` plus `optimizer`'s params, ZeRO `zero` (default stage 0), and the other `sections`
+    as given (scheduler, bf16, gradient_clipping, ...). Every rank of the process group calls this."""
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": micro_batch,
+              "optimizer": {"type": "AdamW", "params": {"lr": lr, "torch_adam": True, **(optimizer or {})}},
+              "zero_optimization": zero or {"stage": 0}, **sections}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters() if parameters is None
+                                      else parameters, config=config)
+    return engine
+
+
 def join_process_group(rank, port, world_size=1):
     """In a spawn_ranks process: join the group as the trainer does (gloo on a CPU)."""
     from deepspeed_image_trainer.engine.distributed import init_distributed

@@ -6,7 +6,7 @@ import pytest
 
 from deepspeed_image_trainer.engine import overrides as deepspeed_overrides
 
-from conftest import assert_usage_error_in_process, data_args, join_process_group, spawn_ranks
+from conftest import assert_usage_error_in_process, data_args, join_process_group, spawn_ranks, tiny_engine
 
 STEPS, ACCUMULATION = 3, 2
 
@@ -106,24 +106,18 @@ def train(stage, offload, precision, poison_step, grad_accum_dtype=None, zero=()
     the global gradient norms and which steps DeepSpeed skipped. `zero`: (key, value) pairs of
     zero_optimization; `contiguous`: its contiguous_gradients, if given; `coalesced`: each step's
     micro-batches coalesced as the trainer does (training.GradientAccumulation)."""
-    import deepspeed
     import torch
 
     from deepspeed_image_trainer.engine.loop import GradientAccumulation
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    # torch's AdamW on the CPU, as the trainer picks on a CPU-only machine: DeepSpeed's CPUAdam would cost a
-    # one-minute compile, and the replaced methods do not touch the optimizer
-    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": ACCUMULATION,
-              "gradient_clipping": 0.5, "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "torch_adam": True}},
-              "zero_optimization": {"stage": stage,
-                                    **({"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {}),
-                                    **dict(zero),
-                                    **({} if contiguous is None else {"contiguous_gradients": contiguous})},
-              **({} if precision == "fp32" else {precision: {"enabled": True}}),
-              **({"data_types": {"grad_accum_dtype": grad_accum_dtype}} if grad_accum_dtype else {})}
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine = tiny_engine(model, lr=0.05, gradient_accumulation_steps=ACCUMULATION, gradient_clipping=0.5,
+                         zero={"stage": stage,
+                               **({"offload_optimizer": {"device": "cpu", "pin_memory": True}} if offload else {}),
+                               **dict(zero), **({} if contiguous is None else {"contiguous_gradients": contiguous})},
+                         **({} if precision == "fp32" else {precision: {"enabled": True}}),
+                         **({"data_types": {"grad_accum_dtype": grad_accum_dtype}} if grad_accum_dtype else {}))
     generator = torch.Generator().manual_seed(engine.global_rank)
     weights, norms, skipped = [], [], []
     accumulating = GradientAccumulation(engine, coalesced)

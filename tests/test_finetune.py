@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from deepspeed_image_trainer.engine.finetune import BodyLearningRate, head_module, parameter_groups
 
-from conftest import join_process_group, spawn_ranks
+from conftest import join_process_group, spawn_ranks, tiny_engine
 
 CLASSES, SCALE = 3, 0.1
 ZERO = {"zero0": {"stage": 0}, "zero1": {"stage": 1}, "zero2-offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
@@ -36,17 +36,12 @@ def moved(before, after):
 
 
 def on_rank(rank, port, results):
-    import deepspeed
-
     join_process_group(rank, port)
     for name, zero in ZERO.items():
         model = small_model()
-        config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
-                  "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.05, "torch_adam": True}},
-                  "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.01,
-                                                               "warmup_num_steps": 4}}}
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=parameter_groups(model, CLASSES),
-                                          config=config)
+        engine = tiny_engine(model, parameter_groups(model, CLASSES), lr=0.01, optimizer={"weight_decay": 0.05},
+                             zero=zero, scheduler={"type": "WarmupLR", "params": {
+                                 "warmup_min_lr": 0, "warmup_max_lr": 0.01, "warmup_num_steps": 4}})
         body_lr = BodyLearningRate(engine.lr_scheduler, engine.optimizer, SCALE, freeze_backbone_epochs=1)
         result = {}
         for epoch in (1, 2):

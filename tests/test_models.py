@@ -21,7 +21,7 @@ from deepspeed_image_trainer.models.build import (LayerNorm2dFP32, build_model, 
 from deepspeed_image_trainer.models.names import saved_name
 from deepspeed_image_trainer.utils.failures import UsageError
 
-from conftest import TINY_CLASSES, data_args, history_of, join_process_group, launch, spawn_ranks
+from conftest import TINY_CLASSES, data_args, history_of, join_process_group, launch, spawn_ranks, tiny_engine
 
 # One small model of each family, with a size each takes.
 FAMILIES = {"resnet18": 32, "mobilenet_v3_small": 32, "mobilenet_v2": 32, "efficientnet_b0": 32, "convnext_tiny": 32,
@@ -165,10 +165,7 @@ def bf16_steps(name, size):
     torch.manual_seed(0)
     model = build_model(name, TINY_CLASSES, size)
     before = next(model.parameters()).detach().clone()
-    config = {"train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-              "zero_optimization": {"stage": 3}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine = tiny_engine(model, micro_batch=2, zero={"stage": 3}, bf16={"enabled": True})
     losses = []
     for _ in range(2):
         loss = F.cross_entropy(engine(torch.randn(2, 3, size, size, dtype=torch.bfloat16)).float(),

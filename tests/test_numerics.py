@@ -7,7 +7,7 @@ import torch
 
 from deepspeed_image_trainer.engine.numerics import StepHealth, back_off
 
-from conftest import join_process_group, spawn_ranks
+from conftest import join_process_group, spawn_ranks, tiny_engine
 
 OVERFLOWING_STEPS = 3
 CONFIGS = {
@@ -19,17 +19,10 @@ CONFIGS = {
 
 
 def train_steps(zero, clipping):
-    import deepspeed
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    # torch's AdamW, as the trainer's configs have it on a CPU: DeepSpeed's FusedAdam or CPUAdam would be
-    # compiled first, a minute each on a fresh machine.
-    params = {"lr": 1e-3, "torch_adam": True}
-    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": params},
-              "zero_optimization": zero, "torch_autocast": {"enabled": True, "dtype": "float16"},
-              "gradient_clipping": clipping}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine = tiny_engine(model, zero=zero, torch_autocast={"enabled": True, "dtype": "float16"},
+                         gradient_clipping=clipping)
     health = StepHealth(engine, max_nonfinite_steps=0)
     health.start_epoch()
     for step in range(OVERFLOWING_STEPS + 3):

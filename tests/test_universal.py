@@ -16,7 +16,7 @@ from deepspeed_image_trainer.outputs import universal
 from deepspeed_image_trainer.outputs.checkpoint_engine import BackgroundCheckpointEngine
 from deepspeed_image_trainer.utils.failures import UsageError, WriteFailed
 
-from conftest import Payload, join_process_group, spawn_ranks
+from conftest import Payload, join_process_group, spawn_ranks, tiny_engine
 
 STAGES = (0, 1, 2, 3)
 GLOBAL_BATCH, STEPS = 8, 3
@@ -29,20 +29,17 @@ def batches(seed, count):
 
 
 def engine_for(stage, world_size, load_universal=False):
-    import deepspeed
-
     torch.manual_seed(0)
     # Odd sizes, as ResNet18 with an odd class count has: the shards do not split evenly.
     model = torch.nn.Sequential(torch.nn.Linear(6, 17), torch.nn.BatchNorm1d(17), torch.nn.ReLU(),
                                 torch.nn.Linear(17, 3))
-    config = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world_size,
-              "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.01, "torch_adam": True}},
-              "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.05,
-                                                           "warmup_num_steps": 2 * STEPS}},
-              "zero_optimization": {"stage": stage}}
+    sections = {}
     if load_universal:
-        universal.enable(config)
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        universal.enable(sections)  # the trainer's setting, in the config's checkpoint section
+    engine = tiny_engine(model, micro_batch=GLOBAL_BATCH // world_size, lr=0.05, optimizer={"weight_decay": 0.01},
+                         zero={"stage": stage}, train_batch_size=GLOBAL_BATCH, scheduler={
+                             "type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.05,
+                                                            "warmup_num_steps": 2 * STEPS}}, **sections)
     engine.checkpoint_engine = BackgroundCheckpointEngine(background=False)  # the trainer's: load_checked
     return engine
 
