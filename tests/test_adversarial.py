@@ -41,7 +41,9 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "LION": {"optimizer": {"type": "Lion"}},
         "MUADAM": {"optimizer": {"type": "MuAdam"}},
         "NVME_NO_PATH": {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
-        "STEPS_WORDS": {"steps_per_print": "x"}}
+        "STEPS_WORDS": {"steps_per_print": "x"},
+        "STEPLR_GAMMA_WORDS": {"scheduler": {"type": "StepLR", "params": {"step_size": 5, "gamma": "x"}}},
+        "ONECYCLE_WORDS": {"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": "x", "cycle_max_lr": 0.1}}}}
 
 FLAGS = [
     (["--seed", "-1"], "--seed must be in 0 .. 4294967295, got -1"),
@@ -61,8 +63,7 @@ FLAGS = [
     (["--deepspeed_config", "SGD_NO_SUCH_PARAM"], "optimizer SGD cannot be built from optimizer.params "
                                                   "(SGD.__init__() got an unexpected keyword argument 'nesterov_x')"),
     (["--deepspeed_config", "BETAS_WORDS"], "optimizer AdamW cannot be built from optimizer.params"),
-    (["--deepspeed_config", "WARMUP_WORDS"], "scheduler WarmupLR cannot be built from scheduler.params "
-                                             "(warmup_num_steps must be a positive integer, got ten)"),
+    (["--deepspeed_config", "WARMUP_WORDS"], "scheduler.params.warmup_num_steps of WarmupLR must be a number"),
     (["--deepspeed_config", "ONECYCLE_BARE"], "missing 2 required positional arguments: 'cycle_min_lr'"),
     (["--deepspeed_config", "STEPLR_BARE"], "missing 1 required positional argument: 'step_size'"),
     (["--deepspeed_config", "LAMB"], "optimizer Lamb is DeepSpeed's FusedLamb, a CUDA op: it needs a GPU"),
@@ -70,6 +71,9 @@ FLAGS = [
     (["--deepspeed_config", "MUADAM"], "optimizer MuAdam needs the mup package"),
     (["--deepspeed_config", "NVME_NO_PATH"], "zero_optimization.offload_param to nvme needs its nvme_path"),
     (["--deepspeed_config", "STEPS_WORDS"], "steps_per_print must be a whole number of steps, got 'x'"),
+    (["--deepspeed_config", "STEPLR_GAMMA_WORDS"], "scheduler.params.gamma of StepLR must be a number, got 'x'"),
+    (["--deepspeed_config", "ONECYCLE_WORDS"], "scheduler OneCycle cannot be built from scheduler.params "
+                                               "(unsupported operand type(s)"),  # used from its first step
     (["--pretrained", "RANDOM_BYTES"], "is damaged or not a torch file"),
     (["--pretrained", "MODEL_STATES"], "export it first with export_model.py"),
     (["--pretrained", "PAYLOAD"], "holds Python objects other than tensors"),
@@ -257,33 +261,36 @@ def test_a_failed_export_leaves_the_earlier_one_as_it_was(export_of_a_run, tiny_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", ["files removed", "tag folder removed", "tag names no folder"])
-def test_resume_auto_passes_over_a_checkpoint_with_files_missing(trained, tmp_path, monkeypatch, capsys, damage):
+@pytest.mark.parametrize("how", ["files removed", "tag folder removed", "tag names no folder", "class_names 5"])
+def test_resume_auto_passes_over_a_checkpoint_with_files_missing(trained, tmp_path, monkeypatch, capsys, how):
     from deepspeed_image_trainer.outputs.checkpoints import find_checkpoint
 
     workdir, first = trained("zero0")
     for name in ("logs", "checkpoints_deepspeed"):
         shutil.copytree(workdir / name, tmp_path / name)
     last = tmp_path / "checkpoints_deepspeed/last"
-    if damage == "files removed":  # an interrupted copy
+    if how == "files removed":  # an interrupted copy
         for path in (last / "last").glob("*.pt"):
             path.unlink()
-    elif damage == "tag folder removed":
+    elif how == "tag folder removed":
         shutil.rmtree(last / "last")
-    else:
+    elif how == "tag names no folder":
         info = json.loads((last / "extra_info.json").read_text())
         (last / "extra_info.json").write_text(json.dumps({**info, "tag": "nothing_here"}))
+    else:
+        damage(last / "extra_info.json", "class_names 5", None)
     skipped = []
     assert find_checkpoint("auto", tmp_path / "checkpoints_deepspeed", skipped).name in ("best_model", "epoch_2")
     assert [folder.name for folder, _ in skipped] == ["last"]
+    why = "(class_names of the wrong kind)" if how == "class_names 5" else "1 of its files are missing"
     before = digests(tmp_path)
     monkeypatch.chdir(tmp_path)
     _, err = assert_usage_error_in_process(launch_deepspeed.main, first.args[2:] + ["--epochs", "3", "--resume", "last"],
-                                           capsys, "cannot resume from checkpoints_deepspeed/last: 1 of its files are "
-                                                   "missing (")
-    assert "an interrupted copy? Resume from another checkpoint" in err
+                                           capsys, "" if how == "class_names 5" else
+                                           "cannot resume from checkpoints_deepspeed/last: 1 of its files are missing (")
+    assert why in err
     launch_deepspeed.main(first.args[2:] + ["--epochs", "3", "--resume", "auto", "--dry_run"])
-    assert "warning: --resume auto skips checkpoints_deepspeed/last: 1 of its files are missing" in capsys.readouterr().err
+    assert "warning: --resume auto skips checkpoints_deepspeed/last" in (err := capsys.readouterr().err) and why in err
     assert digests(tmp_path) == before
 
 

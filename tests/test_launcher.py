@@ -147,6 +147,21 @@ def test_unknown_flag_is_rejected_by_argparse_with_status_2(tmp_path):
     assert result.returncode == 2 and "unrecognized arguments: --no_such_flag" in result.stderr
 
 
+@pytest.mark.slow
+def test_a_training_process_killed_from_outside_is_one_line_and_status_137():
+    """DeepSpeed's launcher exits with a killed rank's return code, -9 (status 247) for the out-of-memory killer's
+    SIGKILL: a stand-in that exits so."""
+    import subprocess
+
+    code = ("import sys; from deepspeed_image_trainer.cli.launch import run_and_forward_signals; "
+            "sys.exit(run_and_forward_signals([sys.executable, '-c', 'import sys; sys.exit(-9)'], 0))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 137, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [
+        "error: a training process was killed by SIGKILL from outside the trainer (the kernel's out-of-memory killer "
+        "sends it when the host's memory runs out); --resume auto continues from the last checkpoint published"]
+
+
 # The launcher's signal handling around training processes that take their time to save (they ignore SIGTERM).
 FORWARDER = ("import sys; from deepspeed_image_trainer.cli.launch import run_and_forward_signals; "
              "sys.exit(run_and_forward_signals([sys.executable, '-c', 'import signal, time; "

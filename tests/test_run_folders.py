@@ -66,11 +66,16 @@ def test_a_new_run_over_an_earlier_one_stops_unless_told(tmp_path):
     publish(args.checkpoint_dir, "epoch_2", 2)
     earlier = run_folders.start(overwrite, None)
     assert len(earlier_results(args.checkpoint_dir, args.log_dir)) == 3  # kept until the new run has a checkpoint
+    (tmp_path / "logs/ds_config.json").write_text("the earlier run's")
+    run_folders.config_path(overwrite).write_text("the new run's")  # the launcher's, beside the earlier run's
+    assert (tmp_path / "logs/ds_config.json").read_text() == "the earlier run's"
     shutil.rmtree(args.checkpoint_dir / "last")
     publish(args.checkpoint_dir, "last", 1, run_started=1e9)  # the new run's first checkpoint
     assert find_checkpoint("auto", args.checkpoint_dir).name == "last"  # not the earlier run's epoch_2
     earlier.retire(["best_model", "last"])  # its first checkpoint's names: those the new run replaced
     assert earlier_results(args.checkpoint_dir, args.log_dir) == [f"{args.checkpoint_dir / 'last'} (epoch 1)"]
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["ds_config.json"]
+    assert (tmp_path / "logs/ds_config.json").read_text() == "the new run's"
 
 
 def test_a_launcher_holds_the_folders_before_it_writes_and_its_rank_0_takes_them_with_it(tmp_path):

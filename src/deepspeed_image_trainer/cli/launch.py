@@ -230,7 +230,6 @@ def main(argv=None, launched_at=None):
     checked = preflight(args, base, world_size=world_size, device_type=device_type, class_names=class_names,
                         num_train_images=num_train_images, num_params=num_params, read_shards=True)
     config, resume_from = checked.ds_config, checked.resume_from
-    config_path = Path(args.log_dir) / "ds_config.json"
     given_path = given_config_path(args.log_dir, base) if args.deepspeed_config else None
     if args.dry_run:
         print(json.dumps(config, indent=2))
@@ -240,6 +239,7 @@ def main(argv=None, launched_at=None):
     # stops without touching the first one's files. Later nodes start once the first one holds them.
     launch_token = run_folders.claim(args, resume_from) if args.node_rank in (None, 0) else None
     try:
+        config_path = run_folders.config_path(args)
         command = build_command(args, num_gpus, num_nodes, given_path, launch_token)
         data_check.save_cache()
         with stop_on_write_error("DeepSpeed config", "--log_dir"):
@@ -289,7 +289,14 @@ def run_and_forward_signals(command, launched_at):
         print("error: the training processes were killed (a second Ctrl-C or SIGTERM); --resume auto continues from "
               "the last checkpoint published", file=sys.stderr, flush=True)
         return 128 + signal.SIGKILL
-    return 128 + received[0] if received else status
+    if received:
+        return 128 + received[0]
+    if status == 256 - signal.SIGKILL:  # DeepSpeed's launcher exits with a rank's return code, -9 for a SIGKILL
+        print("error: a training process was killed by SIGKILL from outside the trainer (the kernel's out-of-memory "
+              "killer sends it when the host's memory runs out); --resume auto continues from the last checkpoint "
+              "published", file=sys.stderr, flush=True)
+        return 128 + signal.SIGKILL
+    return status
 
 
 def signal_group(pgid, signum):

@@ -8,7 +8,6 @@ from pathlib import Path
 from ..engine.config import build_ds_config, check_run, check_with_deepspeed
 from ..engine.distributed import rank_zero_only
 from ..outputs.checkpoints import check_resumable, find_checkpoint, run_settings, saved_precision, saved_stage
-from ..utils.text import listed
 
 say = rank_zero_only(print)  # in the launcher, and in rank 0
 
@@ -28,9 +27,9 @@ def preflight(args, base, *, world_size, device_type, class_names, num_train_ima
     starts: a rank that could not would stop alone, its peers waiting in DeepSpeed's load)."""
     skipped = []
     resume_from = find_checkpoint(args.resume, args.checkpoint_dir, skipped) if args.resume else None
-    for folder, missing in skipped:
-        say(f"warning: --resume auto skips {folder}: {len(missing)} of its files are missing ({listed(missing, 2)})",
-            file=sys.stderr)
+    if getattr(args, "launch_token", None) is None:  # else its launcher said it
+        for folder, why in skipped:
+            say(f"warning: --resume auto skips {folder}: {why}", file=sys.stderr)
     ds_config = build_ds_config(args, world_size, num_train_images, base=base, device_type=device_type,
                                 num_params=num_params, resumed_stage=saved_stage(resume_from),
                                 resumed_precision=saved_precision(resume_from))

@@ -546,6 +546,10 @@ def _first_line(err):
     return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
+def _number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def built_optimizer(config, where, device_type):
     """The optimizer DeepSpeed's engine builds from `config` (engine._configure_basic_optimizer), on a
     one-parameter stand-in, so that parameters it cannot take stop here: torch's optimizers are built; DeepSpeed's
@@ -602,14 +606,27 @@ DEEPSPEED_OPTIMIZER_CLASSES = {"adam": ("deepspeed.ops.adam", "FusedAdam"), "ada
 
 def check_scheduler(config, optimizer, where):
     """Build the LR scheduler DeepSpeed's engine builds from `config` (engine._scheduler_from_config) over
-    `optimizer`, a stand-in: one without the parameters it needs, or with values it cannot take, stops here."""
+    `optimizer`, a stand-in, and take a few of its steps: one without the parameters it needs, or with values
+    it cannot compute with (many are used only from the first step on), stops here."""
+    import inspect
+    import warnings
+
     import torch
     from deepspeed.runtime import lr_schedules
 
     kind, params = config["scheduler"]["type"], config["scheduler"].get("params", {})
     scheduler = getattr(lr_schedules, kind, None) or getattr(torch.optim.lr_scheduler, kind)
+    for key, value in params.items():  # a number where the scheduler's own default is one (StepLR's gamma)
+        default = getattr(inspect.signature(scheduler).parameters.get(key), "default", None)
+        if _number(default) and not _number(value):
+            raise UsageError(f"{where}: scheduler.params.{key} of {kind} must be a number, got {value!r}")
     try:
-        scheduler(optimizer, **params)
-    except (TypeError, ValueError, KeyError, AssertionError, ZeroDivisionError) as err:
+        with warnings.catch_warnings():  # torch's: a scheduler stepped before its optimizer
+            warnings.simplefilter("ignore")
+            built = scheduler(optimizer, **params)
+            for _ in range(3):
+                built.step()
+                built.get_last_lr()
+    except (TypeError, ValueError, KeyError, AssertionError, ZeroDivisionError, OverflowError) as err:
         raise UsageError(f"{where}: scheduler {kind} cannot be built from scheduler.params ({_first_line(err)})") \
             from None

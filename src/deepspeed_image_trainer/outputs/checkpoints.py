@@ -236,19 +236,27 @@ def missing_files(folder, info):
 
 def find_checkpoint(resume, checkpoint_dir, skipped=None):
     """The folder to resume from: for "auto", the newest whole one under checkpoint_dir (None when there is
-    none), adding those it passed over for missing files to `skipped` as (folder, missing files); otherwise a
-    checkpoint folder, its tag folder, or a name under checkpoint_dir (last, best, epoch_N)."""
+    none), adding those it passed over to `skipped` as (folder, why: a damaged extra_info.json, files missing);
+    otherwise a checkpoint folder, its tag folder, or a name under checkpoint_dir (last, best, epoch_N)."""
     checkpoint_dir = Path(checkpoint_dir)
     if resume == "auto":
         names = {p.name.removeprefix(".old-") for p in checkpoint_dir.iterdir()} if checkpoint_dir.is_dir() else ()
-        found = [f for f in (readable(checkpoint_dir / n) for n in sorted(names) if not n.startswith("."))
-                 if f is not None]
-        for folder in list(found):
-            missing = missing_files(folder, read_info(folder))
-            if missing:
-                found.remove(folder)
-                if skipped is not None:
-                    skipped.append((folder, missing))
+        found, passed_over = [], []
+        for name in sorted(n for n in names if not n.startswith(".")):
+            folder = readable(checkpoint_dir / name)
+            if folder is None and (checkpoint_dir / name / EXTRA_INFO).is_file():
+                try:
+                    read_info(checkpoint_dir / name)
+                except UsageError as err:
+                    passed_over.append((checkpoint_dir / name, str(err).split(": use another checkpoint")[0]))
+            elif folder is not None:
+                missing = missing_files(folder, read_info(folder))
+                if missing:
+                    passed_over.append((folder, f"{len(missing)} of its files are missing ({listed(missing, 2)})"))
+                else:
+                    found.append(folder)
+        if skipped is not None:
+            skipped += passed_over
         if not found:
             return None
         # The newest run's (an --overwrite run cut before it removed the earlier run's epoch_N), then its newest

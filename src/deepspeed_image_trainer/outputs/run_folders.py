@@ -27,6 +27,9 @@ from .universal import UNIVERSAL
 LOCK_FILE = ".lock"  # rank 0's
 LAUNCH_LOCK_FILE = ".launch.lock"  # the run's owner: its launcher, or rank 0 of a run started without one
 LOCK_FILES = (LOCK_FILE, LAUNCH_LOCK_FILE)
+DS_CONFIG = "ds_config.json"  # in --log_dir: the launcher's resolved config, for the user to read
+# an --overwrite launch's, until the run it starts replaces the earlier one's (EarlierRun.retire)
+NEXT_DS_CONFIG = ".ds_config.next.json"
 _held = []  # open lock files: closing one releases its lock
 
 
@@ -179,9 +182,9 @@ class EarlierRun:
     run's first checkpoint is published (CheckpointSaver.retire_after_first_save), then go."""
 
     def __init__(self, checkpoint_dir, log_dir):
-        self.checkpoint_dir = Path(checkpoint_dir)
+        self.checkpoint_dir, self.log_dir = Path(checkpoint_dir), Path(log_dir)
         self.names = _checkpoint_names(self.checkpoint_dir)
-        self.history = Path(log_dir) / HISTORY_FILE
+        self.history = self.log_dir / HISTORY_FILE
 
     def retire(self, published):
         """The new run has published its checkpoint under the names `published`: the rest of the earlier run's
@@ -190,6 +193,15 @@ class EarlierRun:
             if name not in published and (self.checkpoint_dir / name).exists():
                 shutil.rmtree(self.checkpoint_dir / name)
         self.history.unlink(missing_ok=True)
+        if (self.log_dir / NEXT_DS_CONFIG).exists():  # the launcher's config of this run
+            os.replace(self.log_dir / NEXT_DS_CONFIG, self.log_dir / DS_CONFIG)
+
+
+def config_path(args):
+    """Where the launcher writes its resolved config: ds_config.json, or, where an --overwrite run starts over an
+    earlier run's results, beside it until the new run has a checkpoint to put in their place."""
+    earlier = args.overwrite and earlier_results(args.checkpoint_dir, args.log_dir)
+    return Path(args.log_dir) / (NEXT_DS_CONFIG if earlier else DS_CONFIG)
 
 
 def claim(args, resume_from):
