@@ -52,7 +52,7 @@ def get_args_parser():
                         metavar="NAME", help="memory_profile.py's configuration names")
     parser.add_argument("--overrides", nargs="+", default=["1"], metavar="VALUE",
                         help="run each DeepSpeed configuration under each of these TRAINER_DEEPSPEED_OVERRIDES "
-                             "values (1: all of src/deepspeed_overrides.py's groups, 0: none, or a list of groups)")
+                             "values (1: all of src/deepspeed_image_trainer/engine/overrides.py's groups, 0: none, or a list of groups)")
     parser.add_argument("--coalesce", action="store_true",
                         help="also run each DeepSpeed configuration inside DeepSpeed's engine.coalesce_grad_reduction(): "
                              "the micro-batches before the last keep their gradients on the GPU, without ZeRO's "

@@ -99,7 +99,7 @@ SKIPPED_BY_DEFAULT = {"torch bf16 channels_last compile", "step: zero2 bf16 comp
                       "epoch: zero0 bf16, data on GPU", "epoch: zero1 bf16, data on GPU",
                       *(name for name in [*SYNTHETIC, *REAL] if "offload" in name and name.startswith("step") or
                         name.endswith("DeepSpeed's methods"))}
-# without src/deepspeed_overrides.py's replacements (TRAINER_DEEPSPEED_OVERRIDES=0), to measure what they gain
+# without src/deepspeed_image_trainer/engine/overrides.py's replacements (TRAINER_DEEPSPEED_OVERRIDES=0), to measure what they gain
 DEEPSPEED_OWN_METHODS = {name for name in [*SYNTHETIC, *REAL] if name.endswith("DeepSpeed's methods")}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -265,7 +265,7 @@ def write_profile(profile, path):
 
 def relative_paths(text):
     """`text` with the import path's folders (a virtual environment's too, wherever it is) left out of its file
-    names, then the project's: deepspeed/..., src/training.py."""
+    names, then the project's: deepspeed/..., src/deepspeed_image_trainer/engine/loop.py."""
     project = {str(ROOT), str(ROOT / "src"), str(ROOT / "benchmarks")}
     for folder in sorted({entry.rstrip("/") for entry in sys.path if entry} - project, key=len, reverse=True):
         text = text.replace(folder + "/", "")

@@ -54,7 +54,7 @@ def variants(model):
         "zero0": (["--zero_stage", "0", "--bf16"], {}),
         "zero2": (["--zero_stage", "2", "--bf16"], {}),
         # DeepSpeed's contiguous gradients copy each gradient into the reduce bucket and the partition in a Python
-        # hook; the trainer turns them off without offload (ds_config.py). In the JSON of commit c183514 "zero1"
+        # hook; the trainer turns them off without offload (engine/config.py). In the JSON of commit c183514 "zero1"
         # and "zero2" still had them on, and "... contiguous_gradients off" measured them off.
         "zero2 contiguous_gradients on": (["--zero_stage", "2", "--bf16"], {"contiguous_gradients": True}),
         "zero2 overlap_comm on": (["--zero_stage", "2", "--bf16"], {"overlap_comm": True}),
@@ -72,7 +72,7 @@ def variants(model):
         "zero3 torch.compile": ([*zero3, "--compile"], {}),
         # DeepCompile (CUDA only) takes the gathers, releases and reductions out of the Python hooks and into
         # the compiled graph, with prefetching scheduled from a profile of the first steps; the trainer then sets
-        # no leaf modules (ds_config.py). Measured with NO_LEAVES in the base config before it did.
+        # no leaf modules (engine/config.py). Measured with NO_LEAVES in the base config before it did.
         "zero3 DeepCompile": ([*zero3, "--compile"], {}, {"compile": {"deepcompile": True}}),
         **({"zero3 leaf layer1-4": (zero3, {"leaf_module": {"names": ["layer1", "layer2", "layer3", "layer4"]}})}
            if model.startswith("resnet") else {}),

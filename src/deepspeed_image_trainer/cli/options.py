@@ -188,7 +188,7 @@ def run_cli(main, argv=None):
         message, status, quiet = traceback.format_exc().rstrip(), 1, False
     # Out of the except block the traceback is gone; collecting the frames it held shuts their DataLoader
     # workers down now. Left to the exit handlers, which stop workers with SIGTERM, a run stopped mid-epoch
-    # or crashed would wait forever for workers that ignore it (see data.ignore_stop_signals).
+    # or crashed would wait forever for workers that ignore it (see data/folders.py, ignore_stop_signals).
     gc.collect()
     if not quiet:
         print(message, file=sys.stderr, flush=True)

@@ -1,6 +1,6 @@
 """The dataset decoded once and kept on the training device as uint8; augmentation per batch there.
 
-The DataLoader path (data.py) decodes and augments every image in worker processes every epoch.
+The DataLoader path (folders.py) decodes and augments every image in worker processes every epoch.
 Here every image is decoded once at start (nvJPEG in batches on a GPU, torchvision/PIL on the CPU),
 and each batch is cut out of the resident tensors with a few tensor ops, the way airbench does:
 

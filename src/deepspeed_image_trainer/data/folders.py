@@ -104,7 +104,7 @@ def image_folder(root, transform=None, classes=None):
 
 
 def load_datasets(train_dir, val_dir, image_size, preprocessing=None, decode=True):
-    """(train set, val set, DataCheck): the checked images (`decode`: see data_check.inspect_image), validation
+    """(train set, val set, DataCheck): the checked images (`decode`: see check.inspect_image), validation
     labelled by the training classes' names."""
     check = check_data(train_dir, val_dir, decode)
 
