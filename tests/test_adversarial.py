@@ -43,7 +43,9 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "NVME_NO_PATH": {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
         "STEPS_WORDS": {"steps_per_print": "x"},
         "STEPLR_GAMMA_WORDS": {"scheduler": {"type": "StepLR", "params": {"step_size": 5, "gamma": "x"}}},
-        "ONECYCLE_WORDS": {"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": "x", "cycle_max_lr": 0.1}}}}
+        "ONECYCLE_WORDS": {"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": "x", "cycle_max_lr": 0.1}}},
+        "BETAS_SHORT": {"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}},
+        "SCHEDULER_MODULE": {"scheduler": {"type": "math", "params": {"a": 1}}}}
 
 FLAGS = [
     (["--seed", "-1"], "--seed must be in 0 .. 4294967295, got -1"),
@@ -74,6 +76,8 @@ FLAGS = [
     (["--deepspeed_config", "STEPLR_GAMMA_WORDS"], "scheduler.params.gamma of StepLR must be a number, got 'x'"),
     (["--deepspeed_config", "ONECYCLE_WORDS"], "scheduler OneCycle cannot be built from scheduler.params "
                                                "(unsupported operand type(s)"),  # used from its first step
+    (["--deepspeed_config", "BETAS_SHORT"], "optimizer AdamW cannot be built from optimizer.params (list index"),
+    (["--deepspeed_config", "SCHEDULER_MODULE"], "scheduler.type 'math' is neither one of DeepSpeed's schedulers"),
     (["--pretrained", "RANDOM_BYTES"], "is damaged or not a torch file"),
     (["--pretrained", "MODEL_STATES"], "export it first with export_model.py"),
     (["--pretrained", "PAYLOAD"], "holds Python objects other than tensors"),

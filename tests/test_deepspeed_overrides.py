@@ -1,4 +1,4 @@
-"""The trainer's replacements of DeepSpeed's ZeRO-1/2 methods (src/deepspeed_overrides.py): they stand
+"""The trainer's replacements of DeepSpeed's ZeRO-1/2 methods (engine/overrides.py): they stand
 only over the DeepSpeed source they were checked against, and train to DeepSpeed's own results, overflow
 skips included. Also the ZeRO-1/2 setting the trainer changes from DeepSpeed's default (contiguous
 gradients off): it trains to the same weights."""

@@ -58,6 +58,13 @@ def test_an_optimizer_from_the_json_gets_only_the_settings_it_takes(kind, settin
         optimizer_class([torch.nn.Parameter(torch.zeros(1))], **params)
 
 
+def test_json_sections_without_a_type_take_the_flags_types():
+    config = build(base={"optimizer": {"params": {"lr": 0.01}}, "scheduler": {"params": {"warmup_num_steps": 5}}})
+    assert config["optimizer"]["type"] == "AdamW" and config["optimizer"]["params"]["lr"] == 0.01
+    assert config["scheduler"]["type"] == build()["scheduler"]["type"]
+    assert config["scheduler"]["params"]["warmup_num_steps"] == 5
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 8])
 @pytest.mark.parametrize("micro, accumulation", [(1, 1), (16, 1), (4, 8)])
 def test_train_batch_size_is_consistent(world_size, micro, accumulation):

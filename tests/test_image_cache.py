@@ -1,4 +1,4 @@
-"""The decoded-image cache (src/image_cache.py): the pixels the device path decodes, read back by later runs
+"""The decoded-image cache (data/cache.py): the pixels the device path decodes, read back by later runs
 without decoding, a new entry for changed files, nothing half-written used, one fill for runs at once."""
 import math
 import os

@@ -30,10 +30,10 @@ LAUNCHER_FLAGS = {"num_gpus", "num_nodes", "hostfile", "master_addr", "master_po
                   "dry_run"}
 # What a --dry_run without the dataset assumes: Animals-90, the default job.
 ANIMALS90_CLASSES, ANIMALS90_TRAIN_IMAGES = 90, 5400
-# DeepSpeed's multi-node backends; "none": start this script on each node by hand with --node_rank.
 # After DeepSpeed's launcher exits, the time left to the training processes (saving at a stop) before SIGKILL:
 # DeepSpeed's launcher itself gives each rank 30 s after a SIGTERM.
 STOP_GRACE_S = 120
+# DeepSpeed's multi-node backends; "none": start this script on each node by hand with --node_rank.
 LAUNCHERS = ("pdsh", "openmpi", "mvapich", "mpich", "impi", "slurm", "none")
 
 
@@ -188,6 +188,9 @@ def build_command(args, num_gpus, num_nodes, given_path=None, launch_token=None)
 def main(argv=None, launched_at=None):
     """`launched_at`: when the command started (time.time()), from which the ranks count their startup."""
     args = parse_args(get_args_parser, argv)
+    if not TRAIN_SCRIPT.is_file():  # the package installed without the project's scripts
+        raise UsageError(f"the training script {TRAIN_SCRIPT} is missing: run the launcher from the project (or "
+                         "install it with pip install -e .)")
     if args.list_models:
         from ..models.build import list_models
 

@@ -124,7 +124,8 @@ def add_training_args(parser):
                           "PATH: a checkpoint folder or a name in --checkpoint_dir (last, best, epoch_N)")
     out.add_argument("--overwrite", action="store_true",
                      help="start a new run over an earlier run's checkpoints and history in --checkpoint_dir and "
-                          "--log_dir, removing them (without it such a run stops: --resume auto continues it)")
+                          "--log_dir, which go once the new run's first checkpoint is published (without it such a "
+                          "run stops: --resume auto continues it)")
     return parser
 
 

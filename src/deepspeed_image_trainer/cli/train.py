@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ..data.cache import OFF, cache_root
 from ..data.check import decodes_every_file
@@ -20,8 +21,8 @@ from ..data.device import build_device_loaders, choose_device_data, train_square
 from ..data.folders import build_loaders, load_datasets
 from ..engine import overrides as deepspeed_overrides
 from ..engine.config import load_base_config, lr_schedule, precision, resolve_scheduler
-from ..engine.distributed import (agreed, any_rank, differing, init_distributed, local_device, patient_group,
-                                  rank_zero_only, shut_down)
+from ..engine.distributed import (agreed, all_reduce, any_rank, differing, init_distributed, local_device,
+                                  patient_group, rank_zero_only, shut_down)
 from ..engine.finetune import BodyLearningRate, fine_tuning, parameter_groups
 from ..engine.interrupt import StopOnSignal, die_with_parent_call
 from ..engine.loop import evaluate, input_dtype, peak_gpu_memory_gib, replace_lr_scheduler, train_one_epoch
@@ -161,7 +162,7 @@ def build(args, clock):
                                        num_params=num_params))
     ds_config, coalesced, resume_from, resumed_info = (checked.ds_config, checked.coalesced, checked.resume_from,
                                                        checked.resumed_info)
-    earlier_run = rank_zero_only(run_folders.start)(args, resume_from)
+    earlier_run = agreed(lambda: rank_zero_only(run_folders.start)(args, resume_from))  # rank 0's refusal, for all
     if args.coalesce_grad_reduction == "on" and not coalesced:
         say("--coalesce_grad_reduction on: one micro-batch a step (--gradient_accumulation_steps 1), so nothing "
             "to coalesce")
@@ -177,6 +178,11 @@ def build(args, clock):
     cache = cache_root(args.cache_dir)
     tier, why = choose_device_data(args.data_on_device, device, len(train_set), len(val_set), args.image_size,
                                    args.device_train_size, num_params, cache)
+    # auto decides on each rank's own GPU and disk: ranks on other tiers would wait in other collectives
+    reach = ("workers", "cache", "device")
+    lowest = reach[int(all_reduce({"tier": reach.index(tier)}, device, dist.ReduceOp.MIN)["tier"])]
+    if lowest != tier:
+        tier, why = lowest, f"{why}, but another rank's {lowest} tier, which every rank takes"
     on_device = tier != "workers"
     if not on_device and not data_check.decoded:  # nothing decodes the files the check read the headers of
         train_set, val_set, data_check = recheck(args, inputs, train_set.classes)

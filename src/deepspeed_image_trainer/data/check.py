@@ -13,7 +13,7 @@ later run on the same folders decode nothing again.
 
 A check that reads headers only (`decode=False`) serves runs whose data the trainer decodes anyway (data on
 the GPU, the decoded-image cache): that decode finds the files whose data is broken, so each image is decoded
-once (device_data.decode_split).
+once (device.decode_split).
 """
 import functools
 import hashlib

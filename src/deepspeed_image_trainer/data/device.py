@@ -336,7 +336,7 @@ def named_device(device):
 
 
 class DeviceTrainLoader:
-    """Training batches of one rank, cut from uint8 squares (same interface as data.TrainLoader): resident on
+    """Training batches of one rank, cut from uint8 squares (same interface as folders.TrainLoader): resident on
     `device`, or in host memory (`images` and `labels` there: the cache tier), gathered a few batches ahead
     in a thread and copied over."""
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ..models.names import DEFAULT_MODEL
 from ..utils.failures import UsageError
+from ..utils.text import error_line
 
 AUTO = "auto"
 # torchvision's ResNet18 without its classifier; the classifier adds 512 weights and a bias per class.
@@ -309,7 +310,7 @@ def auto_stage(world_size, zero):
 
 def coalesces_grad_reduction(mode, config):
     """Whether the training loop runs each optimizer step's micro-batches inside DeepSpeed's
-    engine.coalesce_grad_reduction() (training.GradientAccumulation), for --coalesce_grad_reduction `mode`.
+    engine.coalesce_grad_reduction() (engine/loop.py, GradientAccumulation), for --coalesce_grad_reduction `mode`.
 
     With optimizer offload, DeepSpeed's ZeRO-1/2 otherwise copy every micro-batch's gradients to the CPU
     through per-parameter hooks (docs/memory.md, "Offload with gradient accumulation"); coalesced, the
@@ -367,6 +368,7 @@ OPTIMIZER_SETTINGS = {**dict.fromkeys(("adam", "adamw", "lamb", "onebitadam", "z
 
 def _resolve_optimizer(config, args, device_type):
     optimizer = config.setdefault("optimizer", {"type": "AdamW", "params": {}})
+    optimizer.setdefault("type", "AdamW")  # a JSON's optimizer section that gives params only
     params = optimizer.setdefault("params", {})
     takes = OPTIMIZER_SETTINGS.get(str(optimizer.get("type", "")).lower(), ())
     auto_values = {"lr": args.learning_rate, "weight_decay": args.weight_decay,
@@ -391,6 +393,8 @@ def resolve_scheduler(base, args, lr, optimizer_steps):
     numbers the JSON gives stay as given."""
     kind, defaults = LR_SCHEDULES[args.lr_schedule]
     scheduler = copy.deepcopy(base.get("scheduler"))
+    if scheduler is not None and "type" not in scheduler:  # the JSON's params, for --lr_schedule's type
+        scheduler = {"type": kind, "params": {**dict(defaults), **(scheduler.get("params") or {})}}
     if scheduler is None or "lr_schedule" in args.explicit and scheduler.get("type") != kind:
         scheduler = {"type": kind, "params": dict(defaults)}
     params = scheduler.setdefault("params", {})
@@ -517,7 +521,9 @@ def check_with_deepspeed(config, path, device_type):
         raise UsageError(f"{where}: optimizer.type {optimizer!r} is neither one of DeepSpeed's optimizers "
                          f"({', '.join(DEEPSPEED_OPTIMIZERS)}) nor a torch.optim class")
     scheduler = config["scheduler"]["type"]
-    if not hasattr(lr_schedules, scheduler) and not hasattr(torch.optim.lr_scheduler, scheduler):
+    torch_scheduler = getattr(torch.optim.lr_scheduler, scheduler, None)
+    if scheduler not in lr_schedules.VALID_LR_SCHEDULES and not (
+            isinstance(torch_scheduler, type) and issubclass(torch_scheduler, torch.optim.lr_scheduler.LRScheduler)):
         raise UsageError(f"{where}: scheduler.type {scheduler!r} is neither one of DeepSpeed's schedulers "
                          f"({', '.join(lr_schedules.VALID_LR_SCHEDULES)}) nor a torch.optim.lr_scheduler class")
     # Checked here against one rank, DeepSpeed would refuse the global batch of several; it was checked above.
@@ -530,7 +536,7 @@ def check_with_deepspeed(config, path, device_type):
         raise UsageError(f"{where}: {key}: {first['msg']} (got {json.dumps(first.get('input'), default=str)})") \
             from None
     except Exception as err:  # noqa: BLE001 - DeepSpeed reports other config problems as assertions and plain errors
-        raise UsageError(f"{where}: DeepSpeed rejects it ({_first_line(err)})") from None
+        raise UsageError(f"{where}: DeepSpeed rejects it ({error_line(err)})") from None
     steps_per_print = config.get("steps_per_print", 1)
     if not isinstance(steps_per_print, int) or isinstance(steps_per_print, bool) or steps_per_print < 1:
         raise UsageError(f"{where}: steps_per_print must be a whole number of steps, got {steps_per_print!r}")
@@ -540,10 +546,6 @@ def check_with_deepspeed(config, path, device_type):
             raise UsageError(f"{where}: zero_optimization.{section} to nvme needs its nvme_path (a folder on the "
                              "NVMe drive)")
     check_scheduler(config, built_optimizer(config, where, device_type), where)
-
-
-def _first_line(err):
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def _number(value):
@@ -592,15 +594,17 @@ def built_optimizer(config, where, device_type):
         if module is not None:
             constructor = getattr(importlib.import_module(module), cls)
             inspect.signature(constructor).bind(stand_in, **params)
-    except (TypeError, ValueError, KeyError) as err:
-        raise UsageError(f"{where}: optimizer {kind} cannot be built from optimizer.params ({_first_line(err)})") \
+    except Exception as err:  # noqa: BLE001 - each constructor refuses its own way (betas [0.9]: IndexError)
+        raise UsageError(f"{where}: optimizer {kind} cannot be built from optimizer.params ({error_line(err)})") \
             from None
     return torch.optim.AdamW(stand_in)  # for the scheduler: an optimizer with betas, as DeepSpeed's compiled ones
 
 
 # DeepSpeed's compiled optimizers, by their name in the config: checked against their signature, not built.
-DEEPSPEED_OPTIMIZER_CLASSES = {"adam": ("deepspeed.ops.adam", "FusedAdam"), "adamw": ("deepspeed.ops.adam", "FusedAdam"),
-                               "lamb": ("deepspeed.ops.lamb", "FusedLamb"), "lion": ("deepspeed.ops.lion", "FusedLion"),
+DEEPSPEED_OPTIMIZER_CLASSES = {"adam": ("deepspeed.ops.adam", "FusedAdam"),
+                               "adamw": ("deepspeed.ops.adam", "FusedAdam"),
+                               "lamb": ("deepspeed.ops.lamb", "FusedLamb"),
+                               "lion": ("deepspeed.ops.lion", "FusedLion"),
                                "adagrad": ("deepspeed.ops.adagrad", "DeepSpeedCPUAdagrad")}
 
 
@@ -627,6 +631,6 @@ def check_scheduler(config, optimizer, where):
             for _ in range(3):
                 built.step()
                 built.get_last_lr()
-    except (TypeError, ValueError, KeyError, AssertionError, ZeroDivisionError, OverflowError) as err:
-        raise UsageError(f"{where}: scheduler {kind} cannot be built from scheduler.params ({_first_line(err)})") \
+    except Exception as err:  # noqa: BLE001 - as with the optimizer: each scheduler refuses its own way
+        raise UsageError(f"{where}: scheduler {kind} cannot be built from scheduler.params ({error_line(err)})") \
             from None

@@ -78,7 +78,7 @@ class GradientAccumulation:
     the gradients after every backward and steps the optimizer at the accumulation boundary. `coalesced`: an
     optimizer step's micro-batches run inside DeepSpeed's engine.coalesce_grad_reduction(), which sums their
     gradients on the device without ZeRO's per-parameter hooks and reduces them once as it ends; step() once
-    after it (ds_config.coalesces_grad_reduction says when)."""
+    after it (config.coalesces_grad_reduction says when)."""
 
     def __init__(self, engine, coalesced=False):
         self.engine, self.coalesced = engine, coalesced

@@ -90,9 +90,9 @@ def main(argv=None):
     output_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(output_dir / "report.json", report)
     plot_confusion(report["confusion_matrix"], dataset.classes, output_dir / "confusion_matrix.png")
-    top_k = next(k for k in report if k.startswith("top") and k != "top1")
+    top_k = next((k for k in report if k.startswith("top") and k != "top1"), None)  # none with one class
     worst = sorted((acc, name) for name, acc in report["per_class_accuracy"].items() if acc is not None)[:3]
     weakest = ", ".join(f"{name} {acc:.2f}" for acc, name in worst)
-    print(f"{report['images']} images ({decode} decode): loss {report['loss']:.4f}, top-1 {report['top1']:.4f}, "
-          f"{top_k} {report[top_k]:.4f}; weakest classes: {weakest}")
+    print(f"{report['images']} images ({decode} decode): loss {report['loss']:.4f}, top-1 {report['top1']:.4f}"
+          + (f", {top_k} {report[top_k]:.4f}" if top_k else "") + f"; weakest classes: {weakest}")
     print(f"report: {output_dir / 'report.json'}, confusion matrix: {output_dir / 'confusion_matrix.png'}")

@@ -19,6 +19,7 @@ from torchvision.models.resnet import BasicBlock, ResNet
 
 from ..utils.failures import UsageError
 from ..utils.loading import load_checked
+from ..utils.text import error_line
 from .names import DEFAULT_MODEL, architecture
 
 
@@ -257,24 +258,20 @@ def check_image_size(name, num_classes, image_size, batch_size=2):
     try:
         model = shape_model(name, num_classes, image_size)
     except (ValueError, AssertionError) as err:  # ViT and MaxViT check the size at construction
-        raise UsageError(f"--model {name} cannot take --image_size {image_size}: {_first_line(err)}") from None
+        raise UsageError(f"--model {name} cannot take --image_size {image_size}: {error_line(err)}") from None
     try:
         model(torch.zeros(2, 3, image_size, image_size, device="meta"))
     except (RuntimeError, ValueError, AssertionError) as err:
-        raise UsageError(f"--model {name} cannot take --image_size {image_size} ({_first_line(err)}); use a larger "
+        raise UsageError(f"--model {name} cannot take --image_size {image_size} ({error_line(err)}); use a larger "
                          "or rounder size, such as 224") from None
     if batch_size == 1:
         try:
             model(torch.zeros(1, 3, image_size, image_size, device="meta"))
         except ValueError as err:  # "Expected more than 1 value per channel when training"
             raise UsageError(f"--batch_size 1 at --image_size {image_size}: a batch norm layer of {name} then sees "
-                             f"one value per channel ({_first_line(err)}); use --batch_size 2 or more, or a larger "
+                             f"one value per channel ({error_line(err)}); use --batch_size 2 or more, or a larger "
                              "--image_size") from None
     return model
-
-
-def _first_line(err):
-    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def default_image_size(name):
@@ -304,7 +301,7 @@ def _weights(name, choice):
 
 def preprocessing(name, pretrained):
     """How images become input for `name` started from `pretrained`: torchvision's weights bring their mean,
-    std, resize and interpolation (data.DEFAULT_PREPROCESSING for anything else)."""
+    std, resize and interpolation (data/folders.py, DEFAULT_PREPROCESSING, for anything else)."""
     from ..data.folders import DEFAULT_PREPROCESSING
 
     check_model_name(architecture(name))

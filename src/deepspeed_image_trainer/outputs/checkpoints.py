@@ -280,7 +280,7 @@ def saved_stage(folder):
 
 
 def saved_precision(folder):
-    """The precision a checkpoint was saved with (ds_config.precision's name: what --precision_mode auto
+    """The precision a checkpoint was saved with (engine/config.py's precision() name: what --precision_mode auto
     resumes with), or None."""
     if folder is None:
         return None

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .failures import UsageError
+from .text import error_line
 
 
 def deepspeed_checkpoint_classes():
@@ -60,9 +61,9 @@ def load_checked(path, map_location="cpu", mmap=False, deepspeed_classes=True):
         raise UsageError(f"{path} holds Python objects other than tensors ({refused}): not loaded, since loading "
                          "it could run any code; use a file this trainer or torchvision wrote") from None
     except OSError as err:
-        raise UsageError(f"{path}: {err.strerror or _first_line(err)}") from None
+        raise UsageError(f"{path}: {err.strerror or error_line(err)}") from None
     except Exception as err:  # noqa: BLE001 - a damaged file fails in zip, pickle or tensor code, each its own way
-        raise UsageError(f"{path} is damaged or not a torch file ({type(err).__name__}: {_first_line(err)})") from None
+        raise UsageError(f"{path} is damaged or not a torch file ({type(err).__name__}: {error_line(err)})") from None
 
 
 def check_checkpoint_files(folder, tag):
@@ -72,10 +73,6 @@ def check_checkpoint_files(folder, tag):
         raise UsageError(f"{Path(folder, tag)} holds no checkpoint files (*.pt)")
     for path in files:
         load_checked(path, mmap=True)
-
-
-def _first_line(err):
-    return str(err).strip().splitlines()[0] if str(err).strip() else "no detail"
 
 
 def _lines(err):
@@ -90,4 +87,4 @@ def _refused_global(err):
 
 
 def _detail(err):
-    return next((line for line in _lines(err) if line), _first_line(err))
+    return next((line for line in _lines(err) if line), error_line(err))

@@ -3,8 +3,9 @@ SHOWN = 5  # files named in a one-line warning
 
 
 def error_line(err):
-    """The first line of why a file cannot be read."""
-    return str(err).splitlines()[0] if str(err) else type(err).__name__
+    """The first line of an exception's message (its type's name when it has none)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def listed(items, shown=SHOWN):
