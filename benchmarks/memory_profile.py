@@ -55,7 +55,7 @@ from deepspeed_image_trainer.engine import distributed  # noqa: E402
 from deepspeed_image_trainer.engine.distributed import (exit_now, init_distributed, rank_zero_only, run_on_free_port,  # noqa: E402
                                                         shut_down)
 from deepspeed_image_trainer.engine.config import build_ds_config, coalesces_grad_reduction, precision  # noqa: E402
-from deepspeed_image_trainer.utils.failures import UsageError, check_writable  # noqa: E402
+from deepspeed_image_trainer.utils.failures import CliParser, UsageError, check_writable  # noqa: E402
 from deepspeed_image_trainer.models.build import (build_model, check_image_size, construction_args,  # noqa: E402
                                                   shape_model)
 from deepspeed_image_trainer.cli.options import parse_args, run_cli  # noqa: E402
@@ -100,7 +100,7 @@ OUT_OF_MEMORY = 3  # exit status of a --probe or --search process whose last try
 
 
 def get_args_parser():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CliParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="resnet18", help="any torchvision classifier, as the trainer's --model")
     parser.add_argument("--num_classes", type=int, default=90)
     parser.add_argument("--batch_size", type=int, default=64,

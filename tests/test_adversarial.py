@@ -55,6 +55,8 @@ FLAGS = [
     (["--model", "inception_v3", "--image_size", "75", "--batch_size", "1"],
      "--batch_size 1 at --image_size 75: a batch norm layer of inception_v3 then sees one value per channel"),
     (["--model", "maxvit_t", "--image_size", "32"], "--model maxvit_t cannot take --image_size 32: Input size (8, 8)"),
+    (["--model", "googlenet", "--image_size", "32", "--batch_size", "1"],  # its own check, not ResNet18's
+     "a batch norm layer of googlenet then sees one value per channel"),
     (["--overwrite", "--resume", "auto"], "give one of them"),
     (["--deepspeed_config", "OPTIMIZER_TYPE"], "optimizer.type in the DeepSpeed config must be a name, got 5"),
     (["--deepspeed_config", "BUCKET_WORDS"], 'zero_optimization.reduce_bucket_size: Input should be a valid integer'),

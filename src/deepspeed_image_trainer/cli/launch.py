@@ -1,6 +1,5 @@
 """The launcher: flags to a DeepSpeed config, checked, then src/train_deepspeed.py under the `deepspeed` launcher
 (launch_deepspeed.py at the root of the project runs main)."""
-import argparse
 import base64
 import hashlib
 import json
@@ -20,7 +19,7 @@ from ..engine.interrupt import die_with_parent_call
 from ..engine.timing import LAUNCHED_AT_ENV, SPAWNED_AT_ENV
 from ..models.names import DEFAULT_MODEL
 from ..outputs import run_folders
-from ..utils.failures import UsageError, check_writable, stop_on_write_error
+from ..utils.failures import CliParser, UsageError, check_writable, stop_on_write_error
 from ..utils.files import write_json_atomic
 from .options import add_training_args, parse_args
 from .preflight import preflight
@@ -38,7 +37,7 @@ LAUNCHERS = ("pdsh", "openmpi", "mvapich", "mpich", "impi", "slurm", "none")
 
 
 def get_args_parser():
-    parser = argparse.ArgumentParser(description="Build a DeepSpeed config from flags and launch training.")
+    parser = CliParser(description="Build a DeepSpeed config from flags and launch training.")
     launch = parser.add_argument_group("Launcher")
     launch.add_argument("--num_gpus", type=int, default=None,
                         help="GPUs per node (default: all visible GPUs; 1 without GPUs)")

@@ -6,7 +6,7 @@ import os
 import sys
 import traceback
 
-from ..models.names import DEFAULT_MODEL
+from ..models.names import DEFAULT_MODEL, architecture
 from ..utils.failures import CliError, UsageError
 
 
@@ -171,7 +171,8 @@ def check_values(args):
     if args.warmup_epochs > args.epochs:
         raise UsageError(f"--warmup_epochs {args.warmup_epochs:g} is longer than the run (--epochs {args.epochs})")
     # Batch norm in training needs two values per channel; ResNet's last stage sees ceil(size / 32)² per image.
-    if args.batch_size == 1 and args.image_size <= 32:
+    # (Other models are checked by a forward pass on the meta device, models/build.py's check_image_size.)
+    if args.batch_size == 1 and args.image_size <= 32 and architecture(args.model) == DEFAULT_MODEL:
         raise UsageError(f"--batch_size 1 at --image_size {args.image_size}: ResNet18's last batch-norm layers then "
                          "see one value per channel, which they cannot normalise; use --batch_size 2 or more, "
                          "or --image_size 33 or more")

@@ -36,7 +36,7 @@ from ..outputs import run_folders, universal
 from ..outputs.checkpoints import CheckpointSaver, load
 from ..outputs.history import HISTORY_FILE, TrainingHistory, epoch_line
 from ..outputs.monitor import prepare_csv_files, write_epoch_events
-from ..utils.failures import UsageError, check_writable
+from ..utils.failures import CliParser, UsageError, check_writable
 from ..utils.text import listed
 from .options import add_training_args, parse_args
 from .preflight import preflight
@@ -78,7 +78,7 @@ class Run:
 
 
 def get_args_parser():
-    parser = argparse.ArgumentParser(description="Train a torchvision classifier on an image folder with DeepSpeed.")
+    parser = CliParser(description="Train a torchvision classifier on an image folder with DeepSpeed.")
     add_training_args(parser)
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by `deepspeed`
     # set by launch_deepspeed.py: the folders are held for this run by the launcher that started it

@@ -13,7 +13,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from ..utils.failures import UsageError
+from ..utils.failures import CliParser, UsageError
 from .check import check_folders
 
 # The 90 class folders of the Animals-90 dataset; the sample dataset borrows them as class names.
@@ -125,7 +125,7 @@ def _refuse_to_overwrite(output):
 
 
 def get_args_parser():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CliParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", metavar="DIR",
                         help="decode every image of DIR (with train/ and val/, or one ImageFolder root), report "
                              "what training would skip or ignore; exit status 2 when it cannot be trained on")

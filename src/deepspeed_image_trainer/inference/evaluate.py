@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.folders import image_folder
-from ..utils.failures import check_counts, check_writable
+from ..utils.failures import CliParser, check_counts, check_writable
 from ..utils.files import write_json_atomic
 from .load import (DECODES, decoded_log_probabilities, default_device, eval_transform, load_model,
                    predict_log_probabilities, trained_decode)
@@ -54,7 +54,7 @@ def plot_confusion(confusion, class_names, output):
 
 
 def get_args_parser():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CliParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="exported .pt/.safetensors file or a checkpoint folder")
     parser.add_argument("--data_dir", default="data/val", help="image folder with the model's class folders")
     parser.add_argument("--output_dir", default="evaluation", help="where report.json and confusion_matrix.png go")

@@ -23,7 +23,7 @@ from ..data.folders import check_preprocessing
 from ..models.build import check_saved_model, load_weights, model_for_weights
 from ..models.names import MODEL_NAME
 from ..outputs.checkpoints import find_checkpoint, read_info
-from ..utils.failures import UsageError, check_output_file, stop_on_write_error
+from ..utils.failures import CliParser, UsageError, check_output_file, stop_on_write_error
 from ..utils.files import replace_together, written_beside
 from ..utils.loading import check_checkpoint_files, load_checked
 
@@ -106,7 +106,7 @@ def export(checkpoint, output):
 
 
 def get_args_parser():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CliParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", help="checkpoint folder (e.g. checkpoints_deepspeed/best_model) or its tag folder")
     parser.add_argument("--output", required=True, help="model.pt or model.safetensors")
     return parser

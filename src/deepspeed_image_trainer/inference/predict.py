@@ -10,7 +10,7 @@ from pathlib import Path
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..data.folders import load_rgb
-from ..utils.failures import UsageError, check_counts
+from ..utils.failures import CliParser, UsageError, check_counts
 from .load import default_device, eval_transform, load_model, predict_log_probabilities
 
 
@@ -50,7 +50,7 @@ class Images:
 
 
 def get_args_parser():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CliParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="exported .pt/.safetensors file or a checkpoint folder")
     parser.add_argument("images", nargs="+", metavar="IMAGE_OR_DIR")
     parser.add_argument("--top_k", type=int, default=5)

@@ -1,7 +1,7 @@
 """The names of models: torchvision's, and the one the default model is saved under."""
 
 DEFAULT_MODEL = "resnet18"
-MODEL_NAME = "ResNet18Animals90"  # what --model resnet18 builds (models/build.py), and its name in checkpoints and exports
+MODEL_NAME = "ResNet18Animals90"  # what --model resnet18 builds, and its name in checkpoints and exports
 
 
 def architecture(name):

@@ -3,12 +3,11 @@
     python src/utils.py --history logs/training_history.json --output curves.png
     python src/utils.py --history a/logs/training_history.json b/logs/training_history.json --labels A B
 """
-import argparse
 import json
 import math
 from pathlib import Path
 
-from ..utils.failures import UsageError, check_output_file
+from ..utils.failures import CliParser, UsageError, check_output_file
 
 
 def load_history(path):
@@ -133,7 +132,7 @@ def plot_history(histories, output, labels=None):
 
 
 def get_args_parser():
-    parser = argparse.ArgumentParser(
+    parser = CliParser(
         description="Plot loss, accuracy, learning rate, images/s and peak GPU memory per epoch, of one run "
                     "or of several on one figure.")
     parser.add_argument("--history", nargs="+", default=["logs/training_history.json"], metavar="JSON",

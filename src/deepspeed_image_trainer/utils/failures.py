@@ -7,6 +7,7 @@ Each cause is one exception with its own exit status, reported by `run_cli` as o
     4  a checkpoint or the history could not be written (WriteFailed)
     5  the GPU ran out of memory (OutOfMemory)
 """
+import argparse
 import contextlib
 import os
 from pathlib import Path
@@ -40,6 +41,14 @@ class OutOfMemory(CliError):
 DIVERGED_ADVICE = ("The run stopped without saving: the checkpoints and history of earlier epochs are intact. Lower "
                    "--learning_rate, clip with --clip_grad 1 or use --bf16 rather than --fp16, then continue with "
                    "--resume auto (--max_nonfinite_steps 0 never stops)")
+
+
+class CliParser(argparse.ArgumentParser):
+    """argparse's parser whose refusals (an unknown flag, a value of the wrong type) are one `error:` line and exit
+    status 2, as every other refusal is, rather than the usage text."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (--help lists the flags)\n")
 
 
 def check_writable(folder, flag):
