@@ -86,6 +86,19 @@ FLAGS = [
 ]
 
 
+@pytest.mark.parametrize("weights, message", [("RANDOM_BYTES", "is damaged or not a torch file"),
+                                              ("a_folder", "a_folder: a folder; give a state_dict file")])
+def test_the_training_script_refuses_bad_weights_before_it_takes_the_folders(tiny_data, tmp_path, monkeypatch,
+                                                                             capsys, weights, message):
+    from deepspeed_image_trainer.cli import train
+
+    (tmp_path / "RANDOM_BYTES").write_bytes(os.urandom(5000))
+    (tmp_path / "a_folder").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert_usage_error_in_process(train.main, data_args(tiny_data) + ["--pretrained", weights], capsys, message)
+    assert not (tmp_path / "logs").exists() and not (tmp_path / "checkpoints").exists()
+
+
 @pytest.mark.parametrize("extra, message", FLAGS, ids=[" ".join(extra) for extra, _ in FLAGS])
 def test_the_launcher_refuses_what_no_run_can_use(tiny_data, tmp_path, monkeypatch, capsys, extra, message):
     for name, config in JSON.items():

@@ -388,6 +388,15 @@ def test_unusable_data_stops_the_launcher_and_the_check_with_status_2(tmp_path, 
         check_data(tmp_path / "data/train", tmp_path / "data/val")
 
 
+def test_a_dry_run_says_the_data_checks_warnings(bad_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert launch_deepspeed.main(data_args(bad_data) + ["--dry_run"]) == 0
+    warnings = capsys.readouterr().err.splitlines()
+    assert warnings[0].startswith("warning: skipping 7 unreadable image(s): ") and len(warnings) == 5, warnings
+    assert "warning: 1 training class(es) have no validation images: antelope" in warnings
+    assert not (tmp_path / "logs").exists()
+
+
 @pytest.mark.slow
 def test_check_command_prints_the_report(bad_data, tmp_path):
     result = run([sys.executable, str(ROOT / "src/prepare_data.py"), "--check", str(bad_data)], tmp_path)

@@ -222,18 +222,19 @@ def main(argv=None, launched_at=None):
         class_names, num_train_images = data_check.classes, data_check.train.num_images
     num_params = num_parameters(len(class_names))
     if args.model != DEFAULT_MODEL or args.pretrained:  # the training script's checks, before any process starts
-        from ..models.build import check_image_size, pretrained_state
+        from ..models.build import checked_model
 
-        shapes = check_image_size(args.model, len(class_names), args.image_size, args.batch_size)
+        # downloads torchvision's weights once, here, rather than in every rank
+        shapes = checked_model(args.model, len(class_names), args.image_size, args.batch_size, args.pretrained)
         num_params = sum(p.numel() for p in shapes.parameters())
-        if args.pretrained:  # downloads torchvision's weights once, here, rather than in every rank
-            pretrained_state(shapes, args.model, args.pretrained, len(class_names), mmap=True)
     base = load_base_config(args.deepspeed_config)
     checked = preflight(args, base, world_size=world_size, device_type=device_type, class_names=class_names,
                         num_train_images=num_train_images, num_params=num_params, read_shards=True)
     config, resume_from = checked.ds_config, checked.resume_from
     given_path = given_config_path(args.log_dir, base) if args.deepspeed_config else None
     if args.dry_run:
+        for line in data_check.warnings() if data_check else ():  # else the training's rank 0 says them
+            print(line, file=sys.stderr)
         print(json.dumps(config, indent=2))
         print(shlex.join(build_command(args, num_gpus, num_nodes, given_path)))
         return 0

@@ -30,7 +30,7 @@ from ..engine.memory import advise_on_out_of_memory
 from ..engine.numerics import StepHealth
 from ..engine.rng import restore_rng_state, rng_state, seed_everything
 from ..engine.timing import StartupClock
-from ..models.build import build_model, preprocessing, synchronize_batch_norm
+from ..models.build import build_model, checked_model, preprocessing, synchronize_batch_norm
 from ..models.names import saved_name
 from ..outputs import run_folders, universal
 from ..outputs.checkpoints import CheckpointSaver, load
@@ -149,6 +149,8 @@ def build(args, clock):
     train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size, inputs,
                                                    decodes_every_file(args.data_on_device, device_type,
                                                                       args.cache_dir == OFF))
+    if args.launch_token is None:  # else its launcher checked the model before any rank started
+        checked_model(args.model, len(train_set.classes), args.image_size, args.batch_size, args.pretrained)
     if os.environ.get("RANK", "0") == "0":
         run_folders.take(args)  # before any rank looks for a checkpoint: tidying may rename one
 

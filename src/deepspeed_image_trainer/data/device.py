@@ -220,8 +220,9 @@ def decode_dataset(paths, resize, crop, device, records=None, home=None):
 
 
 def decode_split(paths, resize, crop, device, records=None, cache_root=None, source=None, home=None):
-    """(images, decoded, unreadable): one split as uint8 (N, 3, crop, crop), whether this call decoded it, and
-    {index: why} of the files that do not decode (the data check may have read their headers only). Without a
+    """(images, decoded, unreadable, cached): one split as uint8 (N, 3, crop, crop), whether this call decoded it,
+    {index: why} of the files that do not decode (the data check may have read their headers only) and whether
+    the cache holds it. Without a
     cache, or when it cannot be written, decoded on `device` into `home`'s memory (default `device`'s); with
     one, mapped from its entry in host memory, which is filled first (decoding on `device`) when no earlier
     run left it."""
@@ -239,7 +240,7 @@ def decode_split(paths, resize, crop, device, records=None, cache_root=None, sou
     try:
         images, unreadable, filled = image_cache.load_or_fill(paths, resize, crop, decoder, cache_root, fill,
                                                               records, source)
-        return images, filled, unreadable
+        return images, filled, unreadable, True
     except OSError as err:  # a full disk, a read-only folder: the run goes on as without a cache
         print(f"warning: cannot use the decoded-image cache {cache_root} ({err.strerror or err}); decoding without "
               f"it (--cache_dir picks another folder)", file=sys.stderr, flush=True)
@@ -248,7 +249,7 @@ def decode_split(paths, resize, crop, device, records=None, cache_root=None, sou
 
 def decoded_here(paths, resize, crop, device, records, home):
     images, unreadable = decode_dataset(paths, resize, crop, device, records, home)
-    return images, True, unreadable
+    return images, True, unreadable, False
 
 
 def random_resized_crops(count, side, generator):
@@ -503,12 +504,13 @@ def build_device_loaders(train_set, val_set, *, micro_batch_size, image_size, ra
     start = time.perf_counter()
     train_size = train_square_size(image_size, train_size, preprocessing)
     home = device if tier == "device" else torch.device("cpu")  # the cache tier's dataset may not fit the device
-    splits, unreadable, decoded = [], {}, 0
+    splits, unreadable, decoded, cached = [], {}, 0, True
     for dataset, resize, crop in ((train_set, train_size, train_size),
                                   (val_set, resize_size(image_size, preprocessing), image_size)):
         paths, labels = zip(*dataset.samples) if dataset.samples else ((), ())
-        images, split_decoded, failed = decode_split(list(paths), resize, crop, device, records, cache_root,
-                                                     getattr(dataset, "root", None), home)
+        images, split_decoded, failed, split_cached = decode_split(list(paths), resize, crop, device, records,
+                                                                   cache_root, getattr(dataset, "root", None), home)
+        cached &= split_cached
         unreadable.update({paths[index]: why for index, why in failed.items()})
         decoded += len(paths) * split_decoded
         kept = [index for index in range(len(paths)) if index not in failed]
@@ -524,5 +526,5 @@ def build_device_loaders(train_set, val_set, *, micro_batch_size, image_size, ra
     read = len(train_set.samples) + len(val_set.samples) - decoded
     done = ([f"decoded {decoded} images"] if decoded else []) + (
         [f"read {read} decoded by an earlier run from the cache"] if read else [])
-    where = f" (cache: {cache_root})" if cache_root is not None else ""
+    where = f" (cache: {cache_root})" if cached else ""
     return train_loader, val_loader, f"{', '.join(done)} in {time.perf_counter() - start:.1f} s{where}", unreadable

@@ -274,6 +274,16 @@ def check_image_size(name, num_classes, image_size, batch_size=2):
     return model
 
 
+def checked_model(name, num_classes, image_size, batch_size, pretrained):
+    """The training script's checks of the model, on the meta device before anything starts: the image size
+    and micro-batch it can take (check_image_size) and the --pretrained weights, downloaded here when missing.
+    Returns the meta model."""
+    shapes = check_image_size(name, num_classes, image_size, batch_size)
+    if pretrained:
+        pretrained_state(shapes, name, pretrained, num_classes, mmap=True)
+    return shapes
+
+
 def default_image_size(name):
     """The input size of the model's DEFAULT weights (224 for most)."""
     weights = torchvision.models.get_model_weights(architecture(name)).DEFAULT
@@ -318,6 +328,9 @@ def weights_file(name, choice):
     cache (TORCH_HOME), downloaded there when missing."""
     if Path(choice).is_file():
         return Path(choice)
+    if Path(choice).is_dir():
+        raise UsageError(f"--pretrained {choice}: a folder; give a state_dict file (export_model.py writes one) "
+                         "or a weights name")
     weights = _weights(name, choice)
     if weights is None:
         names = ", ".join(["DEFAULT", *(w.name for w in torchvision.models.get_model_weights(name))])
