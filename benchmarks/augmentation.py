@@ -18,7 +18,6 @@ benchmarks/results/augmentation_<machine>.json.
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -27,12 +26,9 @@ import torch.nn.functional as F
 from torchvision.transforms import v2
 from torchvision.transforms import functional as TF
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
-from deepspeed_image_trainer.data.device import DeviceTrainLoader, Normalize, ResizedCrops  # noqa: E402
-from common import environment, shown  # noqa: E402
-from machine import machine_slug  # noqa: E402
+from common import ROOT, environment, settings_of, shown
+from deepspeed_image_trainer.data.device import DeviceTrainLoader, Normalize, ResizedCrops
+from machine import machine_slug
 
 REFERENCE = "torchvision per image"
 
@@ -160,7 +156,7 @@ def main():
 
     args.output_dir.mkdir(parents=True, exist_ok=True)
     path = args.output_dir / f"augmentation_{machine_slug(env)}.json"
-    settings = {k: shown([str(v)]) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    settings = settings_of(args)
     path.write_text(json.dumps({"environment": env, "settings": settings, "results": results}, indent=2) + "\n")
 
     print(f"\n{env['gpu'] or 'CPU'} | torch {env['torch']} | torchvision {env['torchvision']} | batch "

@@ -20,10 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import report  # noqa: E402
+import report
+from common import ROOT
 
 # model -> micro-batch of the whole-GPU reference (the table: what the plain loop runs well at)
 LADDER = {"resnet50": 128, "vit_b_16": 64, "convnext_large": 64, "vit_l_16": 32, "vit_h_14": 32, "regnet_y_128gf": 32}

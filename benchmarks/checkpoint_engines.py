@@ -51,7 +51,6 @@ def measure(name, args):
     import torch
     import torch.nn.functional as F
 
-    sys.path.insert(0, str(ROOT / "src"))
     from deepspeed_image_trainer.engine.distributed import init_distributed
     from deepspeed_image_trainer.utils.loading import load_checked
     from deepspeed_image_trainer.engine.config import build_ds_config

@@ -1,6 +1,16 @@
 """What every benchmark shares: the machine and versions behind a measurement, the command as a user
-would type it, and the earlier results an --update run adds to."""
+would type it, the earlier results an --update run adds to, and the measurements several scripts take
+(the plain-PyTorch reference loop, the trainer's step on a synthetic batch, each in a child process).
+
+The benchmarks are one unit: each script imports this module before the trainer's package, and this is
+the one place that puts src/ on the import path (a clone runs them without installing the package);
+plain_loop.py alone, the reference a user would write, does it itself."""
+import argparse
+import io
 import json
+import os
+import pstats
+import re
 import subprocess
 import sys
 import tempfile
@@ -10,7 +20,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+# this folder before src/, whose memory_profile.py only forwards to this folder's
+sys.path[:] = [str(ROOT / "benchmarks"), str(ROOT / "src"),
+               *(entry for entry in sys.path if entry not in (str(ROOT / "benchmarks"), str(ROOT / "src")))]
 
 from machine import environment as run_environment, shown  # noqa: E402,F401 (shown: for the benchmarks)
 
@@ -40,6 +52,11 @@ def peak_memory(device):
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
+def settings_of(args, leave_out=()):
+    """The JSON's "settings": the parsed flags, paths as a user would type them."""
+    return {k: shown([str(v)]) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in leave_out}
+
+
 def fmt(value):
     return "-" if value is None else f"{value:.2f}"
 
@@ -47,7 +64,7 @@ def fmt(value):
 def run_trainer(flags, keep_output=False):
     """launch_deepspeed.py with `flags`, its logs and checkpoints in a temporary folder, as a user runs it:
     {"command", "wall_s", "history"} (and "output" with keep_output), or {"command", "error"}."""
-    from deepspeed_image_trainer.engine.distributed import run_on_free_port
+    from deepspeed_image_trainer.engine.distributed import run_on_free_port  # not at the top: plain_loop.py times its startup
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -68,3 +85,205 @@ def draw_sample_data(folder):
     """The built-in sample dataset at `folder`, as `prepare_data.py sample` draws it (kept when already there)."""
     subprocess.run([sys.executable, str(ROOT / "src" / "prepare_data.py"), "sample", "--output", str(folder)],
                    check=True, stdout=subprocess.DEVNULL)
+
+
+# name -> settings of a plain-PyTorch loop on GPU-resident synthetic data
+REFERENCES = {
+    "torch fp32": {"dtype": None, "channels_last": False},
+    "torch bf16 channels_last": {"dtype": "bf16", "channels_last": True},
+    "torch fp16 channels_last": {"dtype": "fp16", "channels_last": True},
+    "torch bf16 channels_last compile": {"dtype": "bf16", "channels_last": True, "compile": True},
+}
+BF16_REF, FP16_REF = "torch bf16 channels_last", "torch fp16 channels_last"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def synthetic_batch(args, device, dtype=torch.float32, channels_last=True):
+    generator = torch.Generator(device).manual_seed(0)
+    images = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device, generator=generator)
+    labels = torch.randint(0, args.num_classes, (args.batch_size,), device=device, generator=generator)
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    return images.to(dtype, memory_format=memory_format), labels
+
+
+def reference_case(settings, args, device):
+    """Plain PyTorch: the loop a user writes by hand, timed like the trainer's epochs. Started by torchrun
+    with several processes, it is plain DistributedDataParallel (NCCL), and images/s counts every rank."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import torchvision
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cudnn.benchmark = True
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        device = torch.device(device.type, int(os.environ["LOCAL_RANK"])) if device.type == "cuda" else device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+    dtype = DTYPES.get(settings["dtype"])
+    from deepspeed_image_trainer.models.build import construction_args
+
+    model = torchvision.models.get_model(args.model, num_classes=args.num_classes,
+                                         **construction_args(args.model, args.image_size)).to(device)
+    if settings["channels_last"]:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
+    scaler = torch.amp.GradScaler(enabled=dtype == torch.float16)
+    if world_size > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    forward = torch.compile(model) if settings.get("compile") else model
+    images, labels = synthetic_batch(args, device, channels_last=settings["channels_last"])
+
+    def steps(count):
+        start = time.perf_counter()
+        for _ in range(count):
+            with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+                loss = F.cross_entropy(forward(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        loss.item()
+        return time.perf_counter() - start
+
+    steps(args.warmup_steps)
+    reset_peak_memory(device)
+    return {"images_per_s": world_size * args.steps * args.batch_size / steps(args.steps),
+            "peak_gpu_memory_gib": peak_memory(device)}
+
+
+def reset_peak_memory(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def trainer_case(flags, args, device, profile=None):
+    """The trainer's model, config and train_one_epoch on one synthetic batch, repeated; then, with a
+    cProfile.Profile `profile`, the same steps again under it (not in the figures)."""
+    import deepspeed
+
+    from deepspeed_image_trainer.cli import train as train_deepspeed
+    from deepspeed_image_trainer.engine import overrides as deepspeed_overrides
+    from deepspeed_image_trainer.engine.distributed import init_distributed
+    from deepspeed_image_trainer.engine.config import (build_ds_config, coalesces_grad_reduction, load_base_config,
+                                                       precision)
+    from deepspeed_image_trainer.models.build import build_model
+    from deepspeed_image_trainer.cli.options import parse_args
+    from deepspeed_image_trainer.engine.loop import input_dtype, train_one_epoch
+
+    argv = ["--model", args.model, "--batch_size", str(args.batch_size), "--image_size", str(args.image_size), *flags]
+    train_args = parse_args(train_deepspeed.get_args_parser, argv)
+    _, world_size = init_distributed()
+    device = torch.device(device.type, torch.cuda.current_device()) if device.type == "cuda" else device
+    torch.backends.cudnn.benchmark = True
+    images_per_epoch = args.batch_size * world_size * (args.warmup_steps + args.steps)
+    model = build_model(args.model, args.num_classes, args.image_size)
+    config = build_ds_config(train_args, world_size, images_per_epoch, base=load_base_config(train_args.deepspeed_config),
+                             device_type=device.type, num_params=sum(p.numel() for p in model.parameters()))
+    deepspeed_overrides.install()
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if train_args.compile:
+        engine.compile()
+    dtype = input_dtype(precision(config))
+    batch = synthetic_batch(args, device, dtype)
+    coalesced = coalesces_grad_reduction(train_args.coalesce_grad_reduction, config)
+    train_one_epoch(engine, [batch] * args.warmup_steps, 0, dtype, args.warmup_steps, coalesced=coalesced)
+    reset_peak_memory(device)
+    metrics = train_one_epoch(engine, [batch] * args.steps, 1, dtype, args.steps, coalesced=coalesced)
+    if profile is not None:
+        profile.runcall(train_one_epoch, engine, [batch] * args.steps, 2, dtype, args.steps, coalesced=coalesced)
+    return {"images_per_s": metrics["images_per_s"], "precision": precision(config),
+            "peak_gpu_memory_gib": peak_memory(device), "zero_optimization": config["zero_optimization"]}
+
+
+def run_case_of(script, kind, name, args):
+    """One measurement, `script --case`, in a child process (torchrun's, one per GPU, for several GPUs; the
+    real-data runs start their own); returns its result dict or {"error": ...}."""
+    from deepspeed_image_trainer.engine.distributed import run_on_free_port
+
+    def start(port):
+        command = [sys.executable, script, "--case", json.dumps([kind, name]), *passed_settings(args)]
+        if args.num_gpus > 1 and kind != "real":
+            command[1:1] = ["-m", "torch.distributed.run", "--nproc_per_node", str(args.num_gpus),
+                            "--master_port", str(port)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=args.case_timeout,
+                              env={**os.environ, "MASTER_PORT": str(port)})
+
+    try:
+        result = run_on_free_port(start)
+    except subprocess.TimeoutExpired:
+        return {"error": f"over {args.case_timeout} s"}
+    lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    if result.returncode != 0 or not lines:
+        # the tail of its output, with paths relative to the project and the import path, as in write_profile
+        return {"error": relative_paths((result.stdout + result.stderr)[-3000:])}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def write_profile(profile, path):
+    """A cProfile.Profile's top 40 functions by their own time, then by their time with what they call, as
+    text; file names as relative_paths gives them, not where this machine installed them."""
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40).sort_stats("cumulative").print_stats(40)
+    path.write_text(relative_paths(text.getvalue()))
+
+
+def relative_paths(text):
+    """`text` with the import path's folders (a virtual environment's too, wherever it is) left out of its file
+    names, then the project's: deepspeed/..., src/deepspeed_image_trainer/engine/loop.py."""
+    project = {str(ROOT), str(ROOT / "src"), str(ROOT / "benchmarks")}
+    for folder in sorted({entry.rstrip("/") for entry in sys.path if entry} - project, key=len, reverse=True):
+        text = text.replace(folder + "/", "")
+    return text.replace(f"{ROOT}/", "")
+
+
+def slug_of(name):
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def failed(name, result, width):
+    """A table line for a measurement that failed: the last line of its error."""
+    error = result["error"].strip()
+    return f"{name:<{width}} FAILED: {error.splitlines()[-1][:80] if error else '?'}"
+
+
+def passed_settings(args):
+    return ["--model", args.model, "--batch_size", str(args.batch_size), "--image_size", str(args.image_size),
+            "--num_classes", str(args.num_classes),
+            "--steps", str(args.steps), "--warmup_steps", str(args.warmup_steps), "--epochs", str(args.epochs),
+            "--num_workers", str(args.num_workers), "--data", str(args.data), "--num_gpus", str(args.num_gpus),
+            "--case_timeout", str(args.case_timeout), "--output_dir", str(args.output_dir),
+            *(["--profile"] if args.profile else [])]
+
+
+def measurement_parser(description):
+    """The flags of the measurements run in child processes (reference_case, trainer_case), which
+    passed_settings hands on to them."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="resnet18", help="a torchvision classifier (as the trainer's --model)")
+    parser.add_argument("--batch_size", type=int, default=256, help="micro-batch, for every loop")
+    parser.add_argument("--image_size", type=int, default=224)
+    parser.add_argument("--num_classes", type=int, default=90)
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per synthetic measurement")
+    parser.add_argument("--warmup_steps", type=int, default=20)
+    parser.add_argument("--epochs", type=int, default=4, help="epochs per real-data run (the first is not counted)")
+    parser.add_argument("--num_workers", type=int, default=12, help="DataLoader workers for the DataLoader run")
+    parser.add_argument("--num_gpus", type=int, default=1,
+                        help="GPUs for every measurement (the reference then runs as DistributedDataParallel)")
+    parser.add_argument("--data", type=Path, default=ROOT / "bench_data",
+                        help="JPEG image folder for the real-data runs; drawn there (Animals-90 size) if missing")
+    parser.add_argument("--case_timeout", type=int, default=240, help="seconds before one measurement is given up")
+    parser.add_argument("--output_dir", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--profile", action="store_true",
+                        help="also write each trainer step measurement's host profile of --steps more steps (cProfile, "
+                             "top 40 by own time) to profile_<model>_<measurement>.txt beside the JSON")
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    return parser
+
+
+def ratio(results, name, reference):
+    ran, ref = results.get(name, {}), results.get(reference, {})
+    if "images_per_s" in ran and "images_per_s" in ref:
+        return ran["images_per_s"] / ref["images_per_s"]
+    return None

@@ -23,18 +23,14 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+import torch
+import torch.nn.functional as F
+from torchvision.io import ImageReadMode, decode_image
+from torchvision.transforms import functional as TF
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torchvision.io import ImageReadMode, decode_image  # noqa: E402
-from torchvision.transforms import functional as TF  # noqa: E402
-
-from deepspeed_image_trainer.data.device import (ResizedCrops, random_resized_crops, resize_and_crop,  # noqa: E402
-                                                 train_square_size)
-from common import draw_sample_data, earlier_results, environment, run_trainer, shown  # noqa: E402
-from machine import machine_slug  # noqa: E402
+from common import ROOT, draw_sample_data, earlier_results, environment, run_trainer, settings_of, shown
+from deepspeed_image_trainer.data.device import ResizedCrops, random_resized_crops, resize_and_crop, train_square_size
+from machine import machine_slug
 
 REFERENCE = "DataLoader"
 VARIANTS = {
@@ -179,8 +175,7 @@ def main():
             results[name]["difference_to_dataloader"] = {**paired_difference(
                 [by_seed[s]["val_acc"] for s in paired], [runs[REFERENCE][s]["val_acc"] for s in paired]),
                 "seeds": paired}
-    settings = {k: str(v.relative_to(ROOT)) if isinstance(v, Path) and v.is_relative_to(ROOT) else
-                str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("seeds", "variants")}
+    settings = settings_of(args, leave_out=("seeds", "variants"))
     path.write_text(json.dumps({"environment": env, "commands": commands + [env["command"]], "settings": settings,
                                 "results": results}, indent=2) + "\n")
 

@@ -36,14 +36,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import throughput  # noqa: E402
-from common import earlier_results, environment, fmt, run_trainer, shown  # noqa: E402
-from deepspeed_image_trainer.data.prepare import ANIMALS_90, draw_sample_image  # noqa: E402
-from machine import machine_slug  # noqa: E402
+import throughput
+from common import BF16_REF, ROOT, earlier_results, environment, fmt, run_trainer, settings_of, shown
+from deepspeed_image_trainer.data.prepare import ANIMALS_90, draw_sample_image
+from machine import machine_slug
 
 SYNTHETIC = "plain synthetic"
 PLAIN = "plain DataLoader"
@@ -138,7 +134,7 @@ def trainer_case(data, train_images, tier, zero_stage, cache_dir, args):
 def synthetic_case(args):
     reference = throughput.get_args_parser().parse_args(
         ["--batch_size", str(args.batch_size), "--image_size", str(args.image_size), "--output_dir", str(args.output_dir)])
-    return throughput.run_case("reference", throughput.BF16_REF, reference)
+    return throughput.run_case("reference", BF16_REF, reference)
 
 
 def get_args_parser():
@@ -185,8 +181,7 @@ def main():
     chosen = set(args.only or [SYNTHETIC, PLAIN, *TRAINER])
 
     def save():
-        settings = {k: (os.path.relpath(v, ROOT) if v.is_relative_to(ROOT) else str(v)) if isinstance(v, Path) else v
-                    for k, v in vars(args).items()}
+        settings = settings_of(args)
         path.write_text(json.dumps({"environment": env, "settings": settings, "commands": commands,
                                     "results": results}, indent=2) + "\n")
 

@@ -29,13 +29,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import report  # noqa: E402
-from common import environment, shown  # noqa: E402
-from machine import machine_slug  # noqa: E402
+import report
+from common import ROOT, environment, shown
+from machine import machine_slug
 
 # case -> (where the squares are, the reading thread's torch threads (None: the trainer's GATHER_THREADS),
 # host batches "pinned" (the trainer's) or "pageable")

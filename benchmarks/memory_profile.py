@@ -40,27 +40,23 @@ import sys
 import time
 from pathlib import Path
 
-# The package, installed or not: after this folder, so that `memory_profile` stays this module (src/ holds the
-# forwarding script of that name).
-sys.path.append(str(Path(__file__).resolve().parents[1] / "src"))
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from deepspeed_image_trainer.engine import overrides as deepspeed_overrides  # noqa: E402
-import max_batch  # noqa: E402
-from deepspeed_image_trainer.cli import train as train_deepspeed  # noqa: E402
-from deepspeed_image_trainer.data.folders import batch_memory_format  # noqa: E402
-from deepspeed_image_trainer.engine import distributed  # noqa: E402
-from deepspeed_image_trainer.engine.distributed import (exit_now, init_distributed, rank_zero_only, run_on_free_port,  # noqa: E402
+import max_batch
+from common import environment, settings_of
+from deepspeed_image_trainer.cli import train as train_deepspeed
+from deepspeed_image_trainer.cli.options import parse_args, run_cli
+from deepspeed_image_trainer.data.folders import batch_memory_format
+from deepspeed_image_trainer.engine import distributed
+from deepspeed_image_trainer.engine import overrides as deepspeed_overrides
+from deepspeed_image_trainer.engine.config import build_ds_config, coalesces_grad_reduction, precision
+from deepspeed_image_trainer.engine.distributed import (exit_now, init_distributed, rank_zero_only, run_on_free_port,
                                                         shut_down)
-from deepspeed_image_trainer.engine.config import build_ds_config, coalesces_grad_reduction, precision  # noqa: E402
-from deepspeed_image_trainer.utils.failures import CliParser, UsageError, check_writable  # noqa: E402
-from deepspeed_image_trainer.models.build import (build_model, check_image_size, construction_args,  # noqa: E402
-                                                  shape_model)
-from deepspeed_image_trainer.cli.options import parse_args, run_cli  # noqa: E402
-from machine import environment, machine_slug, shown, source_commit, usable_cores  # noqa: E402
-from deepspeed_image_trainer.engine.loop import GradientAccumulation, input_dtype  # noqa: E402
+from deepspeed_image_trainer.engine.loop import GradientAccumulation, input_dtype
+from deepspeed_image_trainer.models.build import build_model, check_image_size, construction_args, shape_model
+from deepspeed_image_trainer.utils.failures import CliParser, UsageError, check_writable
+from machine import machine_slug, source_commit, usable_cores
 
 PLAIN = "plain PyTorch"
 HALF_WEIGHTS = ["--precision_mode", "half_weights"]
@@ -639,7 +635,7 @@ def write_results(args, rows, world_size, env, reference=None):
     for row in rows:
         if reference and reference.get("images_per_s") and row.get("images_per_s"):
             row["ratio_to_reference"] = row["images_per_s"] / reference["images_per_s"]
-    settings = {k: shown([str(v)]) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "local_rank"}
+    settings = settings_of(args, leave_out=("local_rank",))
     env = {**env, "commands": [*commands, env["command"]] if env["command"] not in commands else commands}
     data = {"environment": env, "settings": settings, "world_size": world_size, "results": rows,
             **({"reference": reference} if reference else {})}
@@ -773,7 +769,7 @@ def main(argv=None):
             torch.distributed.all_reduce(budget, op=torch.distributed.ReduceOp.MIN)
             budget = budget.item()
         return probe(args, device, sizes) if args.probe else search_process(args, device, sizes, budget)
-    env = environment(shown([sys.executable, *sys.argv]))
+    env = environment()
     if args.find_max_batch:  # every try runs in a child process: this one keeps no GPU memory
         _, reference, _ = earlier_results(args, env, args.num_gpus)
         if args.gpu_memory_gib and not (reference and reference["batch"] == args.batch_size):

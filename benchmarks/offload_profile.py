@@ -26,15 +26,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import memory_profile  # noqa: E402
-from common import environment, shown  # noqa: E402
-from machine import machine_slug  # noqa: E402
-from throughput import failed, slug_of  # noqa: E402
-from deepspeed_image_trainer.engine.loop import GradientAccumulation  # noqa: E402
+import memory_profile
+from common import ROOT, environment, failed, settings_of, shown, slug_of
+from deepspeed_image_trainer.engine.loop import GradientAccumulation
+from machine import machine_slug
 
 DEFAULT_CONFIGS = [memory_profile.PLAIN, "ZeRO-2 + offload optimizer, half weights"]
 PHASES = ("forward", "backward", "step")
@@ -174,7 +169,7 @@ def main():
     env = environment()
     results = {}
     path = args.output_dir / f"offload_profile_{args.model}_{machine_slug(env)}.json"
-    settings = {k: shown([str(v)]) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "config"}
+    settings = settings_of(args, leave_out=("config",))
     for name in args.configs:
         flags = memory_profile.CONFIGS[name]
         plain = flags is None

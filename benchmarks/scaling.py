@@ -20,12 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import throughput  # noqa: E402
-from common import earlier_results, environment, fmt, shown  # noqa: E402
-from machine import machine_slug  # noqa: E402
+import throughput
+from common import ROOT, earlier_results, environment, failed, fmt, settings_of, shown
+from machine import machine_slug
 
 DDP = "torch bf16 channels_last"  # as DistributedDataParallel when run on several GPUs
 CACHE = "epoch: zero2 bf16, data in the cache"
@@ -146,8 +143,7 @@ def main():
     commands.append(env["command"])
 
     def save():
-        settings = {k: (str(v.relative_to(ROOT)) if v.is_relative_to(ROOT) else str(v)) if isinstance(v, Path)
-                    else v for k, v in vars(args).items() if k != "case"}
+        settings = settings_of(args, leave_out=("case",))
         path.write_text(json.dumps({"environment": env, "settings": settings, "commands": commands,
                                     "results": results}, indent=2) + "\n")
 
@@ -183,7 +179,7 @@ def main():
     for name, r in results.items():
         label = re.sub(r"\bN\b", str(args.max_gpus), name)
         if "error" in r:
-            print(throughput.failed(label, r, 40))
+            print(failed(label, r, 40))
             continue
         if r["kind"] in ("resume", "accuracy"):
             if r["kind"] == "resume":
@@ -195,7 +191,7 @@ def main():
             continue
         one, many = (r[f"{n}_gpu"] for n in gpu_counts)
         if "error" in one or "error" in many:
-            print(throughput.failed(label, one if "error" in one else many, 40))
+            print(failed(label, one if "error" in one else many, 40))
             continue
         print(f"{name:<40}{one['images_per_s']:>9.0f}{many['images_per_s']:>9.0f}{fmt(r.get('speedup')):>9}"
               f"{fmt(r.get('efficiency')):>6}{fmt(r.get('goal')):>6}"

@@ -24,7 +24,6 @@ Prints a table last; writes benchmarks/results/zero3_settings_<model>_b<micro-ba
 """
 import cProfile
 import json
-import os
 import sys
 import tempfile
 import time
@@ -32,13 +31,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import throughput  # noqa: E402
-from common import environment, fmt, shown  # noqa: E402
-from machine import machine_slug  # noqa: E402
+from common import (REFERENCES, ROOT, environment, failed, fmt, measurement_parser, ratio, reference_case,
+                    run_case_of, settings_of, shown, slug_of, trainer_case, write_profile)
+from machine import machine_slug
 
 REFERENCE = "torch bf16 channels_last"
 COMPILED = "torch bf16 channels_last compile"  # measured too where a variant compiles, the fair reference for it
@@ -90,22 +85,21 @@ def summary(runs):
 def child(name, args):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name in (REFERENCE, COMPILED):
-        result = throughput.reference_case(throughput.REFERENCES[name], args, device)
+        result = reference_case(REFERENCES[name], args, device)
     else:
         flags, zero, *top = variants(args.model)[name]
         profile = cProfile.Profile() if args.profile else None  # the host's time in --steps more steps
         with tempfile.TemporaryDirectory() as tmp:
             base = Path(tmp) / "base.json"
             base.write_text(json.dumps({"zero_optimization": zero, **(top[0] if top else {})}))
-            result = throughput.trainer_case([*flags, "--deepspeed_config", str(base)], args, device, profile)
+            result = trainer_case([*flags, "--deepspeed_config", str(base)], args, device, profile)
         if profile is not None:
-            throughput.write_profile(profile, args.output_dir / f"zero3_profile_{args.model}_{throughput.slug_of(name)}.txt")
+            write_profile(profile, args.output_dir / f"zero3_profile_{args.model}_{slug_of(name)}.txt")
     print("RESULT " + json.dumps(result), flush=True)
 
 
 def get_args_parser():
-    parser = throughput.get_args_parser()
-    parser.description = __doc__
+    parser = measurement_parser(__doc__)
     parser.set_defaults(output_dir=ROOT / "benchmarks" / "results")
     parser.add_argument("--variants", nargs="+", metavar="NAME",
                         help=f"only these (default: all but {' and '.join(sorted(COMPILING))})")
@@ -127,20 +121,20 @@ def main():
     path = args.output_dir / f"zero3_settings_{args.model}_b{args.batch_size}_{machine_slug(env)}.json"
     args.output_dir.mkdir(parents=True, exist_ok=True)
     results = {}
-    settings = {k: os.path.relpath(v, ROOT) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "case"}
+    settings = settings_of(args, leave_out=("case",))
     runs = {name: [] for name in names}
     for _ in range(args.repeat):  # round by round, so that a slower spell of the machine hits every variant
         for name in names:
             started = time.perf_counter()
-            runs[name].append({**throughput.run_case_of(__file__, "variant", name, args),
+            runs[name].append({**run_case_of(__file__, "variant", name, args),
                                "wall_s": round(time.perf_counter() - started, 1)})
             results[name] = summary(runs[name])
             if name not in (REFERENCE, COMPILED):
                 flags, zero, *top = variants(args.model)[name]
                 results[name].update(flags=flags, changed=zero, **({"base_config": top[0]} if top else {}),
-                                     ratio_to_reference=throughput.ratio(results, name, REFERENCE))
+                                     ratio_to_reference=ratio(results, name, REFERENCE))
                 if "--compile" in flags:
-                    results[name]["ratio_to_compiled_reference"] = throughput.ratio(results, name, COMPILED)
+                    results[name]["ratio_to_compiled_reference"] = ratio(results, name, COMPILED)
             print(f"{name}: {json.dumps(runs[name][-1])[:300]}", flush=True)
         path.write_text(json.dumps({"environment": env, "settings": settings, "results": results}, indent=2) + "\n")
 
@@ -149,7 +143,7 @@ def main():
     print(f"{'variant':<40}{'images/s':>9}{'ratio':>7}{'compiled':>9}{'peak GiB':>9}  runs")
     for name, r in results.items():
         if "error" in r:
-            print(throughput.failed(name, r, 40))
+            print(failed(name, r, 40))
             continue
         print(f"{name:<40}{r['images_per_s']:>9.0f}{fmt(r.get('ratio_to_reference')):>7}"
               f"{fmt(r.get('ratio_to_compiled_reference')):>9}"

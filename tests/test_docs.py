@@ -41,14 +41,14 @@ def test_a_failed_measurement_shows_its_exception_line():
 
 
 def test_a_measurement_s_error_names_files_relative_to_the_project(monkeypatch):
-    import throughput
+    import common
     site = f"{ROOT}/.venv/lib/python3.11/site-packages"  # a virtual environment inside the project
     monkeypatch.setattr(sys, "path", [*sys.path, site, "/tmp/site"])
     text = (f'File "{ROOT}/benchmarks/zero3_settings.py", line 91, in child\n'
             f'File "{site}/deepspeed/runtime/engine.py", line 1\nFile "/tmp/site/torch/nn/module.py", line 2')
-    assert throughput.relative_paths(text) == ('File "benchmarks/zero3_settings.py", line 91, in child\n'
-                                               'File "deepspeed/runtime/engine.py", line 1\n'
-                                               'File "torch/nn/module.py", line 2')
+    assert common.relative_paths(text) == ('File "benchmarks/zero3_settings.py", line 91, in child\n'
+                                           'File "deepspeed/runtime/engine.py", line 1\n'
+                                           'File "torch/nn/module.py", line 2')
 
 
 def test_the_readme_is_short_and_its_quickstart_holds_two_commands():
