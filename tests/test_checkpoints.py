@@ -6,7 +6,8 @@ import zipfile
 import pytest
 
 from deepspeed_image_trainer.outputs.checkpoints import (EXTRA_INFO, _copy_as, _publish, check_resumable,
-                                                         find_checkpoint, readable, run_settings)
+                                                         find_checkpoint, readable)
+from deepspeed_image_trainer.outputs.record import resume_settings, run_record
 from deepspeed_image_trainer.utils.failures import UsageError
 
 
@@ -95,7 +96,7 @@ def settings_of(*argv, classes=("ant", "bee", "cat"), world_size=1):
     from deepspeed_image_trainer.engine.config import build_ds_config
 
     args = parse_args(lambda: add_training_args(argparse.ArgumentParser()), list(argv))
-    return run_settings(args, build_ds_config(args, world_size, 1000, num_params=11_000_000), classes)
+    return resume_settings(run_record(args, build_ds_config(args, world_size, 1000, num_params=11_000_000), classes))
 
 
 @pytest.mark.parametrize("argv, kwargs, message", [

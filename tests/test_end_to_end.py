@@ -13,6 +13,7 @@ from deepspeed_image_trainer.cli import launch as launch_deepspeed
 from deepspeed_image_trainer.data.folders import build_transform
 from deepspeed_image_trainer.models.build import ResNet18Animals90
 from deepspeed_image_trainer.outputs.checkpoints import missing_files, read_info, saved_precision
+from deepspeed_image_trainer.outputs.record import resume_settings
 
 from conftest import (ROOT, TINY_CLASSES, TINY_VAL_IMAGES, TINY_VAL_PER_CLASS, TRAINED_EPOCHS, TRAINED_RUNS,
                       assert_usage_error, assert_usage_error_in_process, data_args, history_of, launch, run)
@@ -95,6 +96,8 @@ def test_training_run_writes_history_and_checkpoints(name, trained, tiny_data):
     assert (info["world_size"], info["zero_stage"]) == (config["world_size"], config["zero_stage"])
     assert info["class_names"] == ImageFolder(tiny_data / "train").classes
     assert (info["model"], info["image_size"]) == ("ResNet18Animals90", 32)
+    assert info["settings"] == resume_settings(config)  # both from the run's one record
+    assert info["settings"]["train_batch_size"] == config["deepspeed"]["train_batch_size"]
     assert "Best val acc" in result.stdout
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from ..engine.config import build_ds_config, check_run, check_with_deepspeed
 from ..engine.distributed import rank_zero_only
-from ..outputs.checkpoints import check_resumable, find_checkpoint, run_settings, saved_precision, saved_stage
+from ..outputs.checkpoints import check_resumable, find_checkpoint, saved_precision, saved_stage
+from ..outputs.record import resume_settings, run_record
 
 say = rank_zero_only(print)  # in the launcher, and in rank 0
 
@@ -16,7 +17,7 @@ say = rank_zero_only(print)  # in the launcher, and in rank 0
 class Preflight:
     ds_config: dict
     coalesced: bool  # whether the run coalesces the gradient reduction (engine/config.py)
-    settings: dict  # what a resumed run must share with this one (outputs/checkpoints.py's SETTINGS_FLAGS)
+    record: dict  # the run's settings (outputs/record.py)
     resume_from: Path | None
     resumed_info: dict | None  # the extra_info.json of resume_from
 
@@ -36,7 +37,7 @@ def preflight(args, base, *, world_size, device_type, class_names, num_train_ima
     coalesced = check_run(ds_config, args, device_type)
     if args.deepspeed_config:
         check_with_deepspeed(ds_config, args.deepspeed_config, device_type)
-    settings = run_settings(args, ds_config, class_names)
-    resumed_info = (check_resumable(resume_from, world_size, ds_config["zero_optimization"]["stage"], settings,
+    record = run_record(args, ds_config, class_names)
+    resumed_info = (check_resumable(resume_from, world_size, record["zero_stage"], resume_settings(record),
                                     read_shards) if resume_from is not None else None)
-    return Preflight(ds_config, coalesced, settings, resume_from, resumed_info)
+    return Preflight(ds_config, coalesced, record, resume_from, resumed_info)

@@ -20,7 +20,7 @@ from ..data.check import decodes_every_file
 from ..data.device import build_device_loaders, choose_device_data, train_square_size
 from ..data.folders import build_loaders, load_datasets
 from ..engine import overrides as deepspeed_overrides
-from ..engine.config import load_base_config, lr_schedule, precision, resolve_scheduler
+from ..engine.config import load_base_config, precision, resolve_scheduler
 from ..engine.distributed import (agreed, all_reduce, any_rank, differing, init_distributed, local_device,
                                   patient_group, rank_zero_only, shut_down)
 from ..engine.finetune import BodyLearningRate, fine_tuning, parameter_groups
@@ -36,14 +36,11 @@ from ..outputs import run_folders, universal
 from ..outputs.checkpoints import CheckpointSaver, load
 from ..outputs.history import HISTORY_FILE, TrainingHistory, epoch_line
 from ..outputs.monitor import prepare_csv_files, write_epoch_events
+from ..outputs.record import checkpoint_info
 from ..utils.failures import CliParser, UsageError, check_writable
 from ..utils.text import listed
 from .options import add_training_args, parse_args
 from .preflight import preflight
-
-# What each checkpoint's extra_info.json says of its run, taken from the history's record of it (run_config).
-CHECKPOINT_KEYS = ("model", "pretrained", "preprocessing", "image_size", "class_names", "world_size", "zero_stage",
-                   "precision", "data_tier")
 
 
 @dataclass
@@ -250,25 +247,16 @@ def build(args, clock):
                                 args.freeze_backbone_epochs) if fine_tuning(args) else None)
     samples_per_micro_batch = micro_batch * world_size  # over all ranks: a position any world size can take up
 
+    # The history's config: the run's record (outputs/record.py), where it ran and on what data
     run_config = {
-        "model": model_name, "pretrained": args.pretrained, "preprocessing": inputs,
-        "num_classes": len(train_set.classes), "class_names": train_set.classes, "image_size": args.image_size,
-        "train_dir": str(args.train_dir), "val_dir": str(args.val_dir),
+        **checked.record, "preprocessing": inputs, "train_dir": str(args.train_dir), "val_dir": str(args.val_dir),
         "train_images": data_check.train.num_images, "val_images": data_check.val.num_images,
-        "epochs": args.epochs, "world_size": world_size, "device": device_type,
-        "precision": precision(ds_config), "zero_stage": zero_stage, "seed": args.seed,
-        "sync_bn": args.sync_bn, "data_on_device": on_device, "data_tier": tier,
+        "world_size": world_size, "device": device_type, "data_on_device": on_device, "data_tier": tier,
         "checkpoint_writes": "background" if device_type == "cuda" else "inline",
         "device_train_size": train_square_size(args.image_size, args.device_train_size, inputs) if on_device else None,
         "data_check": data_check.summary(),
-        "training": {"lr_schedule": lr_schedule(ds_config), "learning_rate": ds_config["optimizer"]["params"]["lr"],
-                     "weight_decay": ds_config["optimizer"]["params"].get("weight_decay"),
-                     "warmup_epochs": args.warmup_epochs, "label_smoothing": args.label_smoothing,
-                     "early_stopping_patience": args.early_stopping_patience,
-                     "backbone_lr_scale": args.backbone_lr_scale,
-                     "freeze_backbone_epochs": args.freeze_backbone_epochs,
-                     "coalesce_grad_reduction": coalesced},
-        "deepspeed": ds_config,
+        "training": {**checked.record["training"], "coalesce_grad_reduction": coalesced},
+        "deepspeed": ds_config,  # the scheduler resized above
     }
     history = TrainingHistory(Path(args.log_dir) / HISTORY_FILE, run_config)
     # On a GPU the host is free to write checkpoints while the next epoch trains; on a CPU it is not.
@@ -276,8 +264,7 @@ def build(args, clock):
                             background=device_type == "cuda")
     health = StepHealth(engine, args.max_nonfinite_steps)
     # What each checkpoint says of its run (extra_info.json), from the history's record of the run
-    extra_info = {**{key: run_config[key] for key in CHECKPOINT_KEYS}, "settings": checked.settings,
-                  "run_started": resumed_info.get("run_started") if resumed_info else clock.started}
+    extra_info = checkpoint_info(run_config, resumed_info.get("run_started") if resumed_info else clock.started)
 
     start_epoch, start_step, carried = 1, 0, None
     if resume_from is not None:

@@ -30,10 +30,7 @@ import time
 import zipfile
 from pathlib import Path
 
-from ..engine.config import lr_schedule, precision
 from ..engine.distributed import barrier, rank, rank_zero_only, world_size
-from ..engine.finetune import fine_tuning
-from ..models.names import saved_name
 from ..utils.failures import UsageError, stop_on_write_error
 from ..utils.files import write_json_atomic
 from ..utils.loading import check_checkpoint_files
@@ -296,16 +293,6 @@ SETTINGS_FLAGS = {"model": "--model", "class_names": "the classes of --train_dir
                   "warmup_epochs": "--warmup_epochs", "label_smoothing": "--label_smoothing", "precision": "precision",
                   "parameter_groups": "--backbone_lr_scale or --freeze_backbone_epochs:"}
 GROUPS = {False: "one parameter group", True: "head and body in parameter groups of their own"}
-
-
-def run_settings(args, ds_config, class_names):
-    """The SETTINGS_FLAGS values of a run, saved with its checkpoints."""
-    optimizer = ds_config["optimizer"]["params"]
-    return {"model": saved_name(args.model), "class_names": list(class_names), "image_size": args.image_size,
-            "train_batch_size": ds_config["train_batch_size"], "learning_rate": optimizer["lr"],
-            "weight_decay": optimizer.get("weight_decay"), "lr_schedule": lr_schedule(ds_config),
-            "warmup_epochs": args.warmup_epochs, "label_smoothing": args.label_smoothing,
-            "precision": precision(ds_config), "parameter_groups": fine_tuning(args)}
 
 
 def _shown(key, value):

@@ -1,0 +1,45 @@
+"""One record of a run's settings, from which the rest is derived: the history's config is built on it
+(training_history.json's "config", with where the run ran and on what data), each checkpoint's
+extra_info.json takes its part of that config (checkpoint_info), and a resumed run is compared with the run
+it continues on what resume_settings picks from it (outputs/checkpoints.py's SETTINGS_FLAGS)."""
+from ..engine.config import lr_schedule, precision
+from ..engine.finetune import fine_tuning
+from ..models.names import saved_name
+
+# What each checkpoint's extra_info.json says of its run, taken from the history's config.
+CHECKPOINT_KEYS = ("model", "pretrained", "preprocessing", "image_size", "class_names", "world_size", "zero_stage",
+                   "precision", "data_tier")
+# The record's "training" values a resumed run must keep (the saved optimizer and scheduler were built for them).
+KEPT_TRAINING = ("learning_rate", "weight_decay", "lr_schedule", "warmup_epochs", "label_smoothing")
+
+
+def run_record(args, ds_config, class_names):
+    """The run's settings as the flags and the DeepSpeed config resolve them, known before anything is built."""
+    optimizer = ds_config["optimizer"]["params"]
+    return {"model": saved_name(args.model), "pretrained": args.pretrained, "num_classes": len(class_names),
+            "class_names": list(class_names), "image_size": args.image_size, "epochs": args.epochs,
+            "precision": precision(ds_config), "zero_stage": ds_config["zero_optimization"]["stage"],
+            "seed": args.seed, "sync_bn": args.sync_bn,
+            "training": {"lr_schedule": lr_schedule(ds_config), "learning_rate": optimizer["lr"],
+                         "weight_decay": optimizer.get("weight_decay"), "warmup_epochs": args.warmup_epochs,
+                         "label_smoothing": args.label_smoothing,
+                         "early_stopping_patience": args.early_stopping_patience,
+                         "backbone_lr_scale": args.backbone_lr_scale,
+                         "freeze_backbone_epochs": args.freeze_backbone_epochs,
+                         "parameter_groups": fine_tuning(args)},
+            "deepspeed": ds_config}
+
+
+def resume_settings(record):
+    """What a resumed run must share with the run it continues, from its record (or its history's config)."""
+    training = record["training"]
+    return {"model": record["model"], "class_names": record["class_names"], "image_size": record["image_size"],
+            "train_batch_size": record["deepspeed"]["train_batch_size"],
+            **{key: training[key] for key in KEPT_TRAINING},
+            "precision": record["precision"], "parameter_groups": training["parameter_groups"]}
+
+
+def checkpoint_info(config, run_started):
+    """A checkpoint's extra_info.json (before its epoch and position) from the history's config."""
+    return {**{key: config[key] for key in CHECKPOINT_KEYS}, "settings": resume_settings(config),
+            "run_started": run_started}
