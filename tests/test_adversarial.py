@@ -21,7 +21,8 @@ from deepspeed_image_trainer.inference import export as export_model
 from deepspeed_image_trainer.inference import predict
 from deepspeed_image_trainer.outputs import plots as utils
 
-from conftest import TINY_CLASSES, Payload, assert_usage_error_in_process, data_args, digests
+from conftest import (TINY_CLASSES, TRAINED_EPOCHS, Payload, assert_usage_error_in_process, data_args, digests,
+                      spawn_ranks)
 
 # --- flags and DeepSpeed JSON, refused by the launcher before anything starts -------------------------------
 
@@ -45,7 +46,9 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "STEPLR_GAMMA_WORDS": {"scheduler": {"type": "StepLR", "params": {"step_size": 5, "gamma": "x"}}},
         "ONECYCLE_WORDS": {"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": "x", "cycle_max_lr": 0.1}}},
         "BETAS_SHORT": {"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}},
-        "SCHEDULER_MODULE": {"scheduler": {"type": "math", "params": {"a": 1}}}}
+        "SCHEDULER_MODULE": {"scheduler": {"type": "math", "params": {"a": 1}}},
+        "ACCUM_DTYPE_CAPS": {"data_types": {"grad_accum_dtype": "FP32"}},
+        "DATA_TYPES_NUMBER": {"data_types": 5}}
 
 FLAGS = [
     (["--seed", "-1"], "--seed must be in 0 .. 4294967295, got -1"),
@@ -80,6 +83,12 @@ FLAGS = [
                                                "(unsupported operand type(s)"),  # used from its first step
     (["--deepspeed_config", "BETAS_SHORT"], "optimizer AdamW cannot be built from optimizer.params (list index"),
     (["--deepspeed_config", "SCHEDULER_MODULE"], "scheduler.type 'math' is neither one of DeepSpeed's schedulers"),
+    (["--deepspeed_config", "ACCUM_DTYPE_CAPS"], "data_types.grad_accum_dtype 'FP32' is not one of DeepSpeed's dtype "
+                                                 "names (torch.float16, fp16"),
+    (["--deepspeed_config", "ACCUM_DTYPE_CAPS", "--zero_stage", "1", "--bf16", "--coalesce_grad_reduction", "on"],
+     "data_types.grad_accum_dtype 'FP32' is not one of"),
+    (["--deepspeed_config", "DATA_TYPES_NUMBER", "--zero_stage", "1", "--bf16", "--coalesce_grad_reduction", "on"],
+     "data_types must be a section"),
     (["--pretrained", "RANDOM_BYTES"], "is damaged or not a torch file"),
     (["--pretrained", "MODEL_STATES"], "export it first with export_model.py"),
     (["--pretrained", "PAYLOAD"], "holds Python objects other than tensors"),
@@ -310,6 +319,30 @@ def test_resume_auto_passes_over_a_checkpoint_with_files_missing(trained, tmp_pa
     assert why in err
     launch_deepspeed.main(first.args[2:] + ["--epochs", "3", "--resume", "auto", "--dry_run"])
     assert "warning: --resume auto skips checkpoints_deepspeed/last" in (err := capsys.readouterr().err) and why in err
+    assert digests(tmp_path) == before
+
+
+def _train_in(rank, port, results, workdir, argv):
+    from deepspeed_image_trainer.cli import train
+
+    os.chdir(workdir)
+    os.environ["MASTER_PORT"] = str(port)
+    results["status"] = train.main(argv)
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_trains_nothing_and_changes_nothing(trained, tmp_path, monkeypatch, capsys):
+    workdir, first = trained("zero0")
+    for name in ("logs", "checkpoints_deepspeed"):
+        shutil.copytree(workdir / name, tmp_path / name)
+    before = digests(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert launch_deepspeed.main(first.args[2:] + ["--resume", "auto"]) == 0
+    assert capsys.readouterr().out == (f"Nothing to train: checkpoints_deepspeed/last ends at epoch {TRAINED_EPOCHS} "
+                                       f"and --epochs is {TRAINED_EPOCHS}; its checkpoints and history are left as "
+                                       "they are (a larger --epochs trains on)\n")
+    # the training script run directly says the same once it holds the folders
+    assert spawn_ranks(_train_in, 1, tmp_path, first.args[2:] + ["--resume", "last"])["status"] == 0
     assert digests(tmp_path) == before
 
 

@@ -649,3 +649,12 @@ def test_fp32_gradient_accumulation_with_optimizer_offload_and_half_weights_is_r
         assert build(*argv, base={"data_types": fp32})["data_types"] == fp32
     bf16 = {"grad_accum_dtype": "bf16"}  # DeepSpeed's own choice with bf16 weights, named
     assert build("--zero_stage", "2", *offload, base={"data_types": bf16})["data_types"] == bf16
+
+
+@pytest.mark.parametrize("argv, hint", [(["--batch_size", "64"], "; lower --batch_size"),
+                                        (["--gradient_accumulation_steps", "1000000"],
+                                         "; lower --batch_size or --gradient_accumulation_steps")])
+def test_a_training_set_too_small_for_one_step_names_the_flags_to_lower(argv, hint):
+    with pytest.raises(UsageError, match="the training set has 50 images: too few for 1 rank") as refused:
+        build(*argv, images=50)
+    assert str(refused.value).endswith(hint)

@@ -207,6 +207,9 @@ def test_the_same_command_twice_keeps_the_first_runs_results(trained, tiny_data,
     result = run([sys.executable, str(ROOT / "src/train_deepspeed.py"), *args, "--overwrite", "--fp16"], tmp_path)
     assert result.returncode == 2 and "error: fp16 needs a GPU" in result.stderr, result.stderr[-2000:]
     assert digests(tmp_path) == everything
+    monkeypatch.setattr(launch_deepspeed, "run_and_forward_signals", lambda *_: 1)  # ranks that fail at once
+    assert launch_deepspeed.main(args + ["--overwrite"]) == 1
+    assert digests(tmp_path) == everything  # nor the launcher's config of the new run (.ds_config.next.json)
     # --keep_last counts this run's epoch_N only: the earlier run's epoch_2 goes, not the new epoch_1
     result = launch(args + ["--overwrite", "--epochs", "1", "--keep_last", "1"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -242,3 +245,21 @@ def test_two_runs_at_once_and_a_killed_launcher(tiny_data, tmp_path):
         first.kill()
     result = launch(args + ["--epochs", "2", "--resume", "auto"], tmp_path)
     assert result.returncode == 0 and "Resumed from" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
+
+
+def test_a_run_refused_on_its_second_folder_removes_the_first_it_made(tmp_path):
+    from argparse import Namespace
+
+    (tmp_path / "logs").mkdir()
+    lock(tmp_path / "logs", "--log_dir")  # another run's (a lock is held by its open file)
+    refused = Namespace(checkpoint_dir=tmp_path / "new/ckpt", log_dir=tmp_path / "logs", launch_token=None)
+    try:
+        with pytest.raises(UsageError, match=f"--log_dir {tmp_path / 'logs'} is in use by pid {os.getpid()}"):
+            run_folders.take(refused)
+    finally:
+        run_folders.release()  # the refused run's end, as train.main's
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"]
+    run_folders.take(refused)  # a run that starts keeps the folders it made
+    run_folders.keep()
+    run_folders.release()
+    assert (tmp_path / "new/ckpt").is_dir()

@@ -231,6 +231,9 @@ def main(argv=None, launched_at=None):
     checked = preflight(args, base, world_size=world_size, device_type=device_type, class_names=class_names,
                         num_train_images=num_train_images, num_params=num_params, read_shards=True)
     config, resume_from = checked.ds_config, checked.resume_from
+    if checked.finished:
+        print(checked.finished)
+        return 0
     given_path = given_config_path(args.log_dir, base) if args.deepspeed_config else None
     if args.dry_run:
         for line in data_check.warnings() if data_check else ():  # else the training's rank 0 says them
@@ -250,7 +253,10 @@ def main(argv=None, launched_at=None):
             if given_path:
                 write_json_atomic(given_path, base)
         print(f"DeepSpeed config written to {config_path}\n$ {shlex.join(command)}", flush=True)
-        return run_and_forward_signals(command, launched_at or time.time())
+        status = run_and_forward_signals(command, launched_at or time.time())
+        if config_path.name == run_folders.NEXT_DS_CONFIG:  # the run ended before it replaced the earlier one
+            config_path.unlink(missing_ok=True)
+        return status
     finally:
         run_folders.release()
 

@@ -20,6 +20,7 @@ class Preflight:
     record: dict  # the run's settings (outputs/record.py)
     resume_from: Path | None
     resumed_info: dict | None  # the extra_info.json of resume_from
+    finished: str | None = None  # why there is nothing to train: resume_from ended at --epochs or later
 
 
 def preflight(args, base, *, world_size, device_type, class_names, num_train_images, num_params, read_shards=False):
@@ -40,4 +41,8 @@ def preflight(args, base, *, world_size, device_type, class_names, num_train_ima
     record = run_record(args, ds_config, class_names)
     resumed_info = (check_resumable(resume_from, world_size, record["zero_stage"], resume_settings(record),
                                     read_shards) if resume_from is not None else None)
-    return Preflight(ds_config, coalesced, record, resume_from, resumed_info)
+    finished = None
+    if resumed_info is not None and "interrupted_at" not in resumed_info and resumed_info["epoch"] >= args.epochs:
+        finished = (f"Nothing to train: {resume_from} ends at epoch {resumed_info['epoch']} and --epochs is "
+                    f"{args.epochs}; its checkpoints and history are left as they are (a larger --epochs trains on)")
+    return Preflight(ds_config, coalesced, record, resume_from, resumed_info, finished)

@@ -131,12 +131,15 @@ def train(argv, process_started):
         die_with_parent_call(os.getppid())()
     args = parse_args(get_args_parser, argv)
     run = build(args, clock)
+    if run is None:  # nothing to train
+        return 0
     stopped = epoch_loop(run)
     return stopped if stopped is not None else finish(run)
 
 
 def build(args, clock):
-    """Preflight, the folders taken, the model, the engine, the data and the outputs: a Run ready to train."""
+    """Preflight, the folders taken, the model, the engine, the data and the outputs: a Run ready to train (None
+    when the checkpoint it resumes ends at --epochs: nothing to train)."""
     deepspeed_overrides.enabled()  # refuses a bad TRAINER_DEEPSPEED_OVERRIDES before any folder is made
     check_writable(args.checkpoint_dir, "--checkpoint_dir")
     check_writable(args.log_dir, "--log_dir")
@@ -159,9 +162,14 @@ def build(args, clock):
     checked = agreed(lambda: preflight(args, base_config, world_size=world_size, device_type=device_type,
                                        class_names=train_set.classes, num_train_images=len(train_set),
                                        num_params=num_params))
+    if checked.finished:
+        say(checked.finished)
+        shut_down()
+        return None
     ds_config, coalesced, resume_from, resumed_info = (checked.ds_config, checked.coalesced, checked.resume_from,
                                                        checked.resumed_info)
     earlier_run = agreed(lambda: rank_zero_only(run_folders.start)(args, resume_from))  # rank 0's refusal, for all
+    run_folders.keep()  # a run refused before here leaves no folder it made
     if args.coalesce_grad_reduction == "on" and not coalesced:
         say("--coalesce_grad_reduction on: one micro-batch a step (--gradient_accumulation_steps 1), so nothing "
             "to coalesce")

@@ -242,8 +242,9 @@ def decode_split(paths, resize, crop, device, records=None, cache_root=None, sou
                                                               records, source)
         return images, filled, unreadable, True
     except OSError as err:  # a full disk, a read-only folder: the run goes on as without a cache
-        print(f"warning: cannot use the decoded-image cache {cache_root} ({err.strerror or err}); decoding without "
-              f"it (--cache_dir picks another folder)", file=sys.stderr, flush=True)
+        sys.stderr.write(f"warning: cannot use the decoded-image cache {cache_root} ({err.strerror or err}); decoding "
+                         "without it (--cache_dir picks another folder)\n")  # one write: ranks print it at once
+        sys.stderr.flush()
         return decoded_here(paths, resize, crop, device, records, home)
 
 
@@ -504,12 +505,14 @@ def build_device_loaders(train_set, val_set, *, micro_batch_size, image_size, ra
     start = time.perf_counter()
     train_size = train_square_size(image_size, train_size, preprocessing)
     home = device if tier == "device" else torch.device("cpu")  # the cache tier's dataset may not fit the device
-    splits, unreadable, decoded, cached = [], {}, 0, True
+    splits, unreadable, decoded, cached = [], {}, 0, cache_root is not None
     for dataset, resize, crop in ((train_set, train_size, train_size),
                                   (val_set, resize_size(image_size, preprocessing), image_size)):
         paths, labels = zip(*dataset.samples) if dataset.samples else ((), ())
+        # once the cache failed (a warning), the other split decodes without it
         images, split_decoded, failed, split_cached = decode_split(list(paths), resize, crop, device, records,
-                                                                   cache_root, getattr(dataset, "root", None), home)
+                                                                   cache_root if cached else None,
+                                                                   getattr(dataset, "root", None), home)
         cached &= split_cached
         unreadable.update({paths[index]: why for index, why in failed.items()})
         decoded += len(paths) * split_decoded

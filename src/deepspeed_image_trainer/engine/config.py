@@ -133,7 +133,8 @@ def build_ds_config(args, world_size, num_train_images, base=None, device_type="
     if steps < 1:
         raise UsageError(
             f"the training set has {num_train_images} images: too few for {world_size} rank(s) x "
-            f"micro-batch {micro} x {accumulation} accumulation step(s); lower --batch_size")
+            f"micro-batch {micro} x {accumulation} accumulation step(s); lower --batch_size"
+            + (" or --gradient_accumulation_steps" if accumulation > 1 else ""))
 
     _resolve_zero(config, args, num_params, world_size, resumed_stage)
     _resolve_precision(config, args, device_type, num_params, resumed_precision)
@@ -323,7 +324,8 @@ def coalesces_grad_reduction(mode, config):
                              "reduction of ZeRO's gradient partitions")
         # DeepSpeed wraps this combination in its BF16_Optimizer, which coalesce_grad_reduction() does not support
         if (zero["stage"] == 1 and precision(config) == "bf16" and not _offloads(zero, "offload_optimizer")
-                and (config.get("data_types") or {}).get("grad_accum_dtype") in FP32_NAMES):
+                and isinstance(config.get("data_types"), dict)
+                and config["data_types"].get("grad_accum_dtype") in FP32_NAMES):
             raise UsageError("--coalesce_grad_reduction on: DeepSpeed does not coalesce ZeRO-1 with bf16 weights and "
                              "data_types.grad_accum_dtype fp32; use --zero_stage 2 or drop grad_accum_dtype")
     if mode == "off" or zero["stage"] == 0 or config["gradient_accumulation_steps"] == 1:
@@ -512,7 +514,7 @@ def check_with_deepspeed(config, path, device_type):
     and the optimizer and scheduler names it accepts), so that a bad value stops before any rank starts."""
     import torch
     from deepspeed.runtime import lr_schedules
-    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig, DtypeEnum
     from pydantic import ValidationError
 
     where = f"--deepspeed_config {path}"
@@ -526,6 +528,17 @@ def check_with_deepspeed(config, path, device_type):
             isinstance(torch_scheduler, type) and issubclass(torch_scheduler, torch.optim.lr_scheduler.LRScheduler)):
         raise UsageError(f"{where}: scheduler.type {scheduler!r} is neither one of DeepSpeed's schedulers "
                          f"({', '.join(lr_schedules.VALID_LR_SCHEDULES)}) nor a torch.optim.lr_scheduler class")
+    data_types = config.get("data_types", {})
+    if not isinstance(data_types, dict):
+        raise UsageError(f"{where}: data_types must be a section ({{\"grad_accum_dtype\": \"fp32\"}}), got "
+                         f"{json.dumps(data_types)}")
+    if "grad_accum_dtype" in data_types and data_types["grad_accum_dtype"] is not None:
+        try:
+            DtypeEnum(data_types["grad_accum_dtype"])  # what the engine reads it with, at its start
+        except (ValueError, TypeError):
+            names = ", ".join(name for dtype in DtypeEnum for name in dtype._all_values[1:])
+            raise UsageError(f"{where}: data_types.grad_accum_dtype {data_types['grad_accum_dtype']!r} is not one of "
+                             f"DeepSpeed's dtype names ({names})") from None
     # Checked here against one rank, DeepSpeed would refuse the global batch of several; it was checked above.
     checked = {key: value for key, value in config.items() if key != "train_batch_size"}
     try:

@@ -31,6 +31,7 @@ DS_CONFIG = "ds_config.json"  # in --log_dir: the launcher's resolved config, fo
 # an --overwrite launch's, until the run it starts replaces the earlier one's (EarlierRun.retire)
 NEXT_DS_CONFIG = ".ds_config.next.json"
 _held = []  # open lock files: closing one releases its lock
+_made = []  # folders made only to lock them, until the run has them all: a refused run removes them again
 
 
 def _not_in_children():
@@ -111,7 +112,9 @@ def lock(folder, flag, name=LOCK_FILE, note=None):
     """Hold the lock `name` of `folder` until this process ends (or release()); stop with a message naming the
     holder when it is held. The file says who holds it, and `note` on a second line."""
     folder = Path(folder)
+    missing = [path for path in (folder, *folder.parents) if not path.exists()]
     folder.mkdir(parents=True, exist_ok=True)
+    _made.extend(reversed(missing))
     f = open(folder / name, "a+")
     if not _locked(f):
         f.close()
@@ -123,10 +126,22 @@ def lock(folder, flag, name=LOCK_FILE, note=None):
 
 
 def release():
-    """Give the folders back: the run in them is over (its process may go on, to start another)."""
+    """Give the folders back: the run in them is over (its process may go on, to start another). Those made
+    only to lock them for a run refused before it kept them (keep) go again, lock files unlinked while held."""
+    for folder in reversed(_made):
+        for name in LOCK_FILES:
+            (folder / name).unlink(missing_ok=True)
+        if not any(folder.iterdir()):
+            folder.rmdir()
+    _made.clear()
     for f in _held:
         f.close()
     _held.clear()
+
+
+def keep():
+    """The run has started in the folders it holds: a later release leaves them, made for it or not."""
+    _made.clear()
 
 
 def check_unlocked(folder, flag, name=LOCK_FILE):
@@ -218,6 +233,7 @@ def claim(args, resume_from):
     except BaseException:
         release()
         raise
+    keep()  # the launcher writes its config into them next
     return token
 
 
