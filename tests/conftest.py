@@ -11,6 +11,9 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers share the cores: one thread each, and each run they start
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
 # The data check's cache goes to a folder of the test session's own, for the tests and every process they start.
 os.environ["TRAINER_CACHE_DIR"] = tempfile.mkdtemp(prefix="test-cache-")
 # The package, for the Python processes the tests start from scripts of their own (the project's scripts find it).
@@ -67,6 +70,20 @@ def trained(tmp_path_factory, tiny_data):
         return finished[name]
 
     return get
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items):
+    """The suite runs on two workers (pytest-xdist, --dist loadgroup in pytest.ini): tests that read one trained
+    run or module fixture go to one worker together, which then computes it once."""
+    for item in items:
+        defs = getattr(item, "_fixtureinfo", None)
+        shared = [name for name, fixture in (defs.name2fixturedefs.items() if defs else ())
+                  if fixture[-1].scope in ("session", "module") and name not in ("tiny_data", "tmp_path_factory")]
+        if "trained" in shared:
+            item.add_marker(pytest.mark.xdist_group("trained"))
+        elif shared:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 class Payload:
