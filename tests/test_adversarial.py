@@ -289,6 +289,18 @@ def test_a_failed_export_leaves_the_earlier_one_as_it_was(export_of_a_run, tiny_
 
 
 @pytest.mark.slow
+def test_a_model_paired_with_another_exports_sidecar_is_refused(export_of_a_run, trained, tiny_data, capsys):
+    """What a kill between the export's two renames leaves: the new model beside the earlier sidecar."""
+    workdir, _ = trained("zero0")
+    other = str(export_of_a_run / "epoch_1.pt")
+    export_model.main([str(workdir / "checkpoints_deepspeed/epoch_1"), "--output", other])
+    shutil.copy(other, export_of_a_run / "model.pt")  # the sidecar is last epoch's
+    for main, argv in users_of_a_model(str(export_of_a_run / "model.pt"), tiny_data, export_of_a_run)[1:]:
+        assert_usage_error_in_process(main, argv, capsys, "is not the file "
+                                      f"{export_of_a_run / 'model.pt.json'} was written with")
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["files removed", "tag folder removed", "tag names no folder", "class_names 5"])
 def test_resume_auto_passes_over_a_checkpoint_with_files_missing(trained, tmp_path, monkeypatch, capsys, how):
     from deepspeed_image_trainer.outputs.checkpoints import find_checkpoint

@@ -24,7 +24,7 @@ from ..models.build import check_saved_model, load_weights, model_for_weights
 from ..models.names import MODEL_NAME
 from ..outputs.checkpoints import find_checkpoint, read_info
 from ..utils.failures import CliParser, UsageError, check_output_file, stop_on_write_error
-from ..utils.files import replace_together, written_beside
+from ..utils.files import fingerprint, replace_together, written_beside
 from ..utils.loading import check_checkpoint_files, load_checked
 
 SUFFIXES = (".pt", ".pth", ".safetensors")
@@ -96,7 +96,9 @@ def export(checkpoint, output):
                 save_safetensors(state_dict, tmp, metadata)
             else:
                 torch.save(state_dict, tmp)
-            tmp_sidecar = written_beside(sidecar_path(output), json.dumps(metadata, indent=2).encode())
+            # the model file's fingerprint: a kill between the two renames below pairs files of two exports
+            sidecar = {**metadata, "model_file": fingerprint(tmp)}
+            tmp_sidecar = written_beside(sidecar_path(output), json.dumps(sidecar, indent=2).encode())
             replace_together([(tmp, output), (tmp_sidecar, sidecar_path(output))])
     finally:
         for path in (tmp, tmp_sidecar):

@@ -11,6 +11,7 @@ from ..engine.finetune import head_module
 from ..models.build import check_saved_model, load_weights, model_for_weights
 from ..models.names import MODEL_NAME
 from ..utils.failures import UsageError
+from ..utils.files import fingerprint
 from ..utils.loading import load_checked
 from .export import consolidated_state_dict, sidecar_path
 
@@ -24,6 +25,9 @@ def load_model(path, device):
     elif path.is_file():
         metadata = _metadata(path)
         state_dict = _weights(path)
+        if metadata.get("model_file", fingerprint(path)) != fingerprint(path):  # sidecars since it was added
+            raise UsageError(f"--model {path} is not the file {sidecar_path(path)} was written with (an export "
+                             "stopped between its two renames, or the files of two exports): export the model again")
     else:
         raise UsageError(f"--model {path}: no such file or checkpoint folder")
     classes = len(metadata["class_names"])
