@@ -48,7 +48,10 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "BETAS_SHORT": {"optimizer": {"type": "AdamW", "params": {"betas": [0.9]}}},
         "SCHEDULER_MODULE": {"scheduler": {"type": "math", "params": {"a": 1}}},
         "ACCUM_DTYPE_CAPS": {"data_types": {"grad_accum_dtype": "FP32"}},
-        "DATA_TYPES_NUMBER": {"data_types": 5}}
+        "DATA_TYPES_NUMBER": {"data_types": 5},
+        "LR_INFINITE": {"optimizer": {"type": "AdamW", "params": {"lr": 1e999}}},
+        "CLIP_NAN": {"gradient_clipping": float("nan")},
+        "ZERO_TYPO": {"zero_optimisation": {"stage": 3}}}
 
 FLAGS = [
     (["--seed", "-1"], "--seed must be in 0 .. 4294967295, got -1"),
@@ -89,6 +92,10 @@ FLAGS = [
      "data_types.grad_accum_dtype 'FP32' is not one of"),
     (["--deepspeed_config", "DATA_TYPES_NUMBER", "--zero_stage", "1", "--bf16", "--coalesce_grad_reduction", "on"],
      "data_types must be a section"),
+    (["--deepspeed_config", "LR_INFINITE"], "optimizer.params.lr is inf, not a finite number"),
+    (["--deepspeed_config", "CLIP_NAN"], "gradient_clipping is nan, not a finite number"),
+    (["--deepspeed_config", "ZERO_TYPO"], "'zero_optimisation' is not a key DeepSpeed reads (did you mean "
+                                          "'zero_optimization'?)"),
     (["--pretrained", "RANDOM_BYTES"], "is damaged or not a torch file"),
     (["--pretrained", "MODEL_STATES"], "export it first with export_model.py"),
     (["--pretrained", "PAYLOAD"], "holds Python objects other than tensors"),

@@ -1,7 +1,9 @@
 """Flags + an optional base JSON -> the DeepSpeed config. Pure: no DeepSpeed, no processes, no GPUs."""
 import copy
+import difflib
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 from ..models.names import DEFAULT_MODEL
@@ -60,7 +62,21 @@ def load_base_config(path):
         raise UsageError(f"--deepspeed_config {path}: not valid JSON ({err})") from None
     if not isinstance(config, dict):
         raise UsageError(f"--deepspeed_config {path}: expected a JSON object ({{...}}), got {type(config).__name__}")
+    for key, value in _non_finite(config):  # json reads 1e999 as inf, and NaN and Infinity as given
+        raise UsageError(f"--deepspeed_config {path}: {key} is {value}, not a finite number")
     return config
+
+
+def _non_finite(value, where=""):
+    """(dotted key, value) of each inf or nan in a JSON value."""
+    if isinstance(value, float) and not math.isfinite(value):
+        yield where, value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _non_finite(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _non_finite(item, f"{where}[{index}]")
 
 
 def _check_types(config):
@@ -539,6 +555,7 @@ def check_with_deepspeed(config, path, device_type):
             names = ", ".join(name for dtype in DtypeEnum for name in dtype._all_values[1:])
             raise UsageError(f"{where}: data_types.grad_accum_dtype {data_types['grad_accum_dtype']!r} is not one of "
                              f"DeepSpeed's dtype names ({names})") from None
+    _check_top_level_keys(config, where)
     # Checked here against one rank, DeepSpeed would refuse the global batch of several; it was checked above.
     checked = {key: value for key, value in config.items() if key != "train_batch_size"}
     try:
@@ -559,6 +576,26 @@ def check_with_deepspeed(config, path, device_type):
             raise UsageError(f"{where}: zero_optimization.{section} to nvme needs its nvme_path (a folder on the "
                              "NVMe drive)")
     check_scheduler(config, built_optimizer(config, where, device_type), where)
+
+
+# Top-level sections DeepSpeed reads that its constants module does not name.
+OTHER_SECTIONS = ("zero_optimization", "optimizer", "scheduler", "wandb", "comet", "aio", "compression_training",
+                  "data_efficiency", "elasticity", "autotuning", "nebula", "sparse_attention", "pipeline", "amp",
+                  "curriculum_learning", "progressive_layer_drop", "eigenvalue", "quantize_training", "hybrid_engine",
+                  "compile", "weight_quantization", "timers", *MONITORS, *DEEPSPEED_SECTIONS.values())
+
+
+def _check_top_level_keys(config, where):
+    """DeepSpeed ignores a top-level key it does not read: refuse one that is a near miss of one it reads
+    ("zero_optimisation" would run ZeRO-0), and leave others alone (sections of DeepSpeed's features)."""
+    from deepspeed.runtime import constants
+
+    known = {value for name, value in vars(constants).items() if name.isupper() and isinstance(value, str)}
+    known.update(OTHER_SECTIONS)
+    for key in config:
+        near = difflib.get_close_matches(key, known, n=1, cutoff=0.85) if key not in known else None
+        if near:
+            raise UsageError(f"{where}: {key!r} is not a key DeepSpeed reads (did you mean {near[0]!r}?)")
 
 
 def _number(value):
