@@ -68,6 +68,16 @@ def test_a_cache_that_cannot_be_written_is_a_warning_and_the_run_decodes(tiny_da
     assert torch.equal(train.images, loaders(tiny_data, None)[0].images)
 
 
+def test_an_entry_changed_since_it_was_filled_is_filled_again(tiny_data, tmp_path):
+    cache, sets = tmp_path / "cache", load_datasets(tiny_data / "train", tiny_data / "val", 24)
+    first = loaders(tiny_data, cache, sets=sets)[0].images.clone()
+    entry = next(path for path in (cache / entries(cache)[0]).iterdir() if path.suffix == ".u8")
+    with open(entry, "r+b") as f:  # the same size, other bytes: as a disk error or another program leaves it
+        f.write(bytes(600))
+    train, _, done, _ = loaders(tiny_data, cache, sets=sets)
+    assert done.startswith("decoded ") and torch.equal(train.images, first)
+
+
 def test_a_changed_file_makes_a_new_entry_and_the_old_one_goes(tiny_data, tmp_path):
     data, cache = tmp_path / "data", tmp_path / "cache"
     shutil.copytree(tiny_data, data)

@@ -7,7 +7,8 @@ image changes the key, so the whole split is decoded again into a new entry, and
 same folder with the same settings) is deleted. Entries are written into a temporary folder and renamed into
 place once complete: a run killed while filling leaves only the temporary folder, which the next fill of
 that key removes. Files that do not decode are zeros in the file and named in the entry's meta.json, so that
-every run leaves them out without decoding them again. Runs that need the same entry at once take turns on a
+every run leaves them out without decoding them again. An entry whose file was cut short or changed since
+(its size, and a fingerprint of its first and last MiB, checked at each open) is filled again. Runs that need the same entry at once take turns on a
 lock file (fcntl, where there is one): the first fills it, the others wait and read it. Elsewhere two runs
 may both fill it; the first rename wins and the other's copy is dropped.
 """
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..utils.files import write_json_atomic
+from ..utils.files import fingerprint, write_json_atomic
 
 VERSION = 1
 IMAGES_FILE, META_FILE = "images.u8", "meta.json"
@@ -66,8 +67,8 @@ def open_entry(folder, count, crop):
         path = Path(folder) / IMAGES_FILE
         size = count * 3 * crop * crop
         if (meta.get("version"), meta.get("count"), meta.get("crop")) != (VERSION, count, crop) \
-                or path.stat().st_size != size:
-            return None
+                or path.stat().st_size != size or meta.get("fingerprint") != fingerprint(path):
+            return None  # another version's, cut short, or changed since it was filled: filled again
         unreadable = {int(index): str(why) for index, why in meta.get("unreadable", [])}
     except (OSError, ValueError, AttributeError, TypeError):
         return None
@@ -120,6 +121,7 @@ def load_or_fill(paths, resize, crop, decoder, root, fill, records=None, source=
             write_json_atomic(partial / META_FILE, {
                 "version": VERSION, "count": len(paths), "resize": resize, "crop": crop, "decoder": decoder,
                 "source": os.path.abspath(source) if source else None,
+                "fingerprint": fingerprint(partial / IMAGES_FILE),
                 "unreadable": sorted([index, why] for index, why in (unreadable or {}).items())})
             shutil.rmtree(entry, ignore_errors=True)  # an entry open_entry refused (another version, cut short)
             try:
