@@ -1,6 +1,7 @@
 """One training epoch and one evaluation pass over a DeepSpeed engine; metrics are plain dicts. Also the
 engine's LR scheduler built again for the steps that run."""
 import contextlib
+import sys
 import time
 
 import torch
@@ -190,7 +191,8 @@ def evaluate(engine, loader, dtype):
     """Loss and top-1 accuracy over the whole validation set (every rank's shard)."""
     engine.eval()
     totals = RunningTotals(engine.device)
-    for images, labels in tqdm(loader, desc="  validate", disable=not is_main_process(),
+    # Only on a terminal: a bar that clears itself leaves a log file's next line (an error) after a carriage return
+    for images, labels in tqdm(loader, desc="  validate", disable=not is_main_process() or not sys.stderr.isatty(),
                                dynamic_ncols=True, leave=False):
         images, labels = to_device(images, labels, engine.device, dtype)
         logits = engine(images).float()
