@@ -112,3 +112,18 @@ def test_compare_cli_writes_one_png(tmp_path, capsys):
     assert f"curves written to {output}" in capsys.readouterr().out
     with pytest.raises(UsageError, match="--labels gives 1 name"):
         main(["--history", *paths, "--labels", "only-one", "--output", str(output)])
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda h: h["epochs"][1].update(lr="abc"), 'epochs[1].lr is "abc", not a number'),
+    (lambda h: h["epochs"][0].update(epoch="one"), 'epochs[0].epoch is "one", not a number'),
+    (lambda h: h["epochs"][2].pop("val_acc"), "epochs[2].val_acc is null, not a number"),
+    (lambda h: h.update(epochs={"a": 1}), "its epochs are not a list of records")])
+def test_a_history_with_values_of_the_wrong_kind_is_one_error(tmp_path, damage, message):
+    history = synthetic_history(3, best_epoch=2)
+    damage(history)
+    path = tmp_path / "training_history.json"
+    path.write_text(json.dumps(history))
+    with pytest.raises(UsageError, match=f"{path} is not a training history file \\({message}\\)".replace(
+            "[", "\\[").replace("]", "\\]")):
+        main(["--history", str(path), "--output", str(tmp_path / "curves.png")])

@@ -19,9 +19,26 @@ def load_history(path):
         epochs = history["epochs"]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise UsageError(f"{path} is not a training history file ({err})") from None
+    if not isinstance(epochs, list) or not all(isinstance(e, dict) for e in epochs):
+        raise UsageError(f"{path} is not a training history file (its epochs are not a list of records)")
     if not epochs:
         raise UsageError(f"{path} holds no completed epoch yet")
+    for index, epoch in enumerate(epochs):
+        for key in ("epoch", *REQUIRED, *OPTIONAL):
+            value = epoch.get(key)
+            if (key in REQUIRED or key == "epoch" or value is not None) and not _number(value):
+                raise UsageError(f"{path} is not a training history file (epochs[{index}].{key} is "
+                                 f"{json.dumps(value)}, not a number)")
     return history
+
+
+# What each epoch's record must hold as numbers, and may (older histories, CPU runs).
+REQUIRED = ("train_loss", "val_loss", "train_acc", "val_acc")
+OPTIONAL = ("lr", "images_per_s", "epoch_wall_s", "epoch_time_s", "peak_gpu_memory_gib", "skipped_steps")
+
+
+def _number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 # (history key, title, y-axis label); the last three only when a history records them (skipped steps:
