@@ -7,7 +7,13 @@ import time
 
 LAUNCHED_AT = time.time()  # the training processes count their startup from here (engine/timing.py)
 
+import os  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
+
+# Ctrl-C before the training starts (its imports take seconds): nothing of this run to save, no traceback.
+# The launcher forwards it to the training processes once they run.
+signal.signal(signal.SIGINT, lambda signum, frame: os._exit(128 + signum))
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # the package, installed or not

@@ -614,8 +614,9 @@ def earlier_results(args, env, world_size):
                          "--output_dir") from None
     differs = [key for key in ("gpu", "torch", "torchvision", "deepspeed", "cuda")
                if measured.get(key) != env.get(key)]
-    differs += [f"--{key}" for key in ("num_classes", "image_size", "fp16", "bf16", "precision_mode", "find_max_batch",
-                                       "gpu_memory_gib", "steps") if measured.get(f"--{key}") != getattr(args, key)]
+    shared = ("num_classes", "image_size", "fp16", "bf16", "precision_mode", "find_max_batch", "gpu_memory_gib", "steps",
+              *(() if args.find_max_batch else ("batch_size",)))  # the search picks each row's own micro-batch
+    differs += [f"--{key}" for key in shared if measured.get(f"--{key}") != getattr(args, key)]
     if differs:
         raise UsageError(f"--update: {path} was measured with another {', '.join(differs)}; write to another "
                          "--output_dir")
@@ -731,6 +732,10 @@ def check_args(args, cuda):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name} must be at least 1, got {getattr(args, name)}")
     check_writable(args.output_dir, "--output_dir")
+    batch_gib = args.batch_size * 3 * args.image_size ** 2 * 4 / 2**30  # the fp32 input alone
+    if hasattr(os, "sysconf") and batch_gib > os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30:
+        raise UsageError(f"--image_size {args.image_size}: a micro-batch of {args.batch_size} input images alone is "
+                         f"{batch_gib:,.0f} GiB, more than this machine's memory")
     check_image_size(args.model, args.num_classes, args.image_size, args.batch_size)  # on the meta device
     if args.fp16 and not cuda:
         raise UsageError("fp16 needs a GPU: use --bf16 on a CPU-only machine")

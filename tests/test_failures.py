@@ -188,3 +188,21 @@ def test_a_crash_with_data_workers_running_exits_with_its_traceback(tmp_path):
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1, result.stderr[-2000:]
     assert "Traceback" in result.stderr and result.stderr.rstrip().endswith("AttributeError: no such thing")
+
+
+def test_a_rank_whose_peer_died_says_so_in_one_line(monkeypatch, capsys):
+    """What rank 0 of two raises when rank 1 is killed mid-step: one line, not gloo's traceback."""
+    from deepspeed_image_trainer.cli.options import run_cli
+
+    def lost(argv):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:561] Connection closed by peer "
+                           "[127.0.0.1]:6873")
+
+    for world_size, expected in (("2", "error: lost the connection to another training process"),
+                                 ("1", "Traceback (most recent call last)")):  # alone, it is a bug
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+        with pytest.raises(SystemExit) as exited:
+            run_cli(lost, [])
+        err = capsys.readouterr().err
+        assert exited.value.code == 1 and err.startswith(expected), err
+        assert world_size == "1" or err.count("\n") == 1

@@ -194,3 +194,17 @@ def test_a_second_ctrl_c_kills_the_training_and_says_so(signals, status, message
     finally:
         launcher.kill()
         launcher.wait()
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_the_launcher_imports_ends_it_without_a_traceback(tiny_data, tmp_path):
+    import signal
+    import subprocess
+
+    launcher = subprocess.Popen([sys.executable, str(ROOT / "launch_deepspeed.py"), *data_args(tiny_data)],
+                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)  # in torch's import
+    launcher.send_signal(signal.SIGINT)
+    out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 128 + signal.SIGINT and "Traceback" not in err, err
+    assert not (tmp_path / "logs").exists()

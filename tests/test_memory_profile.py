@@ -296,6 +296,14 @@ def test_every_configuration_gets_its_largest_batch_its_speed_and_the_reference(
     path.write_text(json.dumps({**saved, "results": [{"config": "retired", "max_micro_batch": 3}, *saved["results"]]}))
     memory_profile.report(args, memory_profile.largest_batches(args, (PSI, PSI)), 1, env)
     assert [row["config"] for row in json.loads(path.read_text())["results"]] == [*by_name, "retired"]
+    # rows measured at one micro-batch do not take rows of another (the search picks each row's own)
+    fixed = memory_profile.get_args_parser().parse_args(["--update", "--batch_size", "3", "--output_dir", str(tmp_path),
+                                                         "--steps", str(args.steps)])
+    path.write_text(json.dumps({**saved, "settings": {**saved["settings"], "find_max_batch": False,
+                                                      "gpu_memory_gib": None, "batch_size": 2}}))
+    with pytest.raises(memory_profile.UsageError, match="measured with another --batch_size"):
+        memory_profile.earlier_results(fixed, env, 1)
+    path.write_text(json.dumps(saved))
     args.gpu_memory_gib = 24
     with pytest.raises(memory_profile.UsageError, match="measured with another --gpu_memory_gib"):
         memory_profile.report(args, [], 1, env)
@@ -311,6 +319,7 @@ def test_every_configuration_gets_its_largest_batch_its_speed_and_the_reference(
     (["--num_classes", "0"], "--num_classes must be at least 1, got 0"),
     (["--model", "vit_b_16", "--image_size", "30"], "--model vit_b_16 cannot take --image_size 30"),
     (["--output_dir", "FILE"], "is not a folder; choose another --output_dir"),
+    (["--image_size", "100000000"], "--image_size 100000000: a micro-batch of 64 input images alone is"),
 ])
 def test_values_no_report_can_use_are_one_error_line(tmp_path, capsys, argv, message):
     from conftest import assert_usage_error_in_process

@@ -178,6 +178,10 @@ def check_values(args):
                          "or --image_size 33 or more")
 
 
+# What gloo and NCCL raise in a rank whose peer has gone (killed, or ended on an error of its own).
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "NCCL communicator was aborted")
+
+
 def run_cli(main, argv=None):
     """Run main(argv); a CliError becomes one line on stderr and its exit status (UsageError: 2), any other
     exception its traceback and status 1."""
@@ -186,8 +190,12 @@ def run_cli(main, argv=None):
     except CliError as err:
         message, status = f"error: {err}", err.exit_status
         quiet = err.every_rank and os.environ.get("RANK", "0") != "0"
-    except Exception:  # a bug: its traceback, printed here so that the frames can go before the exit
+    except Exception as err:  # a bug: its traceback, printed here so that the frames can go before the exit
         message, status, quiet = traceback.format_exc().rstrip(), 1, False
+        if isinstance(err, RuntimeError) and any(text in str(err) for text in PEER_LOST) \
+                and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # not a bug here: the other process's end
+            message = ("error: lost the connection to another training process (it ended or was killed; its own "
+                       "error, if any, is above); --resume auto continues from the last checkpoint published")
     # Out of the except block the traceback is gone; collecting the frames it held shuts their DataLoader
     # workers down now. Left to the exit handlers, which stop workers with SIGTERM, a run stopped mid-epoch
     # or crashed would wait forever for workers that ignore it (see data/folders.py, ignore_stop_signals).
