@@ -25,7 +25,7 @@ def load_model(path, device):
     elif path.is_file():
         metadata = _metadata(path)
         state_dict = _weights(path)
-        if metadata.get("model_file", fingerprint(path)) != fingerprint(path):  # sidecars since it was added
+        if "model_file" in metadata and metadata["model_file"] != fingerprint(path):  # sidecars since it was added
             raise UsageError(f"--model {path} is not the file {sidecar_path(path)} was written with (an export "
                              "stopped between its two renames, or the files of two exports): export the model again")
     else:
