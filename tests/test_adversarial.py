@@ -91,7 +91,7 @@ FLAGS = [
     (["--deepspeed_config", "ACCUM_DTYPE_CAPS", "--zero_stage", "1", "--bf16", "--coalesce_grad_reduction", "on"],
      "data_types.grad_accum_dtype 'FP32' is not one of"),
     (["--deepspeed_config", "DATA_TYPES_NUMBER", "--zero_stage", "1", "--bf16", "--coalesce_grad_reduction", "on"],
-     "data_types must be a section"),
+     "data_types in the DeepSpeed config must be a JSON object, got 5"),
     (["--deepspeed_config", "LR_INFINITE"], "optimizer.params.lr is inf, not a finite number"),
     (["--deepspeed_config", "CLIP_NAN"], "gradient_clipping is nan, not a finite number"),
     (["--deepspeed_config", "ZERO_TYPO"], "'zero_optimisation' is not a key DeepSpeed reads (did you mean "

@@ -84,7 +84,8 @@ def _check_types(config):
     def fail(where, expected, value):
         raise UsageError(f"{where} in the DeepSpeed config must be {expected}, got {json.dumps(value)}")
 
-    for key in ("fp16", "bf16", "torch_autocast", "zero_optimization", "optimizer", "scheduler", *MONITORS):
+    for key in ("fp16", "bf16", "torch_autocast", "zero_optimization", "optimizer", "scheduler", "data_types",
+                *MONITORS):
         if not isinstance(config.get(key, {}), dict):
             fail(key, "a JSON object", config[key])
     for section, key in (("optimizer", "params"), ("scheduler", "params"),
@@ -340,8 +341,7 @@ def coalesces_grad_reduction(mode, config):
                              "reduction of ZeRO's gradient partitions")
         # DeepSpeed wraps this combination in its BF16_Optimizer, which coalesce_grad_reduction() does not support
         if (zero["stage"] == 1 and precision(config) == "bf16" and not _offloads(zero, "offload_optimizer")
-                and isinstance(config.get("data_types"), dict)
-                and config["data_types"].get("grad_accum_dtype") in FP32_NAMES):
+                and config.get("data_types", {}).get("grad_accum_dtype") in FP32_NAMES):
             raise UsageError("--coalesce_grad_reduction on: DeepSpeed does not coalesce ZeRO-1 with bf16 weights and "
                              "data_types.grad_accum_dtype fp32; use --zero_stage 2 or drop grad_accum_dtype")
     if mode == "off" or zero["stage"] == 0 or config["gradient_accumulation_steps"] == 1:
@@ -544,10 +544,7 @@ def check_with_deepspeed(config, path, device_type):
             isinstance(torch_scheduler, type) and issubclass(torch_scheduler, torch.optim.lr_scheduler.LRScheduler)):
         raise UsageError(f"{where}: scheduler.type {scheduler!r} is neither one of DeepSpeed's schedulers "
                          f"({', '.join(lr_schedules.VALID_LR_SCHEDULES)}) nor a torch.optim.lr_scheduler class")
-    data_types = config.get("data_types", {})
-    if not isinstance(data_types, dict):
-        raise UsageError(f"{where}: data_types must be a section ({{\"grad_accum_dtype\": \"fp32\"}}), got "
-                         f"{json.dumps(data_types)}")
+    data_types = config.get("data_types", {})  # an object: _check_types
     if "grad_accum_dtype" in data_types and data_types["grad_accum_dtype"] is not None:
         try:
             DtypeEnum(data_types["grad_accum_dtype"])  # what the engine reads it with, at its start
