@@ -1,7 +1,9 @@
 """The dataset kept on the device: crops, flips, validation images, resumable epochs, the choice of path."""
 import json
 import math
+import shutil
 import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -125,7 +127,7 @@ def test_host_batches_are_gathered_on_a_few_threads_and_training_keeps_its_own(m
         torch.set_num_threads(threads)
 
 
-def test_choice_of_data_path(tmp_path):
+def test_choice_of_data_path(tmp_path, monkeypatch):
     assert choose_device_data("auto", CPU, 100, 10, 224) == ("workers", "auto: the device is a CPU")
     assert choose_device_data("on", CPU, 100, 10, 224)[0] == "device"
     assert choose_device_data("cache", CPU, 100, 10, 224)[0] == "cache"
@@ -133,13 +135,17 @@ def test_choice_of_data_path(tmp_path):
     # On a GPU: the GPU for a dataset within a quarter of its free memory, else the cache where its disk has
     # room (the cache folder need not exist yet), else DataLoader workers.
     cache = tmp_path / "not/yet"
+    asked = []
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: asked.append(path) or SimpleNamespace(free=5 * 2**30))
     assert auto_tier(2**30, 2**30, 8 * 2**30, cache)[0] == "device"
     tier, why = auto_tier(4 * 2**30, 4 * 2**30, 8 * 2**30, cache)
     assert tier == "cache" and why.endswith(f"need more than 25% of the GPU's free 8.0 GiB: decoded once into the "
                                             f"cache {cache}")
+    assert asked == [tmp_path]
     tier, why = auto_tier(4 * 2**30, 4 * 2**30, 8 * 2**30, None)
     assert tier == "workers" and why.endswith("of the GPU's free 8.0 GiB, and --cache_dir is off")
-    assert auto_tier(2**60, 2**60, 8 * 2**30, cache)[0] == "workers"
+    tier, why = auto_tier(6 * 2**30, 6 * 2**30, 8 * 2**30, cache)
+    assert tier == "workers" and why.endswith("and the cache's disk has 5.0 GiB free")
     # training squares of the validation resize by default (256 for 224), or of --device_train_size
     assert dataset_bytes(100, 10, 224) == 3 * (100 * 256**2 + 10 * 224**2)
     assert dataset_bytes(100, 10, 224, train_size=384) == 3 * (100 * 384**2 + 10 * 224**2)
