@@ -11,7 +11,7 @@ import zipfile
 import pytest
 
 from deepspeed_image_trainer.outputs import run_folders
-from deepspeed_image_trainer.outputs.checkpoints import find_checkpoint
+from deepspeed_image_trainer.outputs.checkpoints import EXTRA_INFO, find_checkpoint
 from deepspeed_image_trainer.outputs.run_folders import (LAUNCH_LOCK_FILE, LOCK_FILE, check_new_run, check_unlocked,
                                                          earlier_results, lock, tidy)
 from deepspeed_image_trainer.utils.failures import UsageError
@@ -243,7 +243,9 @@ def test_two_runs_at_once_and_a_killed_launcher(tiny_data, tmp_path):
             pytest.fail("the training outlived its launcher by a minute")
     finally:
         first.kill()
-    result = launch(args + ["--epochs", "2", "--resume", "auto"], tmp_path)
+    # one epoch more than its last checkpoint holds: the killed run may have saved several
+    saved = json.loads((tmp_path / "checkpoints_deepspeed" / "last" / EXTRA_INFO).read_text())["epoch"]
+    result = launch(args + ["--epochs", str(saved + 1), "--resume", "auto"], tmp_path)
     assert result.returncode == 0 and "Resumed from" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
 
 
