@@ -153,6 +153,25 @@ def join_process_group(rank, port, world_size=1):
     init_distributed()
 
 
+def built_instead(builders, monkeypatch=None):
+    """torchvision.models.get_model(name) without weights builds builders[name](num_classes=...) instead, for the
+    names it has: a model's own class at a size a CPU test can afford. For the rest of the process (a spawned
+    one), or the test with pytest's `monkeypatch`."""
+    import torchvision
+
+    full = torchvision.models.get_model
+
+    def get_model(name, weights=None, **kwargs):
+        if name in builders and weights is None:
+            return builders[name](**kwargs)
+        return full(name, weights=weights, **kwargs)
+
+    if monkeypatch:
+        monkeypatch.setattr(torchvision.models, "get_model", get_model)
+    else:
+        torchvision.models.get_model = get_model
+
+
 def history_of(workdir):
     """The training history a run in `workdir` wrote (its default --log_dir)."""
     return json.loads((Path(workdir) / "logs/training_history.json").read_text())
