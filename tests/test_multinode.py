@@ -1,5 +1,7 @@
 """Multi-node launching: the exact `deepspeed` commands (dry runs), their errors, and a real two-node run
 started by hand (--launcher none) with both "nodes" on this machine."""
+import os
+import signal
 import subprocess
 import sys
 
@@ -102,3 +104,37 @@ def test_two_nodes_started_by_hand_train_as_one_run(tiny_data, tmp_path):
     assert "Epoch 1/1" in outputs[0] and "Epoch 1/1" not in outputs[1]  # rank 0 reports
     shards = sorted(p.name for p in (tmp_path / "checkpoints_deepspeed/last/last").glob("*optim_states.pt"))
     assert len(shards) == 2 and "rank_0" in shards[0] and "rank_1" in shards[1], shards  # both nodes' ZeRO shards
+
+
+@pytest.mark.slow
+def test_a_rank_waiting_for_the_others_says_so_stops_on_ctrl_c_and_gives_up_in_one_line(tiny_data, tmp_path):
+    """The training script started by hand as rank 0 of 2, the other rank never started: it says that it waits,
+    Ctrl-C ends it at once (torch's rendezvous waits in C++, where Python's handlers do not run), and when
+    DeepSpeed's timeout passes it ends in one line; either way the folders it made are gone."""
+    def start(workdir, **env):
+        workdir.mkdir()
+        env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(free_port()), **env}
+        return subprocess.Popen([sys.executable, TRAIN_SCRIPT, *data_args(tiny_data), "--epochs", "1", "--batch_size",
+                                 "4", "--image_size", "32", "--num_workers", "0"], cwd=workdir, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), env["MASTER_PORT"]
+
+    (waiting, port), (timed_out, _) = start(tmp_path / "waiting"), start(tmp_path / "timed_out", DEEPSPEED_TIMEOUT="0")
+    try:
+        line = next((line for line in waiting.stderr if "waiting" in line), None)
+        assert line == (f"rank 0 of 2: waiting for the other ranks to join at 127.0.0.1:{port} (MASTER_ADDR, "
+                        "MASTER_PORT); Ctrl-C stops\n")
+        waiting.send_signal(signal.SIGINT)
+        rest = waiting.communicate(timeout=60)[1]
+        assert waiting.returncode == 130, rest
+        assert rest.strip().splitlines()[-1] == ("Stopped by SIGINT while waiting for the other ranks; nothing was "
+                                                 "trained")
+        err = timed_out.communicate(timeout=300)[1]
+        assert timed_out.returncode == 1 and "Traceback" not in err, err[-3000:]
+        assert err.strip().splitlines()[-1].startswith("error: the 2 ranks (WORLD_SIZE) did not all join at "
+                                                       "127.0.0.1:"), err[-3000:]
+        assert "DEEPSPEED_TIMEOUT=0 minutes" in err and "start every rank with the same MASTER_ADDR" in err
+    finally:
+        waiting.kill()
+        timed_out.kill()
+    assert [list((tmp_path / run).iterdir()) for run in ("waiting", "timed_out")] == [[], []]  # no folder left

@@ -154,7 +154,7 @@ def build(args, clock):
     if os.environ.get("RANK", "0") == "0":
         run_folders.take(args)  # before any rank looks for a checkpoint: tidying may rename one
 
-    rank, world_size = init_distributed()
+    rank, world_size = init_distributed(on_stop=run_folders.release)  # a stop while waiting leaves no folder made
     seed_everything(args.seed)
     model = build_model(args.model, len(train_set.classes), args.image_size, args.pretrained)
     model_name = saved_name(args.model)

@@ -1,19 +1,27 @@
 """Process-group setup and the rank-0 helper every piece of rank-0-only I/O goes through."""
+import contextlib
 import datetime
 import functools
 import gc
 import os
+import signal
 import socket
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
 
-from ..utils.failures import UsageError
+from ..utils.failures import CliError, UsageError
 
 
-def init_distributed():
-    """Join the process group the launcher set up (deepspeed, torchrun), or form a group of one.
+# Seconds a rank waits for the others to join before it says so (a node started by hand before the others).
+JOIN_NOTE_AFTER = 10
+
+
+def init_distributed(on_stop=lambda: None):
+    """Join the process group the launcher set up (deepspeed, torchrun), or form a group of one. While a rank
+    waits for the others, Ctrl-C or SIGTERM ends it after on_stop().
 
     NCCL on Linux GPUs; gloo elsewhere (CPU, Windows), which is what DeepSpeed's CPU accelerator uses.
     """
@@ -24,10 +32,74 @@ def init_distributed():
         os.environ.setdefault(key, value)
     use_nccl = torch.cuda.is_available() and os.name != "nt"
     _skip_shared_memory_op()
-    deepspeed.init_distributed(dist_backend="nccl" if use_nccl else "gloo", verbose=False)
+    world, where = int(os.environ["WORLD_SIZE"]), f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    if world == 1:
+        deepspeed.init_distributed(dist_backend="nccl" if use_nccl else "gloo", verbose=False)
+    else:
+        with _said_if_waiting(world, where), _ended_by_signals(on_stop):
+            try:
+                deepspeed.init_distributed(dist_backend="nccl" if use_nccl else "gloo", verbose=False)
+            except dist.DistError as err:  # torch's rendezvous gave up: a C++ message, no traceback needed
+                raise CliError(f"the {world} ranks (WORLD_SIZE) did not all join at {where} (MASTER_ADDR, "
+                               f"MASTER_PORT) within DeepSpeed's timeout, DEEPSPEED_TIMEOUT="
+                               f"{os.environ.get('DEEPSPEED_TIMEOUT', 10)} minutes: {str(err).splitlines()[0].rstrip('.')}; "
+                               "start every rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE") from None
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     return dist.get_rank(), dist.get_world_size()
+
+
+@contextlib.contextmanager
+def _said_if_waiting(world, where):
+    """A line on stderr when the others have not joined within JOIN_NOTE_AFTER seconds."""
+    joined = threading.Event()
+
+    def note():
+        if not joined.wait(JOIN_NOTE_AFTER):
+            print(f"rank {os.environ['RANK']} of {world}: waiting for the other ranks to join at {where} (MASTER_ADDR, "
+                  "MASTER_PORT); Ctrl-C stops", file=sys.stderr, flush=True)
+
+    threading.Thread(target=note, daemon=True).start()
+    try:
+        yield
+    finally:
+        joined.set()
+
+
+@contextlib.contextmanager
+def _ended_by_signals(on_stop):
+    """SIGINT and SIGTERM end the process, after on_stop(), even while the main thread waits inside torch's C++
+    rendezvous, where Python runs no signal handler until it returns (minutes later): the signal's number,
+    written to a pipe as it arrives (signal.set_wakeup_fd), wakes a thread that ends the process."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    stops = (signal.SIGINT, signal.SIGTERM)
+    previous = {signum: signal.signal(signum, lambda *_: None) for signum in stops}
+    previous_fd = signal.set_wakeup_fd(write_end)
+
+    def watch():
+        signum = os.read(read_end, 1)[0]
+        if signum in stops:
+            print(f"Stopped by {signal.Signals(signum).name} while waiting for the other ranks; nothing was "
+                  "trained", file=sys.stderr, flush=True)
+            on_stop()
+            os._exit(128 + signum)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        signal.set_wakeup_fd(previous_fd)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        os.write(write_end, b"\0")  # not a signal: the watcher returns
+        watcher.join()
+        os.close(read_end)
+        os.close(write_end)
 
 
 def _skip_shared_memory_op():
