@@ -111,6 +111,15 @@ def test_pretrained_weights_come_from_the_torch_hub_cache_with_a_new_head(tmp_pa
     loaded = model.state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in imagenet.items() if not k.startswith("classifier.3."))
     assert loaded["classifier.3.weight"].shape == (3, 1024)
+    # A file of the weights' name in the working directory does not shadow the name (whose preprocessing the
+    # run takes); ./<name> is that file.
+    monkeypatch.chdir(tmp_path)
+    other = build_model("mobilenet_v3_small", 3).state_dict()
+    torch.save(other, tmp_path / weights)
+    assert torch.equal(build_model("mobilenet_v3_small", 3, pretrained=weights).state_dict()["features.0.0.weight"],
+                       imagenet["features.0.0.weight"])
+    assert torch.equal(build_model("mobilenet_v3_small", 3, pretrained=f"./{weights}").state_dict()[
+        "features.0.0.weight"], other["features.0.0.weight"])
 
 
 def test_weights_without_module_versions_load_into_mnasnet(tmp_path, monkeypatch):

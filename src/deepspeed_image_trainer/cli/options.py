@@ -72,7 +72,8 @@ def add_training_args(parser):
     train.add_argument("--pretrained", metavar="WEIGHTS|PATH", default=None,
                        help="start from torchvision's weights of --model: DEFAULT or a name such as IMAGENET1K_V1 "
                             "(read from the torch hub cache, TORCH_HOME, downloaded there when missing), or a "
-                            "state_dict file; the classifier head is new when the class count differs")
+                            "state_dict file (./DEFAULT for a file of a weights name); the classifier head is new "
+                            "when the class count differs")
 
     ds = parser.add_argument_group("DeepSpeed")
     ds.add_argument("--zero_stage", type=zero_stage, default="auto", metavar="{auto,0,1,2,3}",

@@ -324,14 +324,15 @@ def preprocessing(name, pretrained):
 
 
 def weights_file(name, choice):
-    """The local file of `choice`: a path as given, or the weights `choice` of model `name` in the torch hub
-    cache (TORCH_HOME), downloaded there when missing."""
-    if Path(choice).is_file():
+    """The local file of `choice`: the weights `choice` of model `name` in the torch hub cache (TORCH_HOME),
+    downloaded there when missing, or a path as given. A weights name wins over a file of that name here, as
+    it does for the preprocessing (./DEFAULT names the file)."""
+    weights = _weights(name, choice)
+    if weights is None and Path(choice).is_file():
         return Path(choice)
-    if Path(choice).is_dir():
+    if weights is None and Path(choice).is_dir():
         raise UsageError(f"--pretrained {choice}: a folder; give a state_dict file (export_model.py writes one) "
                          "or a weights name")
-    weights = _weights(name, choice)
     if weights is None:
         names = ", ".join(["DEFAULT", *(w.name for w in torchvision.models.get_model_weights(name))])
         raise UsageError(f"--pretrained {choice}: no such file, and not a weights name of {name} ({names})")
