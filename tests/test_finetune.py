@@ -1,11 +1,13 @@
 """--freeze_backbone_epochs and --backbone_lr_scale on real engines (CPU, gloo) at every ZeRO stage and with
 optimizer offload: the body does not move while frozen and does afterwards, at the scaled learning rate."""
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from deepspeed_image_trainer.engine.finetune import BodyLearningRate, head_module, parameter_groups
+from deepspeed_image_trainer.engine.finetune import (BodyLearningRate, head_module, parameter_groups,
+                                                    whole_run_frozen)
 
 from conftest import join_process_group, spawn_ranks, tiny_engine
 
@@ -84,3 +86,10 @@ def test_the_head_is_the_layer_that_gives_the_logits():
         groups = parameter_groups(model, 5)
         assert len(groups[0]["params"]) == 2 and len(groups[0]["params"]) + len(groups[1]["params"]) == len(
             list(model.parameters()))
+
+
+def test_a_freeze_over_the_whole_run_is_said():
+    assert whole_run_frozen(SimpleNamespace(freeze_backbone_epochs=2, epochs=3)) is None
+    for frozen in (3, 4):
+        assert whole_run_frozen(SimpleNamespace(freeze_backbone_epochs=frozen, epochs=3)) == (
+            f"--freeze_backbone_epochs {frozen} covers the whole run (--epochs 3): only the classifier head trains")

@@ -23,7 +23,7 @@ from ..engine import overrides as deepspeed_overrides
 from ..engine.config import load_base_config, precision, resolve_scheduler
 from ..engine.distributed import (agreed, all_reduce, any_rank, differing, init_distributed, local_device,
                                   patient_group, rank_zero_only, shut_down)
-from ..engine.finetune import BodyLearningRate, fine_tuning, parameter_groups
+from ..engine.finetune import BodyLearningRate, fine_tuning, parameter_groups, whole_run_frozen
 from ..engine.interrupt import StopOnSignal, die_with_parent_call
 from ..engine.loop import evaluate, input_dtype, peak_gpu_memory_gib, replace_lr_scheduler, train_one_epoch
 from ..engine.memory import advise_on_out_of_memory
@@ -170,6 +170,8 @@ def build(args, clock):
                                                        checked.resumed_info)
     earlier_run = agreed(lambda: rank_zero_only(run_folders.start)(args, resume_from))  # rank 0's refusal, for all
     run_folders.keep()  # a run refused before here leaves no folder it made
+    if whole_run_frozen(args):
+        say(whole_run_frozen(args))
     if args.coalesce_grad_reduction == "on" and not coalesced:
         say("--coalesce_grad_reduction on: one micro-batch a step (--gradient_accumulation_steps 1), so nothing "
             "to coalesce")

@@ -23,6 +23,14 @@ def fine_tuning(args):
     return args.backbone_lr_scale != 1 or args.freeze_backbone_epochs > 0
 
 
+def whole_run_frozen(args):
+    """A line when the body stays frozen for the whole run (a linear probe: allowed, but likely a slip), or None."""
+    if args.freeze_backbone_epochs >= args.epochs:
+        return (f"--freeze_backbone_epochs {args.freeze_backbone_epochs} covers the whole run (--epochs "
+                f"{args.epochs}): only the classifier head trains")
+    return None
+
+
 def parameter_groups(model, num_classes):
     """[head group, body group] for the optimizer."""
     head = {id(p) for p in head_module(model, num_classes).parameters()}
