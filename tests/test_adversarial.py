@@ -418,14 +418,23 @@ def test_the_tools_refuse_values_no_run_can_use(export_of_a_run, tiny_data, caps
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_predict_skips_what_is_not_an_image_file_in_a_folder(export_of_a_run, tiny_data, tmp_path, capsys):
     folder = tmp_path / "photos"
     (folder / "dir.jpg").mkdir(parents=True)  # a folder named like an image
     os.mkfifo(folder / "x.jpg")  # reading it would wait for a writer for good
     shutil.copy(next((tiny_data / "val").rglob("*.jpg")), folder / "photo.jpg")
+    (folder / "broken.jpg").write_bytes(b"not a jpeg")  # one bad photo does not cost the others their predictions
     predict.main(["--model", str(export_of_a_run / "model.pt"), str(folder)])
-    assert [line.split(":")[0] for line in capsys.readouterr().out.splitlines()] == [str(folder / "photo.jpg")]
+    out, err = capsys.readouterr()
+    assert [line.split(":")[0] for line in out.splitlines()] == [str(folder / "photo.jpg")]
+    assert err.startswith(f"warning: {folder / 'broken.jpg'}: not a readable image (") and err.endswith("left out\n")
+    predict.main(["--model", str(export_of_a_run / "model.pt"), "--json", str(folder)])
+    broken, photo = json.loads(capsys.readouterr().out)
+    assert broken["image"] == str(folder / "broken.jpg") and broken["error"].startswith("not a readable image (")
+    assert photo["image"] == str(folder / "photo.jpg") and len(photo["predictions"]) == 3
+    (folder / "photo.jpg").unlink()
+    assert_usage_error_in_process(predict.main, ["--model", str(export_of_a_run / "model.pt"), str(folder)], capsys,
+                                  "broken.jpg: not a readable image (")
     assert_usage_error_in_process(predict.main, ["--model", str(export_of_a_run / "model.pt"), str(folder / "x.jpg")],
                                   capsys, "x.jpg: not an image file or a folder")
 

@@ -5,7 +5,10 @@
 """
 import argparse
 import json
+import sys
 from pathlib import Path
+
+import torch
 
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
@@ -34,10 +37,12 @@ def image_paths(inputs):
 
 
 class Images:
-    """The images as a dataset of (tensor, index), preprocessed as in validation."""
+    """The images as a dataset of (tensor, index), preprocessed as in validation. One that does not decode
+    gives a blank image, its reason kept in `unreadable` (index -> reason): the others are still predicted."""
 
-    def __init__(self, paths, transform):
-        self.paths, self.transform = paths, transform
+    def __init__(self, paths, transform, image_size):
+        self.paths, self.transform, self.image_size = paths, transform, image_size
+        self.unreadable = {}
 
     def __len__(self):
         return len(self.paths)
@@ -46,7 +51,8 @@ class Images:
         try:
             return self.transform(load_rgb(self.paths[index])), index
         except Exception as err:  # noqa: BLE001 - corrupt data raises OSError, SyntaxError, ValueError, ...
-            raise UsageError(f"{self.paths[index]}: not a readable image ({err})") from None
+            self.unreadable[index] = f"not a readable image ({err})"
+            return torch.zeros(3, self.image_size, self.image_size), index
 
 
 def get_args_parser():
@@ -66,18 +72,24 @@ def main(argv=None):
     paths = image_paths(args.images)
     device = default_device()
     model, metadata = load_model(args.model, device)
-    # Worker processes would turn a bad image's UsageError into a traceback: decode in this process.
-    probabilities = predict_log_probabilities(model, Images(paths, eval_transform(metadata)),
-                                              len(metadata["class_names"]), device, args.batch_size,
+    # Decoded in this process, where Images records the unreadable ones.
+    images = Images(paths, eval_transform(metadata), int(metadata["image_size"]))
+    probabilities = predict_log_probabilities(model, images, len(metadata["class_names"]), device, args.batch_size,
                                               num_workers=0).exp()
+    if len(images.unreadable) == len(paths):
+        raise UsageError("; ".join(f"{paths[i]}: {reason}" for i, reason in sorted(images.unreadable.items())[:3])
+                         + (f" (and {len(paths) - 3} more): no image could be read" if len(paths) > 3 else ""))
+    for index, reason in sorted(images.unreadable.items()):
+        print(f"warning: {paths[index]}: {reason}; left out", file=sys.stderr)
     k = max(1, min(args.top_k, len(metadata["class_names"])))
     top = probabilities.topk(k, dim=1)
-    results = [{"image": str(path), "predictions": [
-        {"class": metadata["class_names"][i], "probability": round(p, 6)}
-        for p, i in zip(values.tolist(), indices.tolist())]}
-        for path, values, indices in zip(paths, top.values, top.indices)]
+    results = [{"image": str(path), "error": images.unreadable[index]} if index in images.unreadable else
+               {"image": str(path), "predictions": [
+                   {"class": metadata["class_names"][i], "probability": round(p, 6)}
+                   for p, i in zip(values.tolist(), indices.tolist())]}
+               for index, (path, values, indices) in enumerate(zip(paths, top.values, top.indices))]
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    for result in results:
+    for result in (result for result in results if "predictions" in result):
         print(f"{result['image']}: " + ", ".join(f"{p['class']} {p['probability']:.3f}" for p in result["predictions"]))
