@@ -203,6 +203,7 @@ def test_the_same_command_twice_keeps_the_first_runs_results(trained, tiny_data,
     assert result.returncode == 2 and "an earlier run's results are here" in result.stderr, result.stderr[-2000:]
     assert (tmp_path / "logs/training_history.json").read_bytes() == before
     # --overwrite that fails before its first checkpoint leaves the earlier run as it was
+    (tmp_path / "given.json").write_text('{"gradient_clipping": 0.5}')
     everything = digests(tmp_path)
     result = run([sys.executable, str(ROOT / "src/train_deepspeed.py"), *args, "--overwrite", "--fp16"], tmp_path)
     assert result.returncode == 2 and "error: fp16 needs a GPU" in result.stderr, result.stderr[-2000:]
@@ -210,6 +211,8 @@ def test_the_same_command_twice_keeps_the_first_runs_results(trained, tiny_data,
     monkeypatch.setattr(launch_deepspeed, "run_and_forward_signals", lambda *_: 1)  # ranks that fail at once
     assert launch_deepspeed.main(args + ["--overwrite"]) == 1
     assert digests(tmp_path) == everything  # nor the launcher's config of the new run (.ds_config.next.json)
+    assert launch_deepspeed.main(args + ["--overwrite", "--deepspeed_config", str(tmp_path / "given.json")]) == 1
+    assert digests(tmp_path) == everything  # nor the copy of the user's JSON it made for the ranks
     # --keep_last counts this run's epoch_N only: the earlier run's epoch_2 goes, not the new epoch_1
     result = launch(args + ["--overwrite", "--epochs", "1", "--keep_last", "1"], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]

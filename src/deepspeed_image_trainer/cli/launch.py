@@ -248,6 +248,7 @@ def main(argv=None, launched_at=None):
         config_path = run_folders.config_path(args)
         command = build_command(args, num_gpus, num_nodes, given_path, launch_token)
         data_check.save_cache()
+        written = [config_path] + ([given_path] if given_path and not given_path.exists() else [])
         with stop_on_write_error("DeepSpeed config", "--log_dir"):
             write_json_atomic(config_path, config)  # each node's launcher may write it into one shared folder
             if given_path:
@@ -255,7 +256,8 @@ def main(argv=None, launched_at=None):
         print(f"DeepSpeed config written to {config_path}\n$ {shlex.join(command)}", flush=True)
         status = run_and_forward_signals(command, launched_at or time.time())
         if config_path.name == run_folders.NEXT_DS_CONFIG:  # the run ended before it replaced the earlier one
-            config_path.unlink(missing_ok=True)
+            for path in written:
+                path.unlink(missing_ok=True)
         return status
     finally:
         run_folders.release()
