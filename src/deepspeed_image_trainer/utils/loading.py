@@ -9,6 +9,7 @@ import contextlib
 import os
 import pickle
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -52,7 +53,9 @@ def load_checked(path, map_location="cpu", mmap=False, deepspeed_classes=True):
     allowed = deepspeed_checkpoint_classes() if deepspeed_classes else []
     mmap = mmap and zipfile.is_zipfile(path)  # torch's legacy format (before 1.6) cannot be memory-mapped
     try:
-        with torch.serialization.safe_globals(allowed):
+        # A plain pickle (not torch.save's) makes torch warn about its protocol before it fails: one line, below.
+        with torch.serialization.safe_globals(allowed), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         refused = _refused_global(err)
