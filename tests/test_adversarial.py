@@ -149,6 +149,7 @@ def test_the_readme_dry_run_works_without_a_dataset(tmp_path, monkeypatch, capsy
                                      "run: head and body in parameter groups of their own)"),
     (["--train_dir", "OTHER_CLASSES"], "the classes of --train_dir 3 classes (antelope, badger, bat) (this run: "
                                        "4 classes"),
+    (["--freeze_backbone_epochs", "1"], "--freeze_backbone_epochs 0 (this run: 1)"),
 ])
 def test_resuming_with_other_settings_stops_before_anything_starts(trained, tiny_data, tmp_path, monkeypatch, capsys,
                                                                    extra, message):
@@ -162,6 +163,20 @@ def test_resuming_with_other_settings_stops_before_anything_starts(trained, tiny
     assert_usage_error_in_process(launch_deepspeed.main, first.args[2:] + ["--epochs", "3", "--resume", "auto",
                                                                            *extra], capsys, message)
     assert digests(tmp_path) == before
+
+
+def test_a_resume_needs_neither_the_pretrained_file_nor_the_network(trained, tmp_path, monkeypatch, capsys):
+    """The checkpoint holds every weight: a run started from --pretrained weights resumes after the file is gone
+    (or the hub cache emptied on a machine offline)."""
+    workdir, first = trained("zero0")
+    for name in ("logs", "checkpoints_deepspeed"):
+        shutil.copytree(workdir / name, tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    argv = first.args[2:] + ["--epochs", "3", "--resume", "auto", "--pretrained", "gone.pth", "--dry_run"]
+    assert launch_deepspeed.main(argv) == 0, capsys.readouterr().err
+    assert '"train_batch_size"' in capsys.readouterr().out
+    assert_usage_error_in_process(launch_deepspeed.main, argv[:-5] + ["--pretrained", "gone.pth", "--dry_run"], capsys,
+                                  "--pretrained gone.pth: no such file")  # a new run needs it
 
 
 # --- damaged and hostile checkpoints, exports and sidecars --------------------------------------------------

@@ -22,7 +22,7 @@ from ..outputs import run_folders
 from ..utils.failures import CliParser, UsageError, check_writable, stop_on_write_error
 from ..utils.files import write_json_atomic
 from .options import add_training_args, parse_args
-from .preflight import preflight
+from .preflight import preflight, weights_to_load
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "train_deepspeed.py"  # src/
 LAUNCHER_FLAGS = {"num_gpus", "num_nodes", "hostfile", "master_addr", "master_port", "launcher", "node_rank",
@@ -225,7 +225,8 @@ def main(argv=None, launched_at=None):
         from ..models.build import checked_model
 
         # downloads torchvision's weights once, here, rather than in every rank
-        shapes = checked_model(args.model, len(class_names), args.image_size, args.batch_size, args.pretrained)
+        shapes = checked_model(args.model, len(class_names), args.image_size, args.batch_size,
+                               weights_to_load(args))
         num_params = sum(p.numel() for p in shapes.parameters())
     base = load_base_config(args.deepspeed_config)
     checked = preflight(args, base, world_size=world_size, device_type=device_type, class_names=class_names,

@@ -23,6 +23,14 @@ class Preflight:
     finished: str | None = None  # why there is nothing to train: resume_from ended at --epochs or later
 
 
+def weights_to_load(args):
+    """--pretrained, but None for a run that resumes a checkpoint, which holds every weight: the resume needs
+    neither the file nor the network the start did."""
+    if args.pretrained and args.resume and find_checkpoint(args.resume, args.checkpoint_dir) is not None:
+        return None
+    return args.pretrained
+
+
 def preflight(args, base, *, world_size, device_type, class_names, num_train_images, num_params, read_shards=False):
     """Stop with one line on what this run cannot do; `base`: the user's JSON as read (load_base_config);
     `read_shards`: read every file of the checkpoint resumed as its rank will (the launcher, before any rank

@@ -40,7 +40,7 @@ from ..outputs.record import checkpoint_info
 from ..utils.failures import CliParser, UsageError, check_writable
 from ..utils.text import listed
 from .options import add_training_args, parse_args
-from .preflight import preflight
+from .preflight import preflight, weights_to_load
 
 
 @dataclass
@@ -150,13 +150,13 @@ def build(args, clock):
                                                    decodes_every_file(args.data_on_device, device_type,
                                                                       args.cache_dir == OFF))
     if args.launch_token is None:  # else its launcher checked the model before any rank started
-        checked_model(args.model, len(train_set.classes), args.image_size, args.batch_size, args.pretrained)
+        checked_model(args.model, len(train_set.classes), args.image_size, args.batch_size, weights_to_load(args))
     if os.environ.get("RANK", "0") == "0":
         run_folders.take(args)  # before any rank looks for a checkpoint: tidying may rename one
 
     rank, world_size = init_distributed(on_stop=run_folders.release)  # a stop while waiting leaves no folder made
     seed_everything(args.seed)
-    model = build_model(args.model, len(train_set.classes), args.image_size, args.pretrained)
+    model = build_model(args.model, len(train_set.classes), args.image_size, weights_to_load(args))
     model_name = saved_name(args.model)
     num_params = sum(p.numel() for p in model.parameters())
     checked = agreed(lambda: preflight(args, base_config, world_size=world_size, device_type=device_type,

@@ -291,6 +291,7 @@ SETTINGS_FLAGS = {"model": "--model", "class_names": "the classes of --train_dir
                   "train_batch_size": "the global batch (--batch_size x ranks x --gradient_accumulation_steps)",
                   "learning_rate": "--learning_rate", "weight_decay": "--weight_decay", "lr_schedule": "--lr_schedule",
                   "warmup_epochs": "--warmup_epochs", "label_smoothing": "--label_smoothing", "precision": "precision",
+                  "backbone_lr_scale": "--backbone_lr_scale", "freeze_backbone_epochs": "--freeze_backbone_epochs",
                   "parameter_groups": "--backbone_lr_scale or --freeze_backbone_epochs:"}
 GROUPS = {False: "one parameter group", True: "head and body in parameter groups of their own"}
 

@@ -10,7 +10,8 @@ from ..models.names import saved_name
 CHECKPOINT_KEYS = ("model", "pretrained", "preprocessing", "image_size", "class_names", "world_size", "zero_stage",
                    "precision", "data_tier")
 # The record's "training" values a resumed run must keep (the saved optimizer and scheduler were built for them).
-KEPT_TRAINING = ("learning_rate", "weight_decay", "lr_schedule", "warmup_epochs", "label_smoothing")
+KEPT_TRAINING = ("learning_rate", "weight_decay", "lr_schedule", "warmup_epochs", "label_smoothing",
+                 "backbone_lr_scale", "freeze_backbone_epochs")
 
 
 def run_record(args, ds_config, class_names):
