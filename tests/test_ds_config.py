@@ -1,5 +1,6 @@
 import argparse
 import json
+import math
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from deepspeed_image_trainer.engine.config import (ZERO3_LEAF_BLOCKS, build_ds_c
                                                    num_parameters, precision, resolve_scheduler, steps_per_epoch)
 from deepspeed_image_trainer.utils.failures import UsageError
 
-from conftest import ROOT
+from conftest import ROOT, join_process_group, spawn_ranks
 
 
 def make_args(*argv):
@@ -52,8 +53,10 @@ def test_defaults():
     ("Lion", {"betas": [0.9, 0.99], "weight_decay": 0.1}, None),
 ])
 def test_an_optimizer_from_the_json_gets_only_the_settings_it_takes(kind, settings, optimizer_class):
-    params = build(base={"optimizer": {"type": kind, "params": {"lr": 0.01, **settings}}})["optimizer"]["params"]
+    config = build(base={"optimizer": {"type": kind, "params": {"lr": 0.01, **settings}}})
+    params = config["optimizer"]["params"]
     assert params == {"lr": 0.01, "weight_decay": 0.05, **settings}  # no AdamW betas or eps
+    assert config["zero_allow_untested_optimizer"] is True  # see test_sgd_from_the_json_trains_under_zero
     if optimizer_class is not None:  # as DeepSpeed builds it: the class with the config's params
         optimizer_class([torch.nn.Parameter(torch.zeros(1))], **params)
 
@@ -658,3 +661,29 @@ def test_a_training_set_too_small_for_one_step_names_the_flags_to_lower(argv, hi
     with pytest.raises(UsageError, match="the training set has 50 images: too few for 1 rank") as refused:
         build(*argv, images=50)
     assert str(refused.value).endswith(hint)
+
+
+def sgd_steps(rank, port, results, config):
+    import deepspeed
+
+    join_process_group(rank, port)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 17), torch.nn.ReLU(), torch.nn.Linear(17, 3))
+    before = [p.detach().clone() for p in model.parameters()]
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    for _ in range(3):
+        loss = torch.nn.functional.cross_entropy(engine(torch.randn(4, 6)), torch.tensor([0, 1, 2, 0]))
+        engine.backward(loss)
+        engine.step()
+    results["moved"] = [not torch.equal(a, b.detach()) for a, b in zip(before, engine.module.parameters())]
+    results["loss"] = loss.item()
+
+
+@pytest.mark.slow
+def test_sgd_from_the_json_trains_under_zero_with_offload():
+    """DeepSpeed refuses an optimizer it has not listed under ZeRO (torch's SGD) unless the config allows it:
+    the config the trainer builds for a JSON's SGD, at ZeRO-2 with its state offloaded, trains on a real engine."""
+    config = build("--zero_stage", "2", "--offload_optimizer", "--batch_size", "4", "--warmup_epochs", "0", base={
+        "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}})
+    results = spawn_ranks(sgd_steps, 1, config)
+    assert all(results["moved"]) and math.isfinite(results["loss"])

@@ -395,6 +395,10 @@ def _resolve_optimizer(config, args, device_type):
         flag = {"lr": "learning_rate", "weight_decay": "weight_decay"}.get(key)
         if params.get(key, AUTO) == AUTO or (flag and flag in args.explicit):
             params[key] = value
+    if str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
+        # ZeRO partitions any torch optimizer's state, but DeepSpeed stops on one it has not listed (SGD among
+        # them) unless this is set: the optimizer the JSON names is the user's choice.
+        config.setdefault("zero_allow_untested_optimizer", True)
     offloaded = _offloads(config["zero_optimization"], "offload_optimizer")
     if (optimizer.get("type", "").lower() in ("adam", "adamw") and "torch_adam" not in params
             and (not offloaded or device_type == "cpu")):
