@@ -97,6 +97,7 @@ FLAGS = [
     (["--deepspeed_config", "ZERO_TYPO"], "'zero_optimisation' is not a key DeepSpeed reads (did you mean "
                                           "'zero_optimization'?)"),
     (["--pretrained", "RANDOM_BYTES"], "is damaged or not a torch file"),
+    (["--data_on_device", "cache", "--cache_dir", "RANDOM_BYTES"], "--data_on_device cache: the decoded-image cache "),
     (["--pretrained", "MODEL_STATES"], "export it first with export_model.py"),
     (["--pretrained", "PAYLOAD"], "holds Python objects other than tensors"),
 ]

@@ -181,6 +181,11 @@ def test_pretrained_without_the_file_or_the_network_names_both(tmp_path, monkeyp
     path, _ = imagenet_weights_file(tmp_path, "mobilenet_v3_small")
     with pytest.raises(UsageError, match="is not a resnet18 state_dict"):
         build_model("resnet18", 3, pretrained=str(path))
+    state = build_model("resnet18", 3).state_dict()
+    state["layer2.0.conv1.weight"][0, 0, 0, 0] = float("nan")
+    torch.save(state, tmp_path / "nan.pt")
+    with pytest.raises(UsageError, match=r"nan.pt: layer2.0.conv1.weight holds NaN or infinite values"):
+        build_model("resnet18", 3, pretrained=str(tmp_path / "nan.pt"))
 
 
 def bf16_steps(name, size):

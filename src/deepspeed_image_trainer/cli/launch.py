@@ -205,7 +205,9 @@ def main(argv=None, launched_at=None):
     check_writable(args.log_dir, "--log_dir")
     import torch
 
-    from ..data.cache import OFF
+    from ..data.cache import OFF, check_usable
+
+    check_usable(args)
 
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     # Pre-flight: an unusable dataset stops here, before any process starts; the training script reads

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..data.cache import OFF, cache_root
+from ..data.cache import OFF, cache_root, check_usable
 from ..data.check import decodes_every_file
 from ..data.device import build_device_loaders, choose_device_data, train_square_size
 from ..data.folders import build_loaders, load_datasets
@@ -143,6 +143,7 @@ def build(args, clock):
     deepspeed_overrides.enabled()  # refuses a bad TRAINER_DEEPSPEED_OVERRIDES before any folder is made
     check_writable(args.checkpoint_dir, "--checkpoint_dir")
     check_writable(args.log_dir, "--log_dir")
+    check_usable(args)
     base_config = load_base_config(args.deepspeed_config)
     inputs = preprocessing(args.model, args.pretrained)  # the mean, std and resize its weights were trained with
     device_type = "cuda" if torch.cuda.is_available() else "cpu"

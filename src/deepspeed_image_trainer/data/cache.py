@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..utils.failures import UsageError
 from ..utils.files import fingerprint, write_json_atomic
 
 VERSION = 1
@@ -41,6 +42,21 @@ def cache_root(setting):
     if setting == OFF:
         return None
     return Path(setting) if setting else default_root()
+
+
+def check_usable(args):
+    """--data_on_device cache asks for the cache: a --cache_dir that cannot hold it (a file, a read-only place)
+    stops the run here, where the run would otherwise go on without one. Makes the folder, as the run would."""
+    if args.data_on_device != "cache":
+        return
+    root = cache_root(args.cache_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+    except OSError as err:
+        raise UsageError(f"--data_on_device cache: the decoded-image cache {root} cannot be used "
+                         f"({err.strerror or err}); choose another --cache_dir, or --data_on_device on or off") from None
 
 
 def entry_key(paths, resize, crop, decoder, records=None):

@@ -364,6 +364,9 @@ def pretrained_state(model, name, choice, num_classes, mmap=False):
         raise UsageError(f"--pretrained {path} is not a state_dict (tensors by name)"
                          + ("; for a checkpoint of this trainer, export it first with export_model.py"
                             if isinstance(state, dict) and "module" in state else ""))
+    broken = next((k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+    if broken is not None:  # else the run would stop on a NaN loss, blaming the learning rate
+        raise UsageError(f"--pretrained {path}: {broken} holds NaN or infinite values; these weights cannot train")
     own = model.state_dict()
     versions = getattr(state, "_metadata", None)  # the file's module versions (MNASNet's stem depends on them)
     if not (isinstance(versions, dict) and all(isinstance(v, dict) for v in versions.values())):
