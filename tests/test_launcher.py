@@ -149,13 +149,16 @@ def test_unknown_flag_is_rejected_by_argparse_with_status_2(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_training_process_killed_from_outside_is_one_line_and_status_137():
+@pytest.mark.parametrize("ending", ["import sys; sys.exit(-9)", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"],
+                         ids=["a rank", "DeepSpeed's launcher"])
+def test_a_training_process_killed_from_outside_is_one_line_and_status_137(ending):
     """DeepSpeed's launcher exits with a killed rank's return code, -9 (status 247) for the out-of-memory killer's
-    SIGKILL: a stand-in that exits so."""
+    SIGKILL, or is killed itself (pkill -9 -f train_deepspeed matches its command line too): stand-ins that end
+    so."""
     import subprocess
 
     code = ("import sys; from deepspeed_image_trainer.cli.launch import run_and_forward_signals; "
-            "sys.exit(run_and_forward_signals([sys.executable, '-c', 'import sys; sys.exit(-9)'], 0))")
+            f"sys.exit(run_and_forward_signals([sys.executable, '-c', {ending!r}], 0))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 137, result.stderr[-2000:]
     assert result.stderr.strip().splitlines() == [

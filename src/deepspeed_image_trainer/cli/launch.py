@@ -305,7 +305,8 @@ def run_and_forward_signals(command, launched_at):
         return 128 + signal.SIGKILL
     if received:
         return 128 + received[0]
-    if status == 256 - signal.SIGKILL:  # DeepSpeed's launcher exits with a rank's return code, -9 for a SIGKILL
+    # DeepSpeed's launcher exits with a rank's return code, -9 for a SIGKILL; or it was killed itself
+    if status in (256 - signal.SIGKILL, 128 + signal.SIGKILL):
         print("error: a training process was killed by SIGKILL from outside the trainer (the kernel's out-of-memory "
               "killer sends it when the host's memory runs out); --resume auto continues from the last checkpoint "
               "published", file=sys.stderr, flush=True)
