@@ -275,6 +275,14 @@ def refuse_replacing(name):
 
 
 @pytest.mark.slow
+def test_an_export_into_a_folder_that_takes_no_file_is_one_line(export_of_a_run, capsys):
+    with pytest.raises(SystemExit) as exited:  # /proc: a folder, writable by name, that refuses new files
+        run_cli(export_model.main, [str(export_of_a_run / "last"), "--output", "/proc/model.pt"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 4 and err.startswith("error: cannot write the export: ") and err.count("\n") == 1
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("failure, output, message", [
     ("torch.save", "model.pt", "[Errno 28] No space left"),
     ("model rename", "model.pt", "[Errno 1] Operation not permitted"),
@@ -440,15 +448,20 @@ def test_predict_skips_what_is_not_an_image_file_in_a_folder(export_of_a_run, ti
     os.mkfifo(folder / "x.jpg")  # reading it would wait for a writer for good
     shutil.copy(next((tiny_data / "val").rglob("*.jpg")), folder / "photo.jpg")
     (folder / "broken.jpg").write_bytes(b"not a jpeg")  # one bad photo does not cost the others their predictions
+    os.symlink(tmp_path / "nowhere.jpg", folder / "link.jpg")  # nor a link to nothing, which is said too
     predict.main(["--model", str(export_of_a_run / "model.pt"), str(folder)])
     out, err = capsys.readouterr()
     assert [line.split(":")[0] for line in out.splitlines()] == [str(folder / "photo.jpg")]
-    assert err.startswith(f"warning: {folder / 'broken.jpg'}: not a readable image (") and err.endswith("left out\n")
+    assert [line.split(": ")[:2] for line in err.splitlines()] == [["warning", str(folder / "broken.jpg")],
+                                                                 ["warning", str(folder / "link.jpg")]]
+    assert all(line.endswith("left out") and "not a readable image (" in line for line in err.splitlines())
     predict.main(["--model", str(export_of_a_run / "model.pt"), "--json", str(folder)])
-    broken, photo = json.loads(capsys.readouterr().out)
+    broken, link, photo = json.loads(capsys.readouterr().out)
     assert broken["image"] == str(folder / "broken.jpg") and broken["error"].startswith("not a readable image (")
+    assert link["image"] == str(folder / "link.jpg") and "error" in link
     assert photo["image"] == str(folder / "photo.jpg") and len(photo["predictions"]) == 3
     (folder / "photo.jpg").unlink()
+    (folder / "link.jpg").unlink()
     assert_usage_error_in_process(predict.main, ["--model", str(export_of_a_run / "model.pt"), str(folder)], capsys,
                                   "broken.jpg: not a readable image (")
     assert_usage_error_in_process(predict.main, ["--model", str(export_of_a_run / "model.pt"), str(folder / "x.jpg")],

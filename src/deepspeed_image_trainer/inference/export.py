@@ -84,10 +84,11 @@ def export(checkpoint, output):
                 "image_size": info["image_size"], "class_names": info["class_names"],
                 "source_checkpoint": info["folder"], "epoch": info["epoch"], "metrics": info.get("metrics"),
                 "data_tier": info.get("data_tier")}
-    output.parent.mkdir(parents=True, exist_ok=True)
     # Both files are written beside their names, then renamed over them together: a failed export leaves an
     # earlier one (model and sidecar) as it was.
-    fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=output.suffix)
+    with stop_on_write_error("export", "--output", retry="export again"):  # a folder that takes no file (/proc)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=output.suffix)
     os.close(fd)
     tmp, tmp_sidecar = Path(tmp), None
     try:

@@ -23,7 +23,9 @@ def image_paths(inputs):
         if item.is_dir():
             # Hidden files (macOS `._photo.jpg`, `.ipynb_checkpoints/`) are not photos, as in training; nor are a
             # folder named like one or a FIFO (reading it would wait for a writer for good).
-            paths += sorted(p for p in item.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS and p.is_file()
+            # A link to nothing is kept: it is reported unreadable, not passed over unsaid.
+            paths += sorted(p for p in item.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS
+                            and (p.is_file() or p.is_symlink() and not p.exists())
                             and not any(part.startswith(".") for part in p.relative_to(item).parts))
         elif item.is_file():
             paths.append(item)
