@@ -75,6 +75,8 @@ def test_resume_path_forms(tmp_path):
     assert find_checkpoint("best", tmp_path) == tmp_path / "best_model"
     with pytest.raises(UsageError, match="no checkpoint at epoch_9"):
         find_checkpoint("epoch_9", tmp_path)
+    with pytest.raises(UsageError, match=r"looked for extra_info.json in nowhere\)"):  # the one place once
+        find_checkpoint("nowhere", ".")
 
 
 def test_another_world_size_resumes_but_not_an_old_mid_epoch_position(tmp_path):

@@ -127,3 +127,8 @@ def test_a_history_with_values_of_the_wrong_kind_is_one_error(tmp_path, damage, 
     with pytest.raises(UsageError, match=f"{path} is not a training history file \\({message}\\)".replace(
             "[", "\\[").replace("]", "\\]")):
         main(["--history", str(path), "--output", str(tmp_path / "curves.png")])
+
+
+def test_a_history_path_that_is_a_folder_says_so(tmp_path):
+    with pytest.raises(UsageError, match=f"{tmp_path} is a folder: give its training_history.json"):
+        main(["--history", str(tmp_path), "--output", str(tmp_path / "curves.png")])

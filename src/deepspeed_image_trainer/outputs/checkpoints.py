@@ -268,7 +268,8 @@ def find_checkpoint(resume, checkpoint_dir, skipped=None):
             return folder
         if (Path(candidate) / EXTRA_INFO).is_file():
             read_info(candidate)  # a damaged one: stop naming what is wrong with it
-    raise UsageError(f"no checkpoint at {resume} (looked for {EXTRA_INFO} in {path} and {checkpoint_dir / resume})")
+    looked = " and ".join(dict.fromkeys(map(str, (path, checkpoint_dir / resume))))  # once when both are one
+    raise UsageError(f"no checkpoint at {resume} (looked for {EXTRA_INFO} in {looked})")
 
 
 def saved_stage(folder):

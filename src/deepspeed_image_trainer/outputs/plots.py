@@ -12,6 +12,8 @@ from ..utils.failures import CliParser, UsageError, check_output_file
 
 def load_history(path):
     path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"{path} is a folder: give its training_history.json")
     if not path.is_file():
         raise UsageError(f"history file not found: {path}")
     try:
