@@ -150,14 +150,15 @@ def build(args, clock):
     train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size, inputs,
                                                    decodes_every_file(args.data_on_device, device_type,
                                                                       args.cache_dir == OFF))
+    weights = weights_to_load(args)
     if args.launch_token is None:  # else its launcher checked the model before any rank started
-        checked_model(args.model, len(train_set.classes), args.image_size, args.batch_size, weights_to_load(args))
+        checked_model(args.model, len(train_set.classes), args.image_size, args.batch_size, weights)
     if os.environ.get("RANK", "0") == "0":
         run_folders.take(args)  # before any rank looks for a checkpoint: tidying may rename one
 
     rank, world_size = init_distributed(on_stop=run_folders.release)  # a stop while waiting leaves no folder made
     seed_everything(args.seed)
-    model = build_model(args.model, len(train_set.classes), args.image_size, weights_to_load(args))
+    model = build_model(args.model, len(train_set.classes), args.image_size, weights)
     model_name = saved_name(args.model)
     num_params = sum(p.numel() for p in model.parameters())
     checked = agreed(lambda: preflight(args, base_config, world_size=world_size, device_type=device_type,
@@ -171,8 +172,8 @@ def build(args, clock):
                                                        checked.resumed_info)
     earlier_run = agreed(lambda: rank_zero_only(run_folders.start)(args, resume_from))  # rank 0's refusal, for all
     run_folders.keep()  # a run refused before here leaves no folder it made
-    if whole_run_frozen(args):
-        say(whole_run_frozen(args))
+    if frozen := whole_run_frozen(args):
+        say(frozen)
     if args.coalesce_grad_reduction == "on" and not coalesced:
         say("--coalesce_grad_reduction on: one micro-batch a step (--gradient_accumulation_steps 1), so nothing "
             "to coalesce")

@@ -56,7 +56,8 @@ def check_usable(args):
             pass
     except OSError as err:
         raise UsageError(f"--data_on_device cache: the decoded-image cache {root} cannot be used "
-                         f"({err.strerror or err}); choose another --cache_dir, or --data_on_device on or off") from None
+                         f"({err.strerror or err}); choose another --cache_dir, or --data_on_device on or "
+                         "off") from None
 
 
 def entry_key(paths, resize, crop, decoder, records=None):

@@ -40,10 +40,11 @@ def init_distributed(on_stop=lambda: None):
             try:
                 deepspeed.init_distributed(dist_backend="nccl" if use_nccl else "gloo", verbose=False)
             except dist.DistError as err:  # torch's rendezvous gave up: a C++ message, no traceback needed
+                reason = str(err).splitlines()[0].rstrip(".")
                 raise CliError(f"the {world} ranks (WORLD_SIZE) did not all join at {where} (MASTER_ADDR, "
                                f"MASTER_PORT) within DeepSpeed's timeout, DEEPSPEED_TIMEOUT="
-                               f"{os.environ.get('DEEPSPEED_TIMEOUT', 10)} minutes: {str(err).splitlines()[0].rstrip('.')}; "
-                               "start every rank with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE") from None
+                               f"{os.environ.get('DEEPSPEED_TIMEOUT', 10)} minutes: {reason}; start every rank with "
+                               "the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE") from None
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     return dist.get_rank(), dist.get_world_size()

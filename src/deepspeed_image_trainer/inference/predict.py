@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import torch
-
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..data.folders import load_rgb
