@@ -1,5 +1,6 @@
 """The decoded-image cache (data/cache.py): the pixels the device path decodes, read back by later runs
 without decoding, a new entry for changed files, nothing half-written used, one fill for runs at once."""
+import json
 import math
 import os
 import shutil
@@ -74,6 +75,11 @@ def test_an_entry_changed_since_it_was_filled_is_filled_again(tiny_data, tmp_pat
     entry = next(path for path in (cache / entries(cache)[0]).iterdir() if path.suffix == ".u8")
     with open(entry, "r+b") as f:  # the same size, other bytes: as a disk error or another program leaves it
         f.write(bytes(600))
+    train, _, done, _ = loaders(tiny_data, cache, sets=sets)
+    assert done.startswith("decoded ") and torch.equal(train.images, first)
+    # a record naming images the entry does not have (edited by hand): filled again, not an IndexError
+    meta = next(path for path in (cache / entries(cache)[0]).iterdir() if path.suffix == ".json")
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "unreadable": [[99, "x"], [-1, "y"]]}))
     train, _, done, _ = loaders(tiny_data, cache, sets=sets)
     assert done.startswith("decoded ") and torch.equal(train.images, first)
 

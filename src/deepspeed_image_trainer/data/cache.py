@@ -87,6 +87,8 @@ def open_entry(folder, count, crop):
                 or path.stat().st_size != size or meta.get("fingerprint") != fingerprint(path):
             return None  # another version's, cut short, or changed since it was filled: filled again
         unreadable = {int(index): str(why) for index, why in meta.get("unreadable", [])}
+        if not all(0 <= index < count for index in unreadable):
+            return None  # an edited record: filled again
     except (OSError, ValueError, AttributeError, TypeError):
         return None
     if size == 0:
