@@ -2,6 +2,7 @@
 and the averaging of running statistics that runs before every validation and save without it; and the
 ranks' comparison of their dataset sizes."""
 import os
+import re
 import signal
 
 import pytest
@@ -192,3 +193,15 @@ def test_a_rendezvous_that_lost_its_port_starts_again_on_another(monkeypatch):
     broken = subprocess.CompletedProcess([], 1, stdout="", stderr="ValueError: something else")
     assert distributed.run_on_free_port(lambda port: failures.append(port) or broken) is broken
     assert len(failures) == 1
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"WORLD_SIZE": "1", "RANK": "3"}, "RANK=3 and WORLD_SIZE=1 in the environment: the ranks are 0 .. WORLD_SIZE - 1"),
+    ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' in the environment is not a whole number")])
+def test_a_rank_environment_no_group_can_have_is_refused_before_joining(monkeypatch, env, message):
+    from deepspeed_image_trainer.engine.distributed import init_distributed
+
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", **env}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(UsageError, match=re.escape(message)):
+        init_distributed()  # before a rendezvous: a RANK of 3 in a group of 1 waited for good

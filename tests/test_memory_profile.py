@@ -319,6 +319,7 @@ def test_every_configuration_gets_its_largest_batch_its_speed_and_the_reference(
     (["--num_classes", "0"], "--num_classes must be at least 1, got 0"),
     (["--model", "vit_b_16", "--image_size", "30"], "--model vit_b_16 cannot take --image_size 30"),
     (["--output_dir", "FILE"], "is not a folder; choose another --output_dir"),
+    (["--output_dir", "/proc/report"], "--output_dir /proc/report: cannot write in /proc ("),  # before measuring
     (["--image_size", "100000000"], "--image_size 100000000: a micro-batch of 64 input images alone is"),
 ])
 def test_values_no_report_can_use_are_one_error_line(tmp_path, capsys, argv, message):

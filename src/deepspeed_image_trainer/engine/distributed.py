@@ -30,6 +30,7 @@ def init_distributed(on_stop=lambda: None):
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
         os.environ.setdefault(key, value)
+    _check_rank_environment()
     use_nccl = torch.cuda.is_available() and os.name != "nt"
     _skip_shared_memory_op()
     world, where = int(os.environ["WORLD_SIZE"]), f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
@@ -48,6 +49,20 @@ def init_distributed(on_stop=lambda: None):
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     return dist.get_rank(), dist.get_world_size()
+
+
+def _check_rank_environment():
+    """WORLD_SIZE, RANK and LOCAL_RANK as a launcher sets them: whole numbers, the rank below the world size (a
+    RANK of 3 in a WORLD_SIZE of 1 waited for good, for peers that cannot come)."""
+    values = {}
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        try:
+            values[key] = int(os.environ[key])
+        except ValueError:
+            raise UsageError(f"{key}={os.environ[key]!r} in the environment is not a whole number") from None
+    if values["WORLD_SIZE"] < 1 or not 0 <= values["RANK"] < values["WORLD_SIZE"] or values["LOCAL_RANK"] < 0:
+        raise UsageError(f"RANK={values['RANK']} and WORLD_SIZE={values['WORLD_SIZE']} in the environment: the ranks "
+                         "are 0 .. WORLD_SIZE - 1 (and LOCAL_RANK not negative)")
 
 
 @contextlib.contextmanager

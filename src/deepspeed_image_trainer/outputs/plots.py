@@ -19,7 +19,7 @@ def load_history(path):
     try:
         history = json.loads(path.read_text())
         epochs = history["epochs"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:  # a binary file: not UTF-8
         raise UsageError(f"{path} is not a training history file ({err})") from None
     if not isinstance(epochs, list) or not all(isinstance(e, dict) for e in epochs):
         raise UsageError(f"{path} is not a training history file (its epochs are not a list of records)")

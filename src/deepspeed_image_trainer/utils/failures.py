@@ -10,6 +10,7 @@ Each cause is one exception with its own exit status, reported by `run_cli` as o
 import argparse
 import contextlib
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -38,9 +39,10 @@ class OutOfMemory(CliError):
     exit_status = 5
 
 
-DIVERGED_ADVICE = ("The run stopped without saving: the checkpoints and history of earlier epochs are intact. Lower "
-                   "--learning_rate, clip with --clip_grad 1 or use --bf16 rather than --fp16, then continue with "
-                   "--resume auto (--max_nonfinite_steps 0 never stops)")
+# A resume keeps the learning rate and precision (outputs/record.py): those call for a new run.
+DIVERGED_ADVICE = ("The run stopped without saving: the checkpoints and history of earlier epochs are intact. "
+                   "Continue with --resume auto and --clip_grad 1, or start again (--overwrite) with a lower "
+                   "--learning_rate or --bf16 rather than --fp16 (--max_nonfinite_steps 0 never stops)")
 
 
 class CliParser(argparse.ArgumentParser):
@@ -52,13 +54,19 @@ class CliParser(argparse.ArgumentParser):
 
 
 def check_writable(folder, flag):
-    """Refuse an output folder that cannot be created or written, before any training; creates nothing."""
+    """Refuse an output folder that cannot be created or written, before any training; leaves nothing."""
     folder = Path(folder)
     existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
     if not existing.is_dir():
         raise UsageError(f"{flag} {folder}: {existing} is not a folder; choose another {flag}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"{flag} {folder}: {existing} is not writable; fix its permissions or choose another {flag}")
+    try:  # what the permission bits do not tell (root on a read-only mount, /proc): a file made and gone again
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as err:
+        raise UsageError(f"{flag} {folder}: cannot write in {existing} ({err.strerror or err}); choose another "
+                         f"{flag}") from None
 
 
 def check_counts(args, **minimums):
