@@ -291,25 +291,26 @@ def run_and_forward_signals(command, launched_at):
         signal.signal(signum, forward)
     status = child.wait()
     status = 128 - status if status < 0 else status  # killed by a signal: the shell's convention
+    # The error lines below start with a newline: a killed rank's progress bar leaves its line unfinished.
     deadline = time.monotonic() + STOP_GRACE_S
     while signal_group(child.pid, 0):  # the group outlives DeepSpeed's launcher while ranks save
         if time.monotonic() > deadline:
             signal_group(child.pid, signal.SIGKILL)
-            print(f"error: training processes still running {STOP_GRACE_S} s after DeepSpeed's launcher exited "
+            print(f"\nerror: training processes still running {STOP_GRACE_S} s after DeepSpeed's launcher exited "
                   "were killed", file=sys.stderr, flush=True)
             return 128 + signal.SIGKILL
         time.sleep(0.2)
     if len(received) > 1:
-        print("error: the training processes were killed (a second Ctrl-C or SIGTERM); --resume auto continues from "
-              "the last checkpoint published", file=sys.stderr, flush=True)
+        print("\nerror: the training processes were killed (a second Ctrl-C or SIGTERM); --resume auto continues "
+              "from the last checkpoint published, if any", file=sys.stderr, flush=True)
         return 128 + signal.SIGKILL
     if received:
         return 128 + received[0]
     # DeepSpeed's launcher exits with a rank's return code, -9 for a SIGKILL; or it was killed itself
     if status in (256 - signal.SIGKILL, 128 + signal.SIGKILL):
-        print("error: a training process was killed by SIGKILL from outside the trainer (the kernel's out-of-memory "
+        print("\nerror: a training process was killed by SIGKILL from outside the trainer (the kernel's out-of-memory "
               "killer sends it when the host's memory runs out); --resume auto continues from the last checkpoint "
-              "published", file=sys.stderr, flush=True)
+              "published, if any", file=sys.stderr, flush=True)
         return 128 + signal.SIGKILL
     return status
 
