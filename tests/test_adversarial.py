@@ -97,7 +97,7 @@ FLAGS = [
     (["--deepspeed_config", "ZERO_TYPO"], "'zero_optimisation' is not a key DeepSpeed reads (did you mean "
                                           "'zero_optimization'?)"),
     (["--pretrained", "RANDOM_BYTES"], "is damaged or not a torch file"),
-    (["--data_on_device", "cache", "--cache_dir", "RANDOM_BYTES"], "--data_on_device cache: the decoded-image cache "),
+    (["--data_on_device", "cache", "--cache_dir", "RANDOM_BYTES"], "--data_on_device cache needs the decoded-image cache: --cache_dir"),
     (["--pretrained", "MODEL_STATES"], "export it first with export_model.py"),
     (["--pretrained", "PAYLOAD"], "holds Python objects other than tensors"),
 ]
@@ -451,8 +451,8 @@ def test_predict_skips_what_is_not_an_image_file_in_a_folder(export_of_a_run, ti
     predict.main(["--model", str(export_of_a_run / "model.pt"), str(folder)])
     out, err = capsys.readouterr()
     assert [line.split(":")[0] for line in out.splitlines()] == [str(folder / "photo.jpg")]
-    assert [line.split(": ")[:2] for line in err.splitlines()] == [["warning", str(folder / "broken.jpg")],
-                                                                 ["warning", str(folder / "link.jpg")]]
+    assert [line.split(": ")[:2] for line in err.splitlines()] == [
+        ["warning", str(folder / "broken.jpg")], ["warning", str(folder / "link.jpg")]]
     assert all(line.endswith("left out") and "not a readable image (" in line for line in err.splitlines())
     predict.main(["--model", str(export_of_a_run / "model.pt"), "--json", str(folder)])
     broken, link, photo = json.loads(capsys.readouterr().out)

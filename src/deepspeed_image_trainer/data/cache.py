@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..utils.failures import UsageError
+from ..utils.failures import UsageError, check_writable
 from ..utils.files import fingerprint, write_json_atomic
 
 VERSION = 1
@@ -46,17 +46,13 @@ def cache_root(setting):
 
 def check_usable(args):
     """--data_on_device cache asks for the cache: a --cache_dir that cannot hold it (a file, a read-only place)
-    stops the run here, where the run would otherwise go on without one. Makes the folder, as the run would."""
+    stops the run here, where the run would otherwise go on without one."""
     if args.data_on_device != "cache":
         return
-    root = cache_root(args.cache_dir)
     try:
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=root):
-            pass
-    except OSError as err:
-        raise UsageError(f"--data_on_device cache: the decoded-image cache {root} cannot be used "
-                         f"({err.strerror or err}); choose another --cache_dir, or --data_on_device on or "
+        check_writable(cache_root(args.cache_dir), "--cache_dir")
+    except UsageError as err:
+        raise UsageError(f"--data_on_device cache needs the decoded-image cache: {err}, or --data_on_device on or "
                          "off") from None
 
 
