@@ -63,6 +63,8 @@ FLAGS = [
     (["--model", "maxvit_t", "--image_size", "32"], "--model maxvit_t cannot take --image_size 32: Input size (8, 8)"),
     (["--model", "googlenet", "--image_size", "32", "--batch_size", "1"],  # its own check, not ResNet18's
      "a batch norm layer of googlenet then sees one value per channel"),
+    (["--batch_size", "1", "--image_size", "32", "--sync_bn", "--num_gpus", "1"],  # one rank: nothing to sync with
+     "a batch norm layer of resnet18 then sees one value per channel"),
     (["--overwrite", "--resume", "auto"], "give one of them"),
     (["--deepspeed_config", "OPTIMIZER_TYPE"], "optimizer.type in the DeepSpeed config must be a name, got 5"),
     (["--deepspeed_config", "BUCKET_WORDS"], 'zero_optimization.reduce_bucket_size: Input should be a valid integer'),
@@ -127,6 +129,14 @@ def test_the_launcher_refuses_what_no_run_can_use(tiny_data, tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     assert_usage_error_in_process(launch_deepspeed.main, argv + ["--dry_run"], capsys, message)
     assert not (tmp_path / "ran").exists() and not (tmp_path / "logs").exists()
+
+
+def test_sync_bn_lets_each_rank_take_one_image(tiny_data, tmp_path, monkeypatch, capsys):
+    """--sync_bn normalises over every rank's micro-batch: two ranks of one image each give it two values."""
+    monkeypatch.chdir(tmp_path)
+    assert launch_deepspeed.main(data_args(tiny_data) + ["--batch_size", "1", "--image_size", "32", "--sync_bn",
+                                                         "--num_gpus", "2", "--dry_run"]) == 0
+    assert json.loads(capsys.readouterr().out.split("\n}")[0] + "}")["train_micro_batch_size_per_gpu"] == 1
 
 
 def test_the_readme_dry_run_works_without_a_dataset(tmp_path, monkeypatch, capsys):

@@ -21,7 +21,7 @@ from ..models.names import DEFAULT_MODEL
 from ..outputs import run_folders
 from ..utils.failures import CliParser, UsageError, check_writable, stop_on_write_error
 from ..utils.files import write_json_atomic
-from .options import add_training_args, parse_args
+from .options import add_training_args, norm_batch_size, parse_args
 from .preflight import preflight, weights_to_load
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "train_deepspeed.py"  # src/
@@ -223,12 +223,12 @@ def main(argv=None, launched_at=None):
                                 decodes_every_file(args.data_on_device, device_type, args.cache_dir == OFF))
         class_names, num_train_images = data_check.classes, data_check.train.num_images
     num_params = num_parameters(len(class_names))
-    if args.model != DEFAULT_MODEL or args.pretrained:  # the training script's checks, before any process starts
-        from ..models.build import checked_model
+    if args.model != DEFAULT_MODEL or args.pretrained or args.batch_size == 1:  # the training script's checks,
+        from ..models.build import checked_model                                 # before any process starts
 
         # downloads torchvision's weights once, here, rather than in every rank
-        shapes = checked_model(args.model, len(class_names), args.image_size, args.batch_size,
-                               weights_to_load(args))
+        shapes = checked_model(args.model, len(class_names), args.image_size,
+                               norm_batch_size(args.batch_size, args.sync_bn, world_size), weights_to_load(args))
         num_params = sum(p.numel() for p in shapes.parameters())
     base = load_base_config(args.deepspeed_config)
     checked = preflight(args, base, world_size=world_size, device_type=device_type, class_names=class_names,

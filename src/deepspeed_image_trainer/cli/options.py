@@ -172,11 +172,19 @@ def check_values(args):
     if args.warmup_epochs > args.epochs:
         raise UsageError(f"--warmup_epochs {args.warmup_epochs:g} is longer than the run (--epochs {args.epochs})")
     # Batch norm in training needs two values per channel; ResNet's last stage sees ceil(size / 32)² per image.
-    # (Other models are checked by a forward pass on the meta device, models/build.py's check_image_size.)
-    if args.batch_size == 1 and args.image_size <= 32 and architecture(args.model) == DEFAULT_MODEL:
+    # (Other models, and --sync_bn's batch over the ranks, are checked by a forward pass on the meta device:
+    # models/build.py's check_image_size.)
+    if args.batch_size == 1 and args.image_size <= 32 and architecture(args.model) == DEFAULT_MODEL \
+            and not args.sync_bn:
         raise UsageError(f"--batch_size 1 at --image_size {args.image_size}: ResNet18's last batch-norm layers then "
                          "see one value per channel, which they cannot normalise; use --batch_size 2 or more, "
                          "or --image_size 33 or more")
+
+
+def norm_batch_size(batch_size, sync_bn, world_size):
+    """The images a batch-norm layer normalises over in training: a rank's micro-batch, or with --sync_bn
+    every rank's."""
+    return batch_size * world_size if sync_bn else batch_size
 
 
 # What gloo and NCCL raise in a rank whose peer has gone (killed, or ended on an error of its own).

@@ -39,7 +39,7 @@ from ..outputs.monitor import prepare_csv_files, write_epoch_events
 from ..outputs.record import checkpoint_info
 from ..utils.failures import CliParser, UsageError, check_writable
 from ..utils.text import listed
-from .options import add_training_args, parse_args
+from .options import add_training_args, norm_batch_size, parse_args
 from .preflight import preflight, weights_to_load
 
 
@@ -152,7 +152,8 @@ def build(args, clock):
                                                                       args.cache_dir == OFF))
     weights = weights_to_load(args)
     if args.launch_token is None:  # else its launcher checked the model before any rank started
-        checked_model(args.model, len(train_set.classes), args.image_size, args.batch_size, weights)
+        checked_model(args.model, len(train_set.classes), args.image_size,
+                      norm_batch_size(args.batch_size, args.sync_bn, int(os.environ.get("WORLD_SIZE", "1"))), weights)
     if os.environ.get("RANK", "0") == "0":
         run_folders.take(args)  # before any rank looks for a checkpoint: tidying may rename one
 
