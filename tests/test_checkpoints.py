@@ -5,8 +5,8 @@ import zipfile
 
 import pytest
 
-from deepspeed_image_trainer.outputs.checkpoints import (EXTRA_INFO, _copy_as, _publish, check_resumable,
-                                                         find_checkpoint, readable)
+from deepspeed_image_trainer.outputs.checkpoints import (EXTRA_INFO, _copy_as, _publish, carry_best,
+                                                         check_resumable, find_checkpoint, readable)
 from deepspeed_image_trainer.outputs.record import resume_settings, run_record
 from deepspeed_image_trainer.utils.failures import UsageError
 
@@ -64,6 +64,30 @@ def test_resume_auto_picks_the_newest_and_prefers_last_on_a_tie(tmp_path):
     assert find_checkpoint("auto", tmp_path) == tmp_path / "epoch_2"
     fake_checkpoint(tmp_path / "last", 2, "last")
     assert find_checkpoint("auto", tmp_path) == tmp_path / "last"
+
+
+def test_a_run_resumed_from_another_folder_brings_the_best_checkpoint_its_history_names(tmp_path):
+    other, here = tmp_path / "other", tmp_path / "here"
+    fake_checkpoint(other / "best_model", 1, "best", payload="best")
+    fake_checkpoint(other / "last", 2, "last")
+    here.mkdir()
+    assert carry_best(other / "last", here, best_epoch=1) is None
+    assert find_checkpoint("best", here) == here / "best_model"
+    copied = here / "best_model/best/zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    assert payload_of(copied) == "best" and copied.stat().st_ino == \
+        (other / "best_model/best/zero_pp_rank_0_mp_rank_00_optim_states.pt").stat().st_ino
+    assert sorted(p.name for p in here.iterdir()) == ["best_model"]
+    # Resumed in its own folder, or with a best of its own here already: nothing to bring
+    assert carry_best(other / "last", other, best_epoch=1) is None
+    fake_checkpoint(tmp_path / "mine/best_model", 2, "best", payload="mine")
+    assert carry_best(other / "last", tmp_path / "mine", best_epoch=1) is None
+    assert payload_of(tmp_path / "mine/best_model/best/mp_rank_00_model_states.pt") == "mine"
+    # The history's best is not a whole checkpoint there: said, and nothing copied
+    (other / "best_model/best/mp_rank_00_model_states.pt").unlink()
+    warning = carry_best(other / "last", tmp_path / "third", best_epoch=1)
+    assert warning.startswith("warning: the history resumed from") and "names epoch 1 best" in warning
+    assert carry_best(other / "last", tmp_path / "third", best_epoch=2) is not None  # other's best is epoch 1
+    assert not (tmp_path / "third").exists()
 
 
 def test_resume_path_forms(tmp_path):

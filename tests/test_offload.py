@@ -80,6 +80,9 @@ def test_zero3_with_offload_trains_resumes_and_exports_a_transformer_and_a_cnn_o
         # second epoch is the uninterrupted run's, to the last digit.
         assert [{k: e[k] for k in METRICS} for e in resumed["epochs"]] == \
             [{k: e[k] for k in METRICS} for e in whole["epochs"]], name
+        # The best checkpoint its history names is in its own folder, whichever run's epoch that was
+        best = json.loads((tmp_path / name / "resumed/checkpoints/best_model/extra_info.json").read_text())
+        assert best["epoch"] == resumed["best"]["epoch"], name
         last = resumed["epochs"][-1]
         assert abs(last["val_loss"] - math.log(TINY_CLASSES)) > 1e-3, name  # it learnt: another model would differ
         # The export, gathered from both ranks' offloaded partitions, is the model the trainer validated

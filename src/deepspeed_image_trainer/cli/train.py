@@ -33,11 +33,11 @@ from ..engine.timing import StartupClock
 from ..models.build import build_model, checked_model, preprocessing, synchronize_batch_norm
 from ..models.names import saved_name
 from ..outputs import run_folders, universal
-from ..outputs.checkpoints import CheckpointSaver, load
+from ..outputs.checkpoints import CheckpointSaver, carry_best, load
 from ..outputs.history import HISTORY_FILE, TrainingHistory, epoch_line
 from ..outputs.monitor import prepare_csv_files, write_epoch_events
 from ..outputs.record import checkpoint_info
-from ..utils.failures import CliParser, UsageError, check_writable
+from ..utils.failures import CliParser, UsageError, check_writable, stop_on_write_error
 from ..utils.text import listed
 from .options import add_training_args, norm_batch_size, parse_args
 from .preflight import preflight, weights_to_load
@@ -289,6 +289,10 @@ def build(args, clock):
         if history.file_is_behind():  # stopped between the checkpoint and its history line
             history.save()
         restore_rng_state(state["rng"])
+        with stop_on_write_error("checkpoint", "--checkpoint_dir"):
+            warning = carry_best(resume_from, args.checkpoint_dir, history.data["best"]["epoch"])
+        if warning:
+            say(warning)
         start_epoch, start_step, carried = state["next_epoch"], state["next_step"], state["carried"]
         if "next_sample" in state:  # the same samples on any number of ranks (the global batch is the same)
             start_step = state["next_sample"] // samples_per_micro_batch

@@ -121,6 +121,27 @@ def read_info(folder):
     return info
 
 
+@rank_zero_only
+def carry_best(resume_from, checkpoint_dir, best_epoch):
+    """A run resumed from another folder's checkpoint keeps that run's history, whose best epoch names a
+    best_model there: link it into checkpoint_dir (before this run saves a better one), so that --resume best,
+    export and evaluate find it here too. Returns a warning line when it cannot be found, else None."""
+    source_dir, checkpoint_dir = Path(resume_from).parent, Path(checkpoint_dir)
+    if best_epoch is None or source_dir.resolve() == checkpoint_dir.resolve() or readable(checkpoint_dir / BEST):
+        return None
+    source = readable(source_dir / BEST)
+    info = read_info(source) if source else {}
+    if info.get("epoch") != best_epoch or missing_files(source, info):
+        return (f"warning: the history resumed from {resume_from} names epoch {best_epoch} best, but "
+                f"{source_dir / BEST} is not that whole checkpoint: {checkpoint_dir / BEST} appears only once an "
+                "epoch of this run does better")
+    ready = checkpoint_dir / f".ready-{BEST}"
+    shutil.rmtree(ready, ignore_errors=True)
+    shutil.copytree(source, ready, copy_function=_link_or_copy)
+    _publish(ready, checkpoint_dir / BEST)
+    return None
+
+
 class CheckpointSaver:
     def __init__(self, engine, checkpoint_dir, save_every, keep_last, save_last_every=1, background=True):
         self.engine = engine
