@@ -82,11 +82,17 @@ def test_a_run_resumed_from_another_folder_brings_the_best_checkpoint_its_histor
     fake_checkpoint(tmp_path / "mine/best_model", 2, "best", payload="mine")
     assert carry_best(other / "last", tmp_path / "mine", best_epoch=1) is None
     assert payload_of(tmp_path / "mine/best_model/best/mp_rank_00_model_states.pt") == "mine"
-    # The history's best is not a whole checkpoint there: said, and nothing copied
+    # That run's best_model has moved on: the epoch_N (or last) saved at the end of that epoch is the same
+    fake_checkpoint(tmp_path / "later/best_model", 3, "best")
+    fake_checkpoint(tmp_path / "later/epoch_2", 2, "epoch_2", payload="epoch 2")
+    (tmp_path / "fourth").mkdir()
+    assert carry_best(tmp_path / "later/epoch_2", tmp_path / "fourth", best_epoch=2) is None
+    assert payload_of(tmp_path / "fourth/best_model/best/mp_rank_00_model_states.pt") == "epoch 2"
+    assert readable(tmp_path / "fourth/best_model") and find_checkpoint("best", tmp_path / "fourth")
+    # None whole is left: said, and nothing copied
     (other / "best_model/best/mp_rank_00_model_states.pt").unlink()
     warning = carry_best(other / "last", tmp_path / "third", best_epoch=1)
     assert warning.startswith("warning: the history resumed from") and "names epoch 1 best" in warning
-    assert carry_best(other / "last", tmp_path / "third", best_epoch=2) is not None  # other's best is epoch 1
     assert not (tmp_path / "third").exists()
 
 

@@ -124,22 +124,26 @@ def read_info(folder):
 @rank_zero_only
 def carry_best(resume_from, checkpoint_dir, best_epoch):
     """A run resumed from another folder's checkpoint keeps that run's history, whose best epoch names a
-    best_model there: link it into checkpoint_dir (before this run saves a better one), so that --resume best,
-    export and evaluate find it here too. Returns a warning line when it cannot be found, else None."""
+    checkpoint there: link it into checkpoint_dir as best_model (before this run saves a better one), so that
+    --resume best, export and evaluate find it here too. Any whole checkpoint saved at the end of that epoch
+    holds the same weights (that run's best_model may have moved on since). Returns a warning line when none
+    is left, else None."""
     source_dir, checkpoint_dir = Path(resume_from).parent, Path(checkpoint_dir)
     if best_epoch is None or source_dir.resolve() == checkpoint_dir.resolve() or readable(checkpoint_dir / BEST):
         return None
-    source = readable(source_dir / BEST)
-    info = read_info(source) if source else {}
-    if info.get("epoch") != best_epoch or missing_files(source, info):
-        return (f"warning: the history resumed from {resume_from} names epoch {best_epoch} best, but "
-                f"{source_dir / BEST} is not that whole checkpoint: {checkpoint_dir / BEST} appears only once an "
-                "epoch of this run does better")
-    ready = checkpoint_dir / f".ready-{BEST}"
-    shutil.rmtree(ready, ignore_errors=True)
-    shutil.copytree(source, ready, copy_function=_link_or_copy)
-    _publish(ready, checkpoint_dir / BEST)
-    return None
+    for candidate in (source_dir / BEST, source_dir / f"epoch_{best_epoch}", source_dir / LAST, Path(resume_from)):
+        source = readable(candidate)
+        info = read_info(source) if source else {}
+        if info.get("epoch") == best_epoch and "interrupted_at" not in info and not missing_files(source, info):
+            ready = checkpoint_dir / f".ready-{BEST}"
+            shutil.rmtree(ready, ignore_errors=True)
+            _copy_as(source, ready, _tag(BEST))
+            write_json_atomic(ready / EXTRA_INFO, {**info, "tag": _tag(BEST)})
+            _publish(ready, checkpoint_dir / BEST)
+            return None
+    return (f"warning: the history resumed from {resume_from} names epoch {best_epoch} best, but no whole "
+            f"checkpoint of that epoch is left in {source_dir}: {checkpoint_dir / BEST} appears once an epoch of "
+            "this run does better")
 
 
 class CheckpointSaver:
