@@ -565,6 +565,26 @@ def test_links_that_loop_or_reach_another_class_are_not_read(tmp_path):
     assert any("ignoring 3 folder(s) reached through links" in line for line in check.warnings())
 
 
+def test_class_folders_that_are_links_to_other_classes_images_are_not_classes(tmp_path):
+    make_sample_dataset(tmp_path, num_classes=3, train_per_class=4, val_per_class=1, image_size=32, seed=0)
+    train = tmp_path / "train"
+    first, second, third = sorted(p.name for p in train.iterdir())
+    (train / "a_twin").symlink_to(first)  # sorts before its target: the real folder stays the class
+    (train / "root").symlink_to(".")
+    (train / "up").symlink_to(tmp_path)
+    (tmp_path / "outside").mkdir()
+    shutil.copytree(train / third, tmp_path / "outside/third")
+    (train / "z1").symlink_to(tmp_path / "outside")  # a class of its own (outside the dataset)
+    (train / "z2").symlink_to(tmp_path / "outside/third")  # inside z1's images
+    check = check_folders(train, None)
+    assert {name: len(paths) for name, paths in check.train.images.items()} == {first: 4, second: 4, third: 4, "z1": 4}
+    reasons = {os.path.basename(item["path"]): item["reason"] for item in check.summary()["linked_folders_ignored"]}
+    assert reasons == {"a_twin": f"a link to the images of class folder {first}: they would be in two classes",
+                       "root": "a link up to the folder that holds the class folders",
+                       "up": "a link up to the folder that holds the class folders",
+                       "z2": "a link to the images of class folder z1: they would be in two classes"}
+
+
 def test_an_image_rewritten_during_the_run_is_replaced_by_the_next(tmp_path, capsys):
     make_sample_dataset(tmp_path, num_classes=2, train_per_class=3, val_per_class=1, image_size=32, seed=0)
     check = check_folders(tmp_path / "train", None)

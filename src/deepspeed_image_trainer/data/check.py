@@ -129,11 +129,15 @@ def scan_folder(root, cache=None, decode=True):
     scan = FolderScan(Path(root))
     files = {}
     root_real = os.path.realpath(root)
-    for entry in sorted(os.scandir(root), key=lambda entry: entry.name):
+    entries = sorted(os.scandir(root), key=lambda entry: entry.name)
+    twins = _second_names(root_real, [entry for entry in entries if not entry.name.startswith(".") and entry.is_dir()])
+    for entry in entries:
         if entry.name.startswith("."):
             scan.hidden.append(entry.path)
         elif not entry.is_dir():
             scan.other_files.append(entry.path)
+        elif entry.name in twins:
+            scan.linked_away.append((entry.path, twins[entry.name]))
         else:
             scan.class_folders.append(entry.name)
             files[entry.name] = []
@@ -158,6 +162,27 @@ def scan_folder(root, cache=None, decode=True):
     return scan
 
 
+def _second_names(root_real, class_entries):
+    """{name: why} of the class folders that are links to images another class folder holds (its twin, a folder
+    in it, or one holding it) or to the folder of the classes itself: read, their images would be in two classes.
+    Real folders come first, then links in name order."""
+    kept, why = [], {}
+    for entry in sorted(class_entries, key=lambda entry: (entry.is_symlink(), entry.name)):
+        real = os.path.realpath(entry.path)
+        other = next((name for name, path in kept if _inside(real, path) or _inside(path, real)), None)
+        if entry.is_symlink() and _inside(root_real, real):
+            why[entry.name] = "a link up to the folder that holds the class folders"
+        elif other is not None:
+            why[entry.name] = f"a link to the images of class folder {other}: they would be in two classes"
+        else:
+            kept.append((entry.name, real))
+    return why
+
+
+def _inside(path, parent):
+    return path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)
+
+
 def _not_of_this_class(real, class_real, root_real, seen):
     """Why a folder reached through a link must not be read as part of its class folder (None when it may):
     a link back to a folder already read (a loop) or up the tree, or into another class's folder, would
@@ -165,10 +190,9 @@ def _not_of_this_class(real, class_real, root_real, seen):
     if real in seen:
         return "already read: a link loop"
     seen.add(real)
-    inside = lambda path, parent: path == parent or path.startswith(parent.rstrip(os.sep) + os.sep)  # noqa: E731
-    if real != class_real and inside(class_real, real):
+    if real != class_real and _inside(class_real, real):
         return "a link up to a folder that holds this class"
-    if inside(real, root_real) and not inside(real, class_real):
+    if _inside(real, root_real) and not _inside(real, class_real):
         return "a link into another class's folder"
     return None
 
