@@ -453,28 +453,34 @@ def test_the_tools_refuse_values_no_run_can_use(export_of_a_run, tiny_data, caps
 @pytest.mark.slow
 def test_predict_skips_what_is_not_an_image_file_in_a_folder(export_of_a_run, tiny_data, tmp_path, capsys):
     folder = tmp_path / "photos"
-    (folder / "dir.jpg").mkdir(parents=True)  # a folder named like an image
+    (folder / "dir.jpg").mkdir(parents=True)  # a folder named like an image: not a photo, passed over
     os.mkfifo(folder / "x.jpg")  # reading it would wait for a writer for good
     shutil.copy(next((tiny_data / "val").rglob("*.jpg")), folder / "photo.jpg")
     (folder / "broken.jpg").write_bytes(b"not a jpeg")  # one bad photo does not cost the others their predictions
     os.symlink(tmp_path / "nowhere.jpg", folder / "link.jpg")  # nor a link to nothing, which is said too
-    predict.main(["--model", str(export_of_a_run / "model.pt"), str(folder)])
+    os.symlink("/dev/zero", folder / "zero.jpg")  # nor a device
+    model = str(export_of_a_run / "model.pt")
+    predict.main(["--model", model, str(folder)])
     out, err = capsys.readouterr()
     assert [line.split(":")[0] for line in out.splitlines()] == [str(folder / "photo.jpg")]
-    assert [line.split(": ")[:2] for line in err.splitlines()] == [
-        ["warning", str(folder / "broken.jpg")], ["warning", str(folder / "link.jpg")]]
+    assert [line.split(": ")[:2] for line in err.splitlines()] == [["warning", str(folder / name)] for name in (
+        "broken.jpg", "link.jpg", "x.jpg", "zero.jpg")]
     assert all(line.endswith("left out") and "not a readable image (" in line for line in err.splitlines())
-    predict.main(["--model", str(export_of_a_run / "model.pt"), "--json", str(folder)])
-    broken, link, photo = json.loads(capsys.readouterr().out)
+    assert err.count("not a regular file: a FIFO or a device") == 2
+    predict.main(["--model", model, "--json", str(folder)])
+    broken, link, photo, fifo, zero = json.loads(capsys.readouterr().out)
     assert broken["image"] == str(folder / "broken.jpg") and broken["error"].startswith("not a readable image (")
-    assert link["image"] == str(folder / "link.jpg") and "error" in link
+    assert link["image"] == str(folder / "link.jpg") and "error" in link and "error" in fifo and "error" in zero
     assert photo["image"] == str(folder / "photo.jpg") and len(photo["predictions"]) == 3
+    # Named on the command line, a FIFO is left out in the same way and the others are predicted
+    predict.main(["--model", model, str(folder / "x.jpg"), str(folder / "photo.jpg")])
+    out, err = capsys.readouterr()
+    assert out.startswith(str(folder / "photo.jpg")) and err.startswith(f"warning: {folder / 'x.jpg'}: ")
     (folder / "photo.jpg").unlink()
-    (folder / "link.jpg").unlink()
-    assert_usage_error_in_process(predict.main, ["--model", str(export_of_a_run / "model.pt"), str(folder)], capsys,
+    assert_usage_error_in_process(predict.main, ["--model", model, str(folder)], capsys,
                                   "broken.jpg: not a readable image (")
-    assert_usage_error_in_process(predict.main, ["--model", str(export_of_a_run / "model.pt"), str(folder / "x.jpg")],
-                                  capsys, "x.jpg: not an image file or a folder")
+    assert_usage_error_in_process(predict.main, ["--model", model, str(folder / "x.jpg")], capsys,
+                                  "x.jpg: not a readable image (not a regular file: a FIFO or a device)")
 
 
 @pytest.mark.parametrize("content", [b"\x89PNG\r\n\x1a\n" + b"\x00" * 40, b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + b"\xff" * 30])

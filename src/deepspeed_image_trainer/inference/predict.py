@@ -20,16 +20,12 @@ def image_paths(inputs):
     paths = []
     for item in map(Path, inputs):
         if item.is_dir():
-            # Hidden files (macOS `._photo.jpg`, `.ipynb_checkpoints/`) are not photos, as in training; nor are a
-            # folder named like one or a FIFO (reading it would wait for a writer for good).
-            # A link to nothing is kept: it is reported unreadable, not passed over unsaid.
-            paths += sorted(p for p in item.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS
-                            and (p.is_file() or p.is_symlink() and not p.exists())
+            # Hidden files (macOS `._photo.jpg`, `.ipynb_checkpoints/`) are not photos, as in training; nor is a
+            # folder named like one. A link to nothing, a FIFO or a device is kept: Images reports it.
+            paths += sorted(p for p in item.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS and not p.is_dir()
                             and not any(part.startswith(".") for part in p.relative_to(item).parts))
-        elif item.is_file():
+        elif item.exists() or item.is_symlink():
             paths.append(item)
-        elif item.exists():
-            raise UsageError(f"{item}: not an image file or a folder (a FIFO, a device?)")
         else:
             raise UsageError(f"{item}: no such image or folder")
     if not paths:
@@ -49,8 +45,11 @@ class Images:
         return len(self.paths)
 
     def __getitem__(self, index):
+        path = self.paths[index]
         try:
-            return self.transform(load_rgb(self.paths[index])), index
+            if path.exists() and not path.is_file():  # reading a FIFO would wait for a writer for good
+                raise OSError("not a regular file: a FIFO or a device")
+            return self.transform(load_rgb(path)), index
         except Exception as err:  # noqa: BLE001 - corrupt data raises OSError, SyntaxError, ValueError, ...
             self.unreadable[index] = f"not a readable image ({err})"
             return torch.zeros(3, self.image_size, self.image_size), index
