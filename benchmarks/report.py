@@ -396,6 +396,35 @@ def half_weights_gain(rows_of):
             f"images/s.\n")
 
 
+def scaling(names):
+    """scaling.py's end-to-end epochs on 1 and N GPUs beside plain DDP, one table per model."""
+    parts = []
+    for name in names:
+        result = load(name)
+        settings, results = result["settings"], result["results"]
+        n = settings["max_gpus"]
+        ddp = next(r for r in results.values() if r["kind"] == "reference")
+        rows = []
+        for label, r in results.items():
+            if r["kind"] not in ("reference", "real"):
+                continue
+            one, many = r["1_gpu"], r[f"{n}_gpu"]
+            if "error" in one or "error" in many:
+                rows.append([label, f"failed: {error_line((one if 'error' in one else many)['error'])}"] + [""] * 4)
+                continue
+            of_ddp = many["images_per_s"] / ddp[f"{n}_gpu"]["images_per_s"]
+            rows.append([label, f"{one['images_per_s']:,.0f}", f"{many['images_per_s']:,.0f}",
+                         f"**{r['speedup']:.2f}**", "1 (reference)" if r is ddp else f"**{of_ddp:.2f}**",
+                         f"{many['peak_gpu_memory_gib']:.2f}"])
+        parts.append(source(result, name) + (
+            f"\n{settings['model']}, {settings['num_classes']} classes, micro-batch {settings['batch_size']} per GPU, "
+            f"{settings['image_size']} px, bf16; the trainer's images/s over its epochs after the first, "
+            f"DDP's over its timed steps:\n\n") + table(
+            ["measurement", "1 GPU images/s", f"{n} GPUs images/s", "speed-up", f"of DDP on {n} GPUs",
+             f"peak GiB ({n} GPUs)"], rows))
+    return "\n\n".join(parts)
+
+
 TABLES = {
     "first-minute-gpu": lambda: first_minute("first_minute_nvidia_h200.json"),
     "first-minute-cpu": lambda: first_minute("first_minute_cpu.json"),
@@ -408,6 +437,8 @@ TABLES = {
     "zero12-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{run}_nvidia_h100_80gb_hbm3.json")
                                            for run in ("vit_b_16_b64", "vit_l_16_b32", "vit_l_16_b64")),
     "deepspeed-overrides": lambda: throughput("throughput_nvidia_h100_80gb_hbm3.json"),
+    "scaling-epochs": lambda: scaling([f"scaling_{model}nvidia_h100_80gb_hbm3_x2.json"
+                                       for model in ("", "resnet50_", "vit_b_16_")]),
     "fp16-offload": fp16_offload,
     "augmentation": augmentation,
     "data-tiers": lambda: data_tiers("data_tiers_nvidia_h100_80gb_hbm3.json"),
