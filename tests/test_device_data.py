@@ -14,7 +14,7 @@ from torchvision.transforms import functional as TF
 from deepspeed_image_trainer.data.device import (DeviceTrainLoader, DeviceValLoader, ResizedCrops, auto_tier,
                                                  build_device_loaders, choose_device_data, crop_weights_bytes,
                                                  dataset_bytes, random_resized_crops)
-from deepspeed_image_trainer.data.folders import build_transform, load_datasets
+from deepspeed_image_trainer.data.folders import build_loaders, build_transform, load_datasets
 from deepspeed_image_trainer.models.build import ResNet18Animals90
 
 from conftest import TINY_CLASSES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, data_args, history_of, launch
@@ -96,6 +96,25 @@ def test_an_epoch_resumed_mid_way_gets_the_same_batches():
     assert len(resumed) == 4
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(whole[6:], resumed))
     assert not torch.equal(whole[0][0], next(iter(loader.epoch(4)))[0])
+
+
+def test_the_dataloader_tier_augments_each_image_the_same_with_any_workers_and_from_any_batch(tiny_data):
+    """Each image's crop and flip come from (seed, epoch, image): 0 or 2 workers, a start part-way through the
+    epoch, and the training process's own random stream (left as it was) change none of them."""
+    train_set, val_set, _ = load_datasets(tiny_data / "train", tiny_data / "val", 32)
+
+    def batches(num_workers, start_batch=0):
+        loader, _ = build_loaders(train_set, val_set, 4, num_workers, rank=0, world_size=1, seed=3, pin_memory=False)
+        return list(loader.epoch(2, start_batch))
+
+    state = torch.get_rng_state()
+    whole = batches(0)
+    assert torch.equal(torch.get_rng_state(), state)
+    for other in (batches(2)[3:], batches(2, start_batch=3), batches(0, start_batch=3)):
+        assert len(other) == len(whole) - 3
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(whole[3:], other))
+    loader, _ = build_loaders(train_set, val_set, 4, 0, rank=0, world_size=1, seed=3, pin_memory=False)
+    assert not torch.equal(whole[0][0], next(iter(loader.epoch(3)))[0])
 
 
 def test_ranks_share_out_the_epoch_and_the_validation_set():

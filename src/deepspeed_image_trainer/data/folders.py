@@ -146,26 +146,44 @@ class EpochSampler(DistributedSampler):
         return self.num_samples - self.start
 
 
+class KeyedAugmentation(Dataset):
+    """A training set whose every sample is augmented with torch's random numbers seeded from (seed, epoch,
+    index) alone, not from a worker's stream: the same crops and flips whatever the number of DataLoader
+    workers or ranks, and from any batch a resumed run starts at."""
+
+    def __init__(self, dataset, seed):
+        self.dataset, self.seed, self.epoch = dataset, seed, 0
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        with torch.random.fork_rng(devices=[]):  # the process's own stream (num_workers 0) goes on untouched
+            torch.manual_seed(hash((self.seed, self.epoch, index)) % 2**63)
+            return self.dataset[index]
+
+
 class TrainLoader:
-    """The training DataLoader of one rank. `epoch(e, start_batch)` fixes the shuffle and the
-    augmentation randomness from (seed, rank, epoch) alone, so a resumed run sees what an
-    uninterrupted one would have seen."""
+    """The training DataLoader of one rank. `epoch(e, start_batch)` fixes the shuffle from (seed, epoch) and
+    each image's augmentation from (seed, epoch, image), so a resumed run sees what an uninterrupted one
+    would have seen."""
 
     def __init__(self, dataset, micro_batch_size, num_workers, rank, world_size, seed, pin_memory):
         self.sampler = EpochSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
                                     seed=seed, drop_last=True)
-        self.generator = torch.Generator()
-        self.seed, self.rank, self.micro_batch_size = seed, rank, micro_batch_size
-        # Workers restart every epoch: each epoch's worker seeds come from the generator reseeded below.
-        self.loader = DataLoader(dataset, batch_size=micro_batch_size, sampler=self.sampler, drop_last=True,
-                                 num_workers=num_workers, pin_memory=pin_memory, generator=self.generator,
+        self.dataset = KeyedAugmentation(dataset, seed)
+        self.micro_batch_size = micro_batch_size
+        # Workers restart every epoch, each with the dataset as it is then: its epoch set below. The loader's
+        # own generator (the workers' base seed) keeps it from drawing on the training process's stream.
+        self.loader = DataLoader(self.dataset, batch_size=micro_batch_size, sampler=self.sampler, drop_last=True,
+                                 num_workers=num_workers, pin_memory=pin_memory, generator=torch.Generator(),
                                  worker_init_fn=ignore_stop_signals)
         self.batches_per_epoch = self.sampler.num_samples // micro_batch_size
 
     def epoch(self, epoch, start_batch=0):
         self.sampler.set_epoch(epoch)
         self.sampler.start = start_batch * self.micro_batch_size
-        self.generator.manual_seed(epoch_seed(self.seed, self.rank, epoch))
+        self.dataset.epoch = epoch
         return self.loader
 
 
