@@ -118,6 +118,17 @@ def test_the_training_script_refuses_bad_weights_before_it_takes_the_folders(tin
     assert not (tmp_path / "logs").exists() and not (tmp_path / "checkpoints").exists()
 
 
+def test_the_training_script_refuses_a_rank_environment_before_it_checks_anything_else(tiny_data, tmp_path,
+                                                                                     monkeypatch, capsys):
+    from deepspeed_image_trainer.cli import train
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "1.5")
+    assert_usage_error_in_process(train.main, data_args(tiny_data) + ["--sync_bn"], capsys,
+                                  "WORLD_SIZE='1.5' in the environment is not a whole number")
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("extra, message", FLAGS, ids=[" ".join(extra) for extra, _ in FLAGS])
 def test_the_launcher_refuses_what_no_run_can_use(tiny_data, tmp_path, monkeypatch, capsys, extra, message):
     for name, config in JSON.items():

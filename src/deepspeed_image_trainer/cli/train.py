@@ -21,8 +21,8 @@ from ..data.device import build_device_loaders, choose_device_data, train_square
 from ..data.folders import build_loaders, load_datasets
 from ..engine import overrides as deepspeed_overrides
 from ..engine.config import load_base_config, precision, resolve_scheduler
-from ..engine.distributed import (agreed, all_reduce, any_rank, differing, init_distributed, local_device,
-                                  patient_group, rank_zero_only, shut_down)
+from ..engine.distributed import (agreed, all_reduce, any_rank, checked_world_size, differing, init_distributed,
+                                  local_device, patient_group, rank_zero_only, shut_down)
 from ..engine.finetune import BodyLearningRate, fine_tuning, parameter_groups, whole_run_frozen
 from ..engine.interrupt import StopOnSignal, die_with_parent_call
 from ..engine.loop import evaluate, input_dtype, peak_gpu_memory_gib, replace_lr_scheduler, train_one_epoch
@@ -141,6 +141,7 @@ def build(args, clock):
     """Preflight, the folders taken, the model, the engine, the data and the outputs: a Run ready to train (None
     when the checkpoint it resumes ends at --epochs: nothing to train)."""
     deepspeed_overrides.enabled()  # refuses a bad TRAINER_DEEPSPEED_OVERRIDES before any folder is made
+    ranks = checked_world_size()  # and a bad WORLD_SIZE, RANK or MASTER_PORT
     check_writable(args.checkpoint_dir, "--checkpoint_dir")
     check_writable(args.log_dir, "--log_dir")
     check_usable(args)
@@ -153,7 +154,7 @@ def build(args, clock):
     weights = weights_to_load(args)
     if args.launch_token is None:  # else its launcher checked the model before any rank started
         checked_model(args.model, len(train_set.classes), args.image_size,
-                      norm_batch_size(args.batch_size, args.sync_bn, int(os.environ.get("WORLD_SIZE", "1"))), weights)
+                      norm_batch_size(args.batch_size, args.sync_bn, ranks), weights)
     if os.environ.get("RANK", "0") == "0":
         run_folders.take(args)  # before any rank looks for a checkpoint: tidying may rename one
 

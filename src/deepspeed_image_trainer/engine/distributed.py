@@ -27,10 +27,7 @@ def init_distributed(on_stop=lambda: None):
     """
     import deepspeed
 
-    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
-                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
-        os.environ.setdefault(key, value)
-    _check_rank_environment()
+    checked_world_size()
     use_nccl = torch.cuda.is_available() and os.name != "nt"
     _skip_shared_memory_op()
     world, where = int(os.environ["WORLD_SIZE"]), f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
@@ -51,11 +48,15 @@ def init_distributed(on_stop=lambda: None):
     return dist.get_rank(), dist.get_world_size()
 
 
-def _check_rank_environment():
-    """WORLD_SIZE, RANK and LOCAL_RANK as a launcher sets them: whole numbers, the rank below the world size (a
-    RANK of 3 in a WORLD_SIZE of 1 waited for good, for peers that cannot come)."""
+def checked_world_size():
+    """WORLD_SIZE, after checking it, RANK, LOCAL_RANK and MASTER_PORT as a launcher sets them (a group of one
+    where none did): whole numbers, the rank below the world size (a RANK of 3 in a WORLD_SIZE of 1 waited for
+    good, for peers that cannot come), a port a socket can take."""
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        os.environ.setdefault(key, value)
     values = {}
-    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_PORT"):
         try:
             values[key] = int(os.environ[key])
         except ValueError:
@@ -63,6 +64,9 @@ def _check_rank_environment():
     if values["WORLD_SIZE"] < 1 or not 0 <= values["RANK"] < values["WORLD_SIZE"] or values["LOCAL_RANK"] < 0:
         raise UsageError(f"RANK={values['RANK']} and WORLD_SIZE={values['WORLD_SIZE']} in the environment: the ranks "
                          "are 0 .. WORLD_SIZE - 1 (and LOCAL_RANK not negative)")
+    if not 0 < values["MASTER_PORT"] < 65536:
+        raise UsageError(f"MASTER_PORT={values['MASTER_PORT']} in the environment is not a port: use 1 .. 65535")
+    return values["WORLD_SIZE"]
 
 
 @contextlib.contextmanager
