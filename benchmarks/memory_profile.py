@@ -46,7 +46,7 @@ import torch.nn.functional as F
 import max_batch
 from common import environment, settings_of
 from deepspeed_image_trainer.cli import train as train_deepspeed
-from deepspeed_image_trainer.cli.options import parse_args, run_cli
+from deepspeed_image_trainer.cli.options import check_input_fits, parse_args, run_cli
 from deepspeed_image_trainer.data.folders import batch_memory_format
 from deepspeed_image_trainer.engine import distributed
 from deepspeed_image_trainer.engine import overrides as deepspeed_overrides
@@ -732,10 +732,7 @@ def check_args(args, cuda):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name} must be at least 1, got {getattr(args, name)}")
     check_writable(args.output_dir, "--output_dir")
-    batch_gib = args.batch_size * 3 * args.image_size ** 2 * 4 / 2**30  # the fp32 input alone
-    if hasattr(os, "sysconf") and batch_gib > os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30:
-        raise UsageError(f"--image_size {args.image_size}: a micro-batch of {args.batch_size} input images alone is "
-                         f"{batch_gib:,.0f} GiB, more than this machine's memory")
+    check_input_fits(args.batch_size, args.image_size)
     check_image_size(args.model, args.num_classes, args.image_size, args.batch_size)  # on the meta device
     if args.fp16 and not cuda:
         raise UsageError("fp16 needs a GPU: use --bf16 on a CPU-only machine")

@@ -65,6 +65,7 @@ FLAGS = [
      "a batch norm layer of googlenet then sees one value per channel"),
     (["--batch_size", "1", "--image_size", "32", "--sync_bn", "--num_gpus", "1"],  # one rank: nothing to sync with
      "a batch norm layer of resnet18 then sees one value per channel"),
+    (["--image_size", "99999999999999999999"], "input images alone is "),
     (["--overwrite", "--resume", "auto"], "give one of them"),
     (["--deepspeed_config", "OPTIMIZER_TYPE"], "optimizer.type in the DeepSpeed config must be a name, got 5"),
     (["--deepspeed_config", "BUCKET_WORDS"], 'zero_optimization.reduce_bucket_size: Input should be a valid integer'),

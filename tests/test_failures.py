@@ -16,7 +16,7 @@ from deepspeed_image_trainer.cli.options import add_training_args, parse_args
 from deepspeed_image_trainer.engine.config import build_ds_config
 from deepspeed_image_trainer.engine.memory import out_of_memory_advice
 
-from conftest import assert_usage_error, data_args, digests, history_of, launch
+from conftest import ROOT, assert_usage_error, data_args, digests, history_of, launch
 
 TINY_RUN = ["--batch_size", "4", "--image_size", "32", "--num_workers", "0"]
 
@@ -209,3 +209,38 @@ def test_a_rank_whose_peer_died_says_so_in_one_line(monkeypatch, capsys):
         err = capsys.readouterr().err
         assert exited.value.code == 1 and err.startswith(expected), err
         assert world_size == "1" or err.count("\n") == 1
+
+
+CRASH_IN_A_WORKER = """
+import torch
+from torch.utils.data import DataLoader, Dataset
+from deepspeed_image_trainer.cli.options import run_cli
+from deepspeed_image_trainer.data.folders import ignore_stop_signals
+
+class Broken(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        if index == 5:
+            raise OverflowError("a bug in a DataLoader worker")
+        return torch.zeros(1)
+
+held = []
+
+def main(argv):
+    batches = iter(DataLoader(Broken(), batch_size=1, num_workers=2, worker_init_fn=ignore_stop_signals))
+    held.append(batches)  # still held when the run ends, as a crashed rank's loader was
+    for _ in batches:
+        pass
+
+run_cli(main)
+"""
+
+
+def test_a_crash_in_a_dataloader_worker_ends_the_process_with_its_traceback():
+    """The workers ignore SIGTERM (the training process stops them itself), which is how the interpreter's exit
+    handlers stop them: a crashed rank whose loader was still held waited for them for good."""
+    result = subprocess.run([sys.executable, "-c", CRASH_IN_A_WORKER], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert result.returncode == 1 and result.stderr.rstrip().endswith("OverflowError: a bug in a DataLoader worker")

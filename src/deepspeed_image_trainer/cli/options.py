@@ -2,7 +2,9 @@
 import argparse
 import gc
 import math
+import multiprocessing
 import os
+import signal
 import sys
 import traceback
 
@@ -143,6 +145,14 @@ def parse_args(make_parser, argv=None):
     return args
 
 
+def check_input_fits(batch_size, image_size):
+    """Refuse an --image_size whose fp32 micro-batch of input images alone is larger than this machine's memory."""
+    batch_gib = batch_size * 3 * image_size ** 2 * 4 / 2**30
+    if hasattr(os, "sysconf") and batch_gib > os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30:
+        raise UsageError(f"--image_size {image_size}: a micro-batch of {batch_size} input images alone is "
+                         f"{batch_gib:,.0f} GiB, more than this machine's memory")
+
+
 def check_values(args):
     """Values argparse lets through but no run can use: a UsageError (one line, exit status 2)."""
     for name in ("epochs", "batch_size", "image_size", "gradient_accumulation_steps"):
@@ -156,6 +166,7 @@ def check_values(args):
                  "backbone_lr_scale", "freeze_backbone_epochs"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name} must not be negative, got {getattr(args, name)}")
+    check_input_fits(args.batch_size, args.image_size)
     if args.learning_rate <= 0:
         raise UsageError(f"--learning_rate must be positive, got {args.learning_rate}")
     if args.data_on_device == "cache" and args.cache_dir == "off":
@@ -207,8 +218,14 @@ def run_cli(main, argv=None):
                        "error, if any, is above); --resume auto continues from the last checkpoint published")
     # Out of the except block the traceback is gone; collecting the frames it held shuts their DataLoader
     # workers down now. Left to the exit handlers, which stop workers with SIGTERM, a run stopped mid-epoch
-    # or crashed would wait forever for workers that ignore it (see data/folders.py, ignore_stop_signals).
+    # or crashed would wait forever for workers that ignore it (see data/folders.py, ignore_stop_signals);
+    # workers whose loader something still holds (a crash inside a worker) are killed, without torch's
+    # handler that reports a killed worker.
     gc.collect()
     if not quiet:
         print(message, file=sys.stderr, flush=True)
+    if multiprocessing.active_children():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for child in multiprocessing.active_children():
+            child.kill()
     sys.exit(status)
