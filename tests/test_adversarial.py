@@ -66,6 +66,8 @@ FLAGS = [
     (["--batch_size", "1", "--image_size", "32", "--sync_bn", "--num_gpus", "1"],  # one rank: nothing to sync with
      "a batch norm layer of resnet18 then sees one value per channel"),
     (["--image_size", "99999999999999999999"], "input images alone is "),
+    (["--data_on_device", "cache", "--device_train_size", "10000000"], "--device_train_size 10000000: one stored "
+                                                                        "training image alone is 279,397 GiB"),
     (["--overwrite", "--resume", "auto"], "give one of them"),
     (["--deepspeed_config", "OPTIMIZER_TYPE"], "optimizer.type in the DeepSpeed config must be a name, got 5"),
     (["--deepspeed_config", "BUCKET_WORDS"], 'zero_optimization.reduce_bucket_size: Input should be a valid integer'),

@@ -145,12 +145,23 @@ def parse_args(make_parser, argv=None):
     return args
 
 
-def check_input_fits(batch_size, image_size):
-    """Refuse an --image_size whose fp32 micro-batch of input images alone is larger than this machine's memory."""
+def memory_gib():
+    """This machine's memory in GiB (None where the OS does not say)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30 if hasattr(os, "sysconf") else None
+
+
+def check_input_fits(batch_size, image_size, device_train_size=None):
+    """Refuse an --image_size whose fp32 micro-batch of input images alone is larger than this machine's memory,
+    and a --device_train_size whose one stored uint8 square is."""
+    memory = memory_gib()
     batch_gib = batch_size * 3 * image_size ** 2 * 4 / 2**30
-    if hasattr(os, "sysconf") and batch_gib > os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30:
+    if memory is not None and batch_gib > memory:
         raise UsageError(f"--image_size {image_size}: a micro-batch of {batch_size} input images alone is "
                          f"{batch_gib:,.0f} GiB, more than this machine's memory")
+    square_gib = 3 * (device_train_size or 0) ** 2 / 2**30
+    if memory is not None and square_gib > memory:
+        raise UsageError(f"--device_train_size {device_train_size}: one stored training image alone is "
+                         f"{square_gib:,.0f} GiB, more than this machine's memory")
 
 
 def check_values(args):
@@ -166,13 +177,13 @@ def check_values(args):
                  "backbone_lr_scale", "freeze_backbone_epochs"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name} must not be negative, got {getattr(args, name)}")
-    check_input_fits(args.batch_size, args.image_size)
     if args.learning_rate <= 0:
         raise UsageError(f"--learning_rate must be positive, got {args.learning_rate}")
     if args.data_on_device == "cache" and args.cache_dir == "off":
         raise UsageError("--data_on_device cache needs the decoded-image cache: drop --cache_dir off")
     if args.device_train_size is not None and args.device_train_size < 1:
         raise UsageError(f"--device_train_size must be at least 1, got {args.device_train_size}")
+    check_input_fits(args.batch_size, args.image_size, args.device_train_size)
     if not 0 <= args.label_smoothing < 1:
         raise UsageError(f"--label_smoothing must be in [0, 1), got {args.label_smoothing}")
     if args.overwrite and args.resume:
