@@ -11,9 +11,20 @@ import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 
-# Ctrl-C before the training starts (its imports take seconds): nothing of this run to save, no traceback.
-# The launcher forwards it to the training processes once they run.
-signal.signal(signal.SIGINT, lambda signum, frame: os._exit(128 + signum))
+
+def stopped_before_training(signum, frame):
+    """Ctrl-C or SIGTERM before the training processes start (the checks take seconds): nothing of this run to
+    save; one line, the folders given back if this launcher holds them. Once they run, it forwards the signal."""
+    folders = sys.modules.get("deepspeed_image_trainer.outputs.run_folders")
+    if folders is not None:
+        folders.release()
+    os.write(2, f"\nStopped by {signal.Signals(signum).name} before the training started: nothing to save\n".encode())
+    os._exit(128 + signum)
+
+
+for signum in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(signum, stopped_before_training)
+
 from pathlib import Path  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # the package, installed or not

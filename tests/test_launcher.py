@@ -176,7 +176,7 @@ FORWARDER = ("import sys; from deepspeed_image_trainer.cli.launch import run_and
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signals, status, message", [
-    (1, None, "Stopping: the training saves a checkpoint"),
+    (1, None, "Stopping: once training has started, it saves a checkpoint"),
     (2, 128 + 9, "error: the training processes were killed (a second Ctrl-C or SIGTERM); --resume auto"),
 ])
 def test_a_second_ctrl_c_kills_the_training_and_says_so(signals, status, message):
@@ -213,3 +213,31 @@ def test_ctrl_c_while_the_launcher_imports_ends_it_without_a_traceback(tiny_data
     out, err = launcher.communicate(timeout=60)
     assert launcher.returncode == 128 + signal.SIGINT and "Traceback" not in err, err
     assert not (tmp_path / "logs").exists()
+
+
+@pytest.mark.slow
+def test_a_stop_before_the_training_starts_is_one_line(tiny_data, tmp_path):
+    """Ctrl-C or SIGTERM in the launcher's checks, in a training process's imports, or while it builds the run:
+    128 + the signal, one line, and the folders it had taken given back."""
+    import os
+    import signal
+    import subprocess
+
+    said = "before the training started: nothing to save"
+    folders = ["--checkpoint_dir", str(tmp_path / "ck"), "--log_dir", str(tmp_path / "logs")]
+    for script, signum in (("launch_deepspeed.py", signal.SIGINT), ("src/train_deepspeed.py", signal.SIGTERM)):
+        process = subprocess.Popen([sys.executable, str(ROOT / script), *data_args(tiny_data), *folders],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(0.5)  # importing
+        process.send_signal(signum)
+        out, err = process.communicate(timeout=60)
+        assert process.returncode == 128 + signum, err[-2000:]
+        assert err.strip() == f"Stopped by {signal.Signals(signum).name} {said}" and not out
+    assert not any(tmp_path.iterdir())
+    building = ("import os, signal, time; from deepspeed_image_trainer.engine.interrupt import stopped_at_once\n"
+                "with stopped_at_once(on_stop=lambda: print('given back', flush=True)):\n"
+                "    os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)")
+    result = subprocess.run([sys.executable, "-c", building], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert result.returncode == 143 and result.stdout == "given back\n"
+    assert result.stderr.strip() == f"Stopped by SIGTERM {said}"

@@ -283,7 +283,8 @@ def run_and_forward_signals(command, launched_at):
     def forward(signum, frame):
         received.append(signum)
         if len(received) == 1:
-            print("Stopping: the training saves a checkpoint at its current step (again to kill it now)",
+            print("Stopping: once training has started, it saves a checkpoint at its current step (again to kill "
+                  "it now)",
                   file=sys.stderr, flush=True)
         signal_group(child.pid, signal.SIGTERM if len(received) == 1 else signal.SIGKILL)
 

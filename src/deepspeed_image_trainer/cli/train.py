@@ -24,7 +24,7 @@ from ..engine.config import load_base_config, precision, resolve_scheduler
 from ..engine.distributed import (agreed, all_reduce, any_rank, checked_world_size, differing, init_distributed,
                                   local_device, patient_group, rank_zero_only, shut_down)
 from ..engine.finetune import BodyLearningRate, fine_tuning, parameter_groups, whole_run_frozen
-from ..engine.interrupt import StopOnSignal, die_with_parent_call
+from ..engine.interrupt import StopOnSignal, die_with_parent_call, stopped_at_once
 from ..engine.loop import evaluate, input_dtype, peak_gpu_memory_gib, replace_lr_scheduler, train_one_epoch
 from ..engine.memory import advise_on_out_of_memory
 from ..engine.numerics import StepHealth
@@ -130,7 +130,8 @@ def train(argv, process_started):
     if "LOCAL_RANK" in os.environ:  # started by a launcher: stop (and save) when it dies
         die_with_parent_call(os.getppid())()
     args = parse_args(get_args_parser, argv)
-    run = build(args, clock)
+    with stopped_at_once(on_stop=run_folders.release):
+        run = build(args, clock)
     if run is None:  # nothing to train
         return 0
     stopped = epoch_loop(run)

@@ -1,15 +1,42 @@
 """SIGINT/SIGTERM become a request to stop after the current step, agreed on by every rank; and a process
 started by another stops when that one dies."""
+import contextlib
 import ctypes
 import os
 import signal
 import sys
+import threading
 
 import torch
 
 from .distributed import all_reduce
 
 AGREE_EVERY = 10  # checks between the all-reduces that let several ranks stop at the same step
+
+
+@contextlib.contextmanager
+def stopped_at_once(on_stop):
+    """While a run starts (nothing of it is being saved): SIGINT/SIGTERM end the process at once, after
+    on_stop(), with 128 + the signal's number and one line from rank 0. The training loop's StopOnSignal
+    then saves before it stops."""
+    if threading.current_thread() is not threading.main_thread():  # in-process callers' threads: no handlers
+        yield
+        return
+
+    def stop(signum, frame):
+        if os.environ.get("RANK", "0") == "0":
+            print(f"\nStopped by {signal.Signals(signum).name} before the training started: nothing to save",
+                  file=sys.stderr, flush=True)
+        on_stop()
+        sys.stdout.flush()
+        os._exit(128 + signum)
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 class StopOnSignal:
