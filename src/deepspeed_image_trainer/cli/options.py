@@ -69,7 +69,8 @@ def add_training_args(parser):
                        help="stop when val accuracy has not improved for N epochs (0: never)")
     train.add_argument("--max_nonfinite_steps", type=int, default=20, metavar="N",
                        help="stop (exit status 3, nothing saved) when the loss is NaN/inf for N steps in a row "
-                            "or the validation loss is (0: never stop)")
+                            "or the validation loss is (0: never stop); checked every 10 steps and at the end of "
+                            "each epoch, so the stop can come up to 10 steps (on a GPU 20) later")
     train.add_argument("--seed", type=int, default=42)
     train.add_argument("--pretrained", metavar="WEIGHTS|PATH", default=None,
                        help="start from torchvision's weights of --model: DEFAULT or a name such as IMAGENET1K_V1 "

@@ -40,9 +40,9 @@ class OutOfMemory(CliError):
 
 
 # A resume keeps the learning rate and precision (outputs/record.py): those call for a new run.
-DIVERGED_ADVICE = ("The run stopped without saving: the checkpoints and history of earlier epochs are intact. "
-                   "Continue with --resume auto and --clip_grad 1, or start again (--overwrite) with a lower "
-                   "--learning_rate or --bf16 rather than --fp16 (--max_nonfinite_steps 0 never stops)")
+DIVERGED_ADVICE = ("The run stopped without saving: the checkpoints and history of earlier epochs, if any, are "
+                   "intact. Continue from them with --resume auto and --clip_grad 1, or start again (--overwrite) "
+                   "with a lower --learning_rate or --bf16 rather than --fp16 (--max_nonfinite_steps 0 never stops)")
 
 
 class CliParser(argparse.ArgumentParser):
