@@ -55,9 +55,10 @@ def test_a_loss_that_turns_nan_stops_the_run_and_keeps_the_earlier_outputs(earli
     assert "Traceback" not in result.stderr
     [line] = error_lines(result)  # reported once, by rank 0
     assert "the training loss was NaN or inf for" in line and "(by epoch 3, step" in line
-    assert "--max_nonfinite_steps 3" in line and "checkpoints and history of earlier epochs are intact" in line
+    assert "--max_nonfinite_steps 3" in line and "checkpoints and history of earlier epochs, if any, are intact" \
+        in line
     # only advice a resume accepts goes with --resume auto (it keeps the learning rate and the precision)
-    assert ("Continue with --resume auto and --clip_grad 1, or start again (--overwrite) with a lower "
+    assert ("Continue from them with --resume auto and --clip_grad 1, or start again (--overwrite) with a lower "
             "--learning_rate or --bf16") in line
     assert digests(workdir / "checkpoints_deepspeed") == checkpoints
     restored = history_of(workdir)["epochs"]
