@@ -86,6 +86,7 @@ def bad_data(tmp_path_factory):
     (root / "train/.ipynb_checkpoints/antelope/x.jpg").write_bytes(good)
     (root / "train/bat/.DS_Store").write_bytes(b"\x00\x00\x00\x01Bud1")
     (root / "train/bat/notes.txt").write_text("where the bats came from\n")
+    (root / "train/stray.jpg").write_bytes(good)  # in no class folder
     (root / "train/zebra").mkdir()
     (root / "val/zebra").mkdir()
     shutil.rmtree(root / "val/antelope")
@@ -105,12 +106,15 @@ def test_the_check_reports_every_kind_of_bad_file(bad_data):
     assert summary["empty_class_folders"] == [str(bad_data / "train/zebra"), str(bad_data / "val/zebra")]
     assert summary["classes_without_val_images"] == ["antelope"]
     assert summary["files_without_image_suffix"] == [str(bad_data / "train/bat/notes.txt")]
+    assert summary["files_outside_class_folders"] == [str(bad_data / "train/stray.jpg")]
     assert summary["hidden_ignored"] == 3
     assert summary["large_images"] == [str(bad_data / "train/bat/large.png")]
     assert summary["converted_to_rgb"] == {"1": 1, "CMYK": 2, "I;16": 2, "L": 2, "LA": 2, "P": 4, "RGBA": 2}
     assert summary["exif_rotated"] == 2
     warnings = check.warnings()
-    assert len(warnings) == 5 and warnings[0].startswith("warning: skipping 7 unreadable image(s): ")
+    assert len(warnings) == 6 and warnings[0].startswith("warning: skipping 7 unreadable image(s): ")
+    assert ("warning: ignoring 1 file(s) beside the class folders (images go in <folder>/<class>/): "
+            f"{bad_data}/train/stray.jpg") in warnings
     assert warnings[0].endswith(" and 2 more")
 
 
@@ -392,7 +396,7 @@ def test_a_dry_run_says_the_data_checks_warnings(bad_data, tmp_path, monkeypatch
     monkeypatch.chdir(tmp_path)
     assert launch_deepspeed.main(data_args(bad_data) + ["--dry_run"]) == 0
     warnings = capsys.readouterr().err.splitlines()
-    assert warnings[0].startswith("warning: skipping 7 unreadable image(s): ") and len(warnings) == 5, warnings
+    assert warnings[0].startswith("warning: skipping 7 unreadable image(s): ") and len(warnings) == 6, warnings
     assert "warning: 1 training class(es) have no validation images: antelope" in warnings
     assert not (tmp_path / "logs").exists()
 
@@ -408,7 +412,8 @@ def test_check_command_prints_the_report(bad_data, tmp_path):
     assert "training classes without validation images: 1\n  antelope\n" in result.stdout
     assert "converted to RGB: 1 1, CMYK 2, I;16 2, L 2, LA 2, P 4, RGBA 2" in result.stdout
     assert "rotated by their EXIF orientation: 2" in result.stdout
-    assert result.stdout.endswith("usable, 5 warning(s)\n")
+    assert f"files beside the class folders, ignored: 1\n  {bad_data / 'train/stray.jpg'}\n" in result.stdout
+    assert result.stdout.endswith("usable, 6 warning(s)\n")
     assert result.stderr == ""  # not even PIL's warning about the large image: the report names it
 
 

@@ -82,6 +82,8 @@ BAD_INPUT = [
     (["--coalesce_grad_reduction", "on", "--zero_stage", "0", "--gradient_accumulation_steps", "2"],
      "--coalesce_grad_reduction on needs --zero_stage 1, 2 or 3"),
     (["--deepspeed_config", "missing.json"], "--deepspeed_config missing.json: file not found"),
+    (["--deepspeed_config", "."], "--deepspeed_config .: a folder, not a JSON file"),
+    (["--train_dir", "FILE"], "FILE is a file, not an image folder (<folder>/<class>/<image>)"),
     (["--batch_size", "100"], "too few"),
     (["--pretrained", "missing.pth"], "--pretrained missing.pth: no such file, and not a weights name of resnet18"),
     (["--num_gpus", "0"], "--num_gpus and --num_nodes must be at least 1"),

@@ -106,6 +106,7 @@ class FolderScan:
     images: dict = field(default_factory=dict)  # class -> readable image paths, sorted
     unreadable: list = field(default_factory=list)  # (path, reason)
     other_files: list = field(default_factory=list)  # no image suffix
+    loose_files: list = field(default_factory=list)  # beside the class folders, in none of them
     hidden: list = field(default_factory=list)
     linked_away: list = field(default_factory=list)  # (folder reached through a link, why it is not read)
     records: dict = field(default_factory=dict)  # path -> inspect_image record
@@ -135,7 +136,7 @@ def scan_folder(root, cache=None, decode=True):
         if entry.name.startswith("."):
             scan.hidden.append(entry.path)
         elif not entry.is_dir():
-            scan.other_files.append(entry.path)
+            scan.loose_files.append(entry.path)
         elif entry.name in twins:
             scan.linked_away.append((entry.path, twins[entry.name]))
         else:
@@ -260,6 +261,7 @@ class DataCheck:
             "empty_class_folders": [folder for scan in self.scans for folder in scan.empty_folders],
             "classes_without_val_images": self.missing_in_val,
             "files_without_image_suffix": [path for scan in self.scans for path in scan.other_files],
+            "files_outside_class_folders": [path for scan in self.scans for path in scan.loose_files],
             "hidden_ignored": sum(len(scan.hidden) for scan in self.scans),
             "linked_folders_ignored": [{"path": path, "reason": reason} for scan in self.scans
                                        for path, reason in scan.linked_away],
@@ -281,6 +283,8 @@ class DataCheck:
                             (linked, "ignoring {} folder(s) reached through links"),
                             (self.missing_in_val, "{} training class(es) have no validation images"),
                             (summary["files_without_image_suffix"], "ignoring {} file(s) without an image suffix"),
+                            (summary["files_outside_class_folders"],
+                             "ignoring {} file(s) beside the class folders (images go in <folder>/<class>/)"),
                             (summary["large_images"],
                              f"{{}} image(s) over {Image.MAX_IMAGE_PIXELS / 1e6:.0f} Mpx, slow to decode")):
             if items:
@@ -294,6 +298,7 @@ class DataCheck:
         sections = {"unreadable, skipped": [f"{s['path']}: {s['reason']}" for s in summary["skipped"]],
                     "class folders without a readable image, ignored": summary["empty_class_folders"],
                     "files without an image suffix, ignored": summary["files_without_image_suffix"],
+                    "files beside the class folders, ignored": summary["files_outside_class_folders"],
                     "folders reached through links, ignored": [f"{item['path']}: {item['reason']}"
                                                                for item in summary["linked_folders_ignored"]],
                     f"images over {Image.MAX_IMAGE_PIXELS / 1e6:.0f} Mpx, decoded anyway": summary["large_images"]}
@@ -358,7 +363,8 @@ def check_folders(train_dir, val_dir=None, decode=True):
         if root is None:
             scans.append(None)
         elif not Path(root).is_dir():
-            errors.append(f"image folder not found: {root}")
+            errors.append(f"{root} is a file, not an image folder (<folder>/<class>/<image>)" if Path(root).exists()
+                          else f"image folder not found: {root}")
             scans.append(FolderScan(Path(root)))
         else:
             scan = scan_folder(root, load_cache(root), decode)
