@@ -68,6 +68,8 @@ FLAGS = [
     (["--image_size", "99999999999999999999"], "input images alone is "),
     (["--data_on_device", "cache", "--device_train_size", "10000000"], "--device_train_size 10000000: one stored "
                                                                         "training image alone is 279,397 GiB"),
+    (["--pretrained", ""], "--pretrained is empty: give a weights name (DEFAULT, IMAGENET1K_V1, ...) or a file"),
+    (["--cache_dir", ""], "--cache_dir is empty: give a folder, or off, or leave the flag out"),
     (["--overwrite", "--resume", "auto"], "give one of them"),
     (["--deepspeed_config", "OPTIMIZER_TYPE"], "optimizer.type in the DeepSpeed config must be a name, got 5"),
     (["--deepspeed_config", "BUCKET_WORDS"], 'zero_optimization.reduce_bucket_size: Input should be a valid integer'),
@@ -102,9 +104,11 @@ FLAGS = [
     (["--deepspeed_config", "ZERO_TYPO"], "'zero_optimisation' is not a key DeepSpeed reads (did you mean "
                                           "'zero_optimization'?)"),
     (["--pretrained", "RANDOM_BYTES"], "is damaged or not a torch file"),
+    (["--pretrained", "EMPTY"], "EMPTY is damaged or not a torch file (EOFError)"),
     (["--data_on_device", "cache", "--cache_dir", "RANDOM_BYTES"], "--data_on_device cache needs the decoded-image cache: --cache_dir"),
     (["--pretrained", "MODEL_STATES"], "export it first with export_model.py"),
-    (["--pretrained", "PAYLOAD"], "holds Python objects other than tensors"),
+    (["--pretrained", "PAYLOAD"], "PAYLOAD holds Python objects other than tensors (GLOBAL io.open): not "
+                                  "loaded, since loading it could run any code"),
 ]
 
 
@@ -137,6 +141,7 @@ def test_the_launcher_refuses_what_no_run_can_use(tiny_data, tmp_path, monkeypat
     for name, config in JSON.items():
         (tmp_path / name).write_text(json.dumps(config))
     (tmp_path / "RANDOM_BYTES").write_bytes(os.urandom(5000))
+    (tmp_path / "EMPTY").write_bytes(b"")
     torch.save({"module": {"fc.weight": torch.zeros(3, 512)}, "ds_version": "0.19"}, tmp_path / "MODEL_STATES")
     torch.save({"fc.weight": Payload(tmp_path / "ran")}, tmp_path / "PAYLOAD")
     argv = data_args(tiny_data) + [str(tmp_path / arg) if (tmp_path / arg).is_file() else arg for arg in extra]

@@ -359,7 +359,10 @@ def pretrained_state(model, name, choice, num_classes, mmap=False):
     `name` with `num_classes` outputs (on the meta device too: only shapes are compared). The classifier
     head is left out when the class count differs."""
     path = weights_file(name, choice)
-    state = load_checked(path, mmap=mmap, deepspeed_classes=False)
+    try:
+        state = load_checked(path, mmap=mmap, deepspeed_classes=False)
+    except UsageError as err:
+        raise UsageError(f"--pretrained {err}") from None
     if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
         raise UsageError(f"--pretrained {path} is not a state_dict (tensors by name)"
                          + ("; for a checkpoint of this trainer, export it first with export_model.py"

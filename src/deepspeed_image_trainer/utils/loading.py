@@ -8,6 +8,7 @@ each file of the checkpoint passed here; a resumed run's engine loads every file
 import contextlib
 import os
 import pickle
+import re
 import sys
 import warnings
 import zipfile
@@ -66,7 +67,8 @@ def load_checked(path, map_location="cpu", mmap=False, deepspeed_classes=True):
     except OSError as err:
         raise UsageError(f"{path}: {err.strerror or error_line(err)}") from None
     except Exception as err:  # noqa: BLE001 - a damaged file fails in zip, pickle or tensor code, each its own way
-        raise UsageError(f"{path} is damaged or not a torch file ({type(err).__name__}: {error_line(err)})") from None
+        detail = f"{type(err).__name__}: {error_line(err)}" if str(err).strip() else type(err).__name__
+        raise UsageError(f"{path} is damaged or not a torch file ({detail})") from None
 
 
 def check_checkpoint_files(folder, tag):
@@ -85,8 +87,12 @@ def _lines(err):
 
 
 def _refused_global(err):
-    """The global torch's weights-only unpickler refused ("... unsupported GLOBAL posix.system ..."), or None."""
-    return next((line for line in _lines(err) if "GLOBAL" in line), None)
+    """The global torch's weights-only unpickler refused ("GLOBAL posix.system"), or None."""
+    line = next((line for line in _lines(err) if "GLOBAL" in line), None)
+    if line is None:
+        return None
+    named = re.search(r"GLOBAL (\S+)", line)  # not torch's advice to allow it, which follows
+    return f"GLOBAL {named[1]}" if named else line
 
 
 def _detail(err):
