@@ -8,6 +8,7 @@ import signal
 import socket
 import sys
 import threading
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,10 @@ def init_distributed(on_stop=lambda: None):
     import deepspeed
 
     checked_world_size()
+    # DeepSpeed's ZeRO gathers with torch's all_gather_into_tensor, which torch now deprecates: its warning, once a
+    # rank, is about DeepSpeed's code, not the run.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+                            category=FutureWarning)
     use_nccl = torch.cuda.is_available() and os.name != "nt"
     _skip_shared_memory_op()
     world, where = int(os.environ["WORLD_SIZE"]), f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"

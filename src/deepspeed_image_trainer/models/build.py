@@ -13,7 +13,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torchvision
 from torch import nn
-from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 from torchvision.models.convnext import LayerNorm2d
 from torchvision.models.resnet import BasicBlock, ResNet
 
@@ -21,6 +20,28 @@ from ..utils.failures import UsageError
 from ..utils.loading import load_checked
 from ..utils.text import error_line
 from .names import DEFAULT_MODEL, architecture
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """A sum over every rank that gradients flow back through (each rank's input receives the sum of the ranks'
+    gradients), as torch.distributed.nn.functional.all_reduce, which torch deprecates; tests/test_distributed.py
+    pins --sync_bn built on it to one process on the whole batch."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        tensor = tensor.clone()
+        dist.all_reduce(tensor)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+def differentiable_all_reduce(tensor):
+    return _SumOverRanks.apply(tensor)
 
 
 class BatchNorm2dFP32(nn.BatchNorm2d):
