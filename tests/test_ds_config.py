@@ -654,12 +654,15 @@ def test_fp32_gradient_accumulation_with_optimizer_offload_and_half_weights_is_r
     assert build("--zero_stage", "2", *offload, base={"data_types": bf16})["data_types"] == bf16
 
 
-@pytest.mark.parametrize("argv, hint", [(["--batch_size", "64"], "; lower --batch_size"),
-                                        (["--gradient_accumulation_steps", "1000000"],
-                                         "; lower --batch_size or --gradient_accumulation_steps")])
-def test_a_training_set_too_small_for_one_step_names_the_flags_to_lower(argv, hint):
-    with pytest.raises(UsageError, match="the training set has 50 images: too few for 1 rank") as refused:
-        build(*argv, images=50)
+@pytest.mark.parametrize("argv, ranks, hint", [
+    (["--batch_size", "64"], 1, "; lower --batch_size"),
+    (["--gradient_accumulation_steps", "1000000"], 1, "; lower --batch_size or --gradient_accumulation_steps"),
+    (["--batch_size", "2"], 32, "; lower --batch_size, or use fewer ranks"),
+    (["--batch_size", "2"], 64, "; use fewer ranks (--num_gpus, --num_nodes)"),  # 50 images: one a rank is too many
+    (["--batch_size", "1"], 64, "; use fewer ranks (--num_gpus, --num_nodes)")])
+def test_a_training_set_too_small_for_one_step_names_the_flags_to_lower(argv, ranks, hint):
+    with pytest.raises(UsageError, match=f"the training set has 50 images: too few for {ranks} rank") as refused:
+        build(*argv, images=50, world_size=ranks)
     assert str(refused.value).endswith(hint)
 
 

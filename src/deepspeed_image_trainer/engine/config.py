@@ -149,10 +149,13 @@ def build_ds_config(args, world_size, num_train_images, base=None, device_type="
             f"(or leave it out), or change --batch_size, --gradient_accumulation_steps or --num_gpus to match")
     steps = steps_per_epoch(num_train_images, world_size, micro, accumulation)
     if steps < 1:
-        raise UsageError(
-            f"the training set has {num_train_images} images: too few for {world_size} rank(s) x "
-            f"micro-batch {micro} x {accumulation} accumulation step(s); lower --batch_size"
-            + (" or --gradient_accumulation_steps" if accumulation > 1 else ""))
+        lower = ["--batch_size"] * (micro > 1) + ["--gradient_accumulation_steps"] * (accumulation > 1)
+        if num_train_images < world_size:  # no batch size helps: some rank would have no image at all
+            advice = "use fewer ranks (--num_gpus, --num_nodes)"
+        else:
+            advice = "lower " + " or ".join(lower) + (", or use fewer ranks" if world_size > 1 else "")
+        raise UsageError(f"the training set has {num_train_images} images: too few for {world_size} rank(s) x "
+                         f"micro-batch {micro} x {accumulation} accumulation step(s); {advice}")
 
     _resolve_zero(config, args, num_params, world_size, resumed_stage)
     _resolve_precision(config, args, device_type, num_params, resumed_precision)
