@@ -18,9 +18,11 @@ def load_history(path):
         raise UsageError(f"history file not found: {path}")
     try:
         history = json.loads(path.read_text())
-        epochs = history["epochs"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as err:  # a binary file: not UTF-8
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:  # a binary file: not UTF-8
         raise UsageError(f"{path} is not a training history file ({err})") from None
+    if not isinstance(history, dict) or "epochs" not in history:
+        raise UsageError(f"{path} is not a training history file (no \"epochs\" in it)")
+    epochs = history["epochs"]
     if not isinstance(epochs, list) or not all(isinstance(e, dict) for e in epochs):
         raise UsageError(f"{path} is not a training history file (its epochs are not a list of records)")
     if not epochs:
@@ -28,6 +30,8 @@ def load_history(path):
     for index, epoch in enumerate(epochs):
         for key in ("epoch", *REQUIRED, *OPTIONAL):
             value = epoch.get(key)
+            if (key in REQUIRED or key == "epoch") and key not in epoch:
+                raise UsageError(f"{path} is not a training history file (epochs[{index}] has no {key})")
             if (key in REQUIRED or key == "epoch" or value is not None) and not _number(value):
                 raise UsageError(f"{path} is not a training history file (epochs[{index}].{key} is "
                                  f"{json.dumps(value)}, not a number)")
