@@ -186,6 +186,19 @@ def test_tidy_completes_or_undoes_a_cut_swap_and_removes_staging(tmp_path):
     assert json.loads((tmp_path / "last/extra_info.json").read_text())["epoch"] == 2
 
 
+@pytest.mark.parametrize("overwrite, launch_token, kept", [(False, None, False), (True, None, False),
+                                                         (False, "token", False), (True, "token", True)])
+def test_a_killed_overwrite_launchs_config_goes_unless_this_runs_launcher_wrote_it(tmp_path, overwrite,
+                                                                                    launch_token, kept):
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / run_folders.NEXT_DS_CONFIG).write_text("{}")
+    try:
+        run_folders.take(args_for(tmp_path, overwrite=overwrite, launch_token=launch_token))
+    finally:
+        run_folders.release()
+    assert (tmp_path / "logs" / run_folders.NEXT_DS_CONFIG).exists() == kept
+
+
 @pytest.mark.slow
 def test_the_same_command_twice_keeps_the_first_runs_results(trained, tiny_data, tmp_path, monkeypatch, capsys):
     from deepspeed_image_trainer.cli import launch as launch_deepspeed

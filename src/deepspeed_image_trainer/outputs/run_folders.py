@@ -239,13 +239,15 @@ def claim(args, resume_from):
 
 def take(args):
     """Rank 0, before anything reads the checkpoints: hold both folders for this run and tidy them."""
+    token = getattr(args, "launch_token", None)
     if os.name == "posix":
-        token = getattr(args, "launch_token", None)
         for folder, flag in _folders(args):
             if token is None or not _claimed_for(folder, flag, token):
                 lock(folder, flag, LAUNCH_LOCK_FILE)
             lock(folder, flag)
     tidy(args.checkpoint_dir)
+    if token is None or not args.overwrite:  # else its launcher just wrote it: a killed --overwrite launch's
+        (Path(args.log_dir) / NEXT_DS_CONFIG).unlink(missing_ok=True)
 
 
 def start(args, resume_from):
