@@ -147,6 +147,7 @@ def test_runs_filling_one_entry_at_once_fill_it_once(tmp_path):
     outputs = sorted(run.communicate(timeout=60)[0].strip() for run in runs)
     assert outputs == ["False [0, 1, 2, 3]"] * 2 + ["True [0, 1, 2, 3]"]
     assert len(entries(tmp_path / "cache")) == 1 and not list((tmp_path / "cache").glob("*.partial"))
+    assert not list((tmp_path / "cache").glob(".*.lock"))  # taken while filling, not left behind
 
 
 # On a GPU the host batches are copied on a stream of their own (run there with pytest -k host_memory).

@@ -147,6 +147,8 @@ def load_or_fill(paths, resize, crop, decoder, root, fill, records=None, source=
         finally:
             shutil.rmtree(partial, ignore_errors=True)
         _remove_replaced(root, key, {"resize": resize, "crop": crop, "decoder": decoder}, source)
+        # Unlinked while held: a run waiting on it, or one that makes a new one, finds the entry once it has it.
+        (root / f".{key}.lock").unlink(missing_ok=True)
     return *open_entry(entry, len(paths), crop), True
 
 
@@ -164,3 +166,4 @@ def _remove_replaced(root, key, settings, source):
             continue
         if meta.get("source") == os.path.abspath(source) and all(meta.get(k) == v for k, v in settings.items()):
             shutil.rmtree(folder, ignore_errors=True)
+            (root / f".{folder.name}.lock").unlink(missing_ok=True)
