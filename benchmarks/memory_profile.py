@@ -736,9 +736,12 @@ def check_args(args, cuda):
     check_image_size(args.model, args.num_classes, args.image_size, args.batch_size)  # on the meta device
     if args.fp16 and not cuda:
         raise UsageError("fp16 needs a GPU: use --bf16 on a CPU-only machine")
-    if args.find_max_batch and (not cuda or int(os.environ.get("WORLD_SIZE", "1")) > 1):
-        raise UsageError("--find_max_batch needs a GPU and one process: start it with python (--num_gpus N for N "
-                         "ranks); under a launcher an out-of-memory error on one rank would leave the others waiting")
+    if args.find_max_batch and not cuda:
+        raise UsageError("--find_max_batch needs a GPU (it searches for the largest micro-batch the GPU's memory "
+                         "holds), and this machine has none")
+    if args.find_max_batch and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("--find_max_batch runs as one process: start it with python (--num_gpus N for N ranks); "
+                         "under a launcher an out-of-memory error on one rank would leave the others waiting")
     if not 1 <= args.num_gpus <= max(1, torch.cuda.device_count()) or args.num_gpus > 1 and not args.find_max_batch:
         raise UsageError(f"--num_gpus goes with --find_max_batch and is 1 to the GPUs here "
                          f"({torch.cuda.device_count()}); without it start several ranks with deepspeed --num_gpus")
