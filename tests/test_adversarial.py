@@ -68,6 +68,7 @@ FLAGS = [
     (["--image_size", "99999999999999999999"], "input images alone is "),
     (["--data_on_device", "cache", "--device_train_size", "10000000"], "--device_train_size 10000000: one stored "
                                                                         "training image alone is 279,397 GiB"),
+    (["--data_on_device", "off", "--device_train_size", "64"], "--data_on_device off keeps none: drop one of them"),
     (["--pretrained", ""], "--pretrained is empty: give a weights name (DEFAULT, IMAGENET1K_V1, ...) or a file"),
     (["--cache_dir", ""], "--cache_dir is empty: give a folder, or off, or leave the flag out"),
     (["--overwrite", "--resume", "auto"], "give one of them"),

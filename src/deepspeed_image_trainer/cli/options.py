@@ -188,6 +188,9 @@ def check_values(args):
         raise UsageError("--data_on_device cache needs the decoded-image cache: drop --cache_dir off")
     if args.device_train_size is not None and args.device_train_size < 1:
         raise UsageError(f"--device_train_size must be at least 1, got {args.device_train_size}")
+    if args.device_train_size is not None and args.data_on_device == "off":
+        raise UsageError("--device_train_size sizes the images kept on the device, and --data_on_device off keeps "
+                         "none: drop one of them")
     check_input_fits(args.batch_size, args.image_size, args.device_train_size)
     if not 0 <= args.label_smoothing < 1:
         raise UsageError(f"--label_smoothing must be in [0, 1), got {args.label_smoothing}")
