@@ -173,7 +173,11 @@ def test_the_readme_dry_run_works_without_a_dataset(tmp_path, monkeypatch, capsy
 
 @pytest.mark.slow
 @pytest.mark.parametrize("extra, message", [
-    (["--batch_size", "8"], r"the global batch (--batch_size x ranks x --gradient_accumulation_steps) 4 (this run: 8)"),
+    (["--batch_size", "8"], "it was saved with the global batch 4, which its optimizer and schedule were built for, "
+                            "and micro-batch 8 x 1 rank(s) x --gradient_accumulation_steps N does not make it; resume "
+                            "with --batch_size 4 --gradient_accumulation_steps 1"),
+    (["--batch_size", "2", "--gradient_accumulation_steps", "1"], "micro-batch 2 x 1 rank(s) x "
+                                                                 "--gradient_accumulation_steps 1 does not make it"),
     (["--learning_rate", "0.01"], "--learning_rate 0.001 (this run: 0.01)"),
     (["--image_size", "48"], "--image_size 32 (this run: 48)"),
     (["--backbone_lr_scale", "0.5"], "--backbone_lr_scale or --freeze_backbone_epochs: one parameter group (this "
@@ -194,6 +198,30 @@ def test_resuming_with_other_settings_stops_before_anything_starts(trained, tiny
     assert_usage_error_in_process(launch_deepspeed.main, first.args[2:] + ["--epochs", "3", "--resume", "auto",
                                                                            *extra], capsys, message)
     assert digests(tmp_path) == before
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra, accumulation, said", [
+    ([], 2, "Resuming on 1 rank(s) with the checkpoint's global batch 8: micro-batch 4 x --gradient_accumulation_steps 2"),
+    (["--batch_size", "2"], 4, "global batch 8: micro-batch 2 x --gradient_accumulation_steps 4"),
+    (["--num_gpus", "2", "--batch_size", "2"], 2, "Resuming on 2 rank(s) with the checkpoint's global batch 8: "
+                                                  "micro-batch 2 x --gradient_accumulation_steps 2")])
+def test_the_same_command_resumes_on_another_number_of_ranks_with_the_saved_global_batch(
+        trained, tmp_path, monkeypatch, capsys, extra, accumulation, said):
+    """Saved by 2 ranks of micro-batch 4: one rank (or a smaller micro-batch) accumulates up to the same global
+    batch, which the optimizer and schedule were built for, instead of refusing it."""
+    workdir, first = trained("zero2-2ranks")
+    for name in ("logs", "checkpoints_deepspeed"):
+        shutil.copytree(workdir / name, tmp_path / name)
+    argv = first.args[2:]
+    at = argv.index("--num_gpus")
+    argv = argv[:at] + argv[at + 2:] + extra  # the same command, but for where it runs
+    monkeypatch.chdir(tmp_path)
+    assert launch_deepspeed.main(argv + ["--epochs", "3", "--resume", "auto", "--dry_run"]) == 0
+    out, err = capsys.readouterr()
+    config = json.loads(out.split("\n}")[0] + "}")
+    assert config["gradient_accumulation_steps"] == accumulation and config["train_batch_size"] == 8
+    assert said in err
 
 
 def test_a_resume_needs_neither_the_pretrained_file_nor_the_network(trained, tmp_path, monkeypatch, capsys):

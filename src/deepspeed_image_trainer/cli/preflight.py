@@ -7,8 +7,9 @@ from pathlib import Path
 
 from ..engine.config import build_ds_config, check_run, check_with_deepspeed
 from ..engine.distributed import rank_zero_only
-from ..outputs.checkpoints import check_resumable, find_checkpoint, saved_precision, saved_stage
+from ..outputs.checkpoints import check_resumable, find_checkpoint, read_info, saved_precision, saved_stage
 from ..outputs.record import resume_settings, run_record
+from ..utils.failures import UsageError
 
 say = rank_zero_only(print)  # in the launcher, and in rank 0
 
@@ -31,15 +32,46 @@ def weights_to_load(args):
     return args.pretrained
 
 
+BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def keep_saved_global_batch(args, base, resume_from, world_size):
+    """A run resumed on another number of ranks keeps the checkpoint's global batch, which its optimizer and
+    schedule were built for, through its gradient accumulation: the same command goes on when a job comes back
+    on fewer or more GPUs. Returns the line that says so (None when nothing changes); stops with the flags that
+    would keep it when this micro-batch cannot. A user's JSON that sets the batch is left to check_resumable."""
+    saved = read_info(resume_from).get("settings", {}).get("train_batch_size")
+    per_step = args.batch_size * world_size
+    if not isinstance(saved, int) or any(key in base for key in BATCH_KEYS) \
+            or saved == per_step * args.gradient_accumulation_steps:
+        return None
+    if "gradient_accumulation_steps" not in args.explicit and saved % per_step == 0:
+        args.gradient_accumulation_steps = saved // per_step
+        return (f"Resuming on {world_size} rank(s) with the checkpoint's global batch {saved}: micro-batch "
+                f"{args.batch_size} x --gradient_accumulation_steps {args.gradient_accumulation_steps}")
+    split = next((micro for micro in range(min(args.batch_size, saved), 0, -1) if saved % (micro * world_size) == 0),
+                 None)
+    how = (f"--batch_size {split} --gradient_accumulation_steps {saved // (split * world_size)}" if split else
+           f"a number of ranks that divides {saved}")
+    raise UsageError(f"cannot resume from {resume_from} on {world_size} rank(s): it was saved with the global batch "
+                     f"{saved}, which its optimizer and schedule were built for, and micro-batch {args.batch_size} x "
+                     f"{world_size} rank(s) x --gradient_accumulation_steps "
+                     f"{args.gradient_accumulation_steps if 'gradient_accumulation_steps' in args.explicit else 'N'} "
+                     f"does not make it; resume with {how}")
+
+
 def preflight(args, base, *, world_size, device_type, class_names, num_train_images, num_params, read_shards=False):
     """Stop with one line on what this run cannot do; `base`: the user's JSON as read (load_base_config);
     `read_shards`: read every file of the checkpoint resumed as its rank will (the launcher, before any rank
     starts: a rank that could not would stop alone, its peers waiting in DeepSpeed's load)."""
     skipped = []
     resume_from = find_checkpoint(args.resume, args.checkpoint_dir, skipped) if args.resume else None
+    kept = keep_saved_global_batch(args, base, resume_from, world_size) if resume_from is not None else None
     if getattr(args, "launch_token", None) is None:  # else its launcher said it
         for folder, why in skipped:
             say(f"warning: --resume auto skips {folder}: {why}", file=sys.stderr)
+        if kept:
+            say(kept, file=sys.stderr)
     ds_config = build_ds_config(args, world_size, num_train_images, base=base, device_type=device_type,
                                 num_params=num_params, resumed_stage=saved_stage(resume_from),
                                 resumed_precision=saved_precision(resume_from))
