@@ -524,6 +524,13 @@ def test_predict_skips_what_is_not_an_image_file_in_a_folder(export_of_a_run, ti
     predict.main(["--model", model, str(folder / "x.jpg"), str(folder / "photo.jpg")])
     out, err = capsys.readouterr()
     assert out.startswith(str(folder / "photo.jpg")) and err.startswith(f"warning: {folder / 'x.jpg'}: ")
+    # A file without an image suffix in a folder is passed over as training's check does: said
+    (tmp_path / "more").mkdir()
+    shutil.copy(folder / "photo.jpg", tmp_path / "more/photo.jpg")
+    (tmp_path / "more/anim.gif").write_bytes(b"GIF89a")
+    predict.main(["--model", model, str(tmp_path / "more")])
+    assert capsys.readouterr().err == (f"warning: ignoring 1 file(s) without an image suffix in {tmp_path / 'more'}: "
+                                       f"{tmp_path / 'more/anim.gif'}\n")
     (folder / "photo.jpg").unlink()
     assert_usage_error_in_process(predict.main, ["--model", model, str(folder)], capsys,
                                   "broken.jpg: not a readable image (")

@@ -170,10 +170,14 @@ def test_a_training_process_killed_from_outside_is_one_line_and_status_137(endin
         "any")]
 
 
-# The launcher's signal handling around training processes that take their time to save (they ignore SIGTERM).
+# The launcher's signal handling around training processes that take their time to save (they ignore SIGTERM):
+# a stand-in for DeepSpeed's launcher that has started a training process, or (SPAWNING) not yet.
 FORWARDER = ("import sys; from deepspeed_image_trainer.cli.launch import run_and_forward_signals; "
-             "sys.exit(run_and_forward_signals([sys.executable, '-c', 'import signal, time; "
-             "signal.signal(signal.SIGTERM, signal.SIG_IGN); print(1, flush=True); time.sleep(5)'], 0))")
+             "sys.exit(run_and_forward_signals([sys.executable, '-c', 'import signal, subprocess, sys, time; "
+             "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+             "SPAWNING or subprocess.Popen([sys.executable, \"-c\", \"import signal, time; "
+             "signal.signal(signal.SIGTERM, signal.SIG_DFL); time.sleep(60)\"]); "
+             "print(1, flush=True); time.sleep(5)'], 0))")
 
 
 @pytest.mark.slow
@@ -185,8 +189,8 @@ def test_a_second_ctrl_c_kills_the_training_and_says_so(signals, status, message
     import signal
     import subprocess
 
-    launcher = subprocess.Popen([sys.executable, "-c", FORWARDER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+    launcher = subprocess.Popen([sys.executable, "-c", FORWARDER.replace("SPAWNING", "False")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert launcher.stdout.readline().strip() == "1"  # the "training" runs
         for _ in range(signals):
@@ -236,6 +240,13 @@ def test_a_stop_before_the_training_starts_is_one_line(tiny_data, tmp_path):
         assert process.returncode == 128 + signum, err[-2000:]
         assert err.strip() == f"Stopped by {signal.Signals(signum).name} {said}" and not out
     assert not any(tmp_path.iterdir())
+    # DeepSpeed's launcher still importing, no training process started yet: the launcher says it
+    launcher = subprocess.Popen([sys.executable, "-c", FORWARDER.replace("SPAWNING", "True")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert launcher.stdout.readline().strip() == "1"
+    launcher.send_signal(signal.SIGINT)
+    launcher.wait(timeout=30)
+    assert launcher.stderr.read().strip() == f"Stopped by SIGINT {said}"
     building = ("import os, signal, time; from deepspeed_image_trainer.engine.interrupt import stopped_at_once\n"
                 "with stopped_at_once(on_stop=lambda: print('given back', flush=True)):\n"
                 "    os.kill(os.getpid(), signal.SIGTERM); time.sleep(30)")
@@ -243,3 +254,20 @@ def test_a_stop_before_the_training_starts_is_one_line(tiny_data, tmp_path):
                             env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert result.returncode == 143 and result.stdout == "given back\n"
     assert result.stderr.strip() == f"Stopped by SIGTERM {said}"
+
+
+def test_a_second_ctrl_c_kills_a_training_process_run_without_the_launcher():
+    """The first Ctrl-C asks for a stop after the step (and a save); a second one, as the launcher's does, kills."""
+    import os
+    import signal
+    import subprocess
+
+    code = ("import os, signal, time, torch; from deepspeed_image_trainer.engine.interrupt import StopOnSignal\n"
+            "with StopOnSignal(torch.device('cpu'), 1) as stop:\n"
+            "    os.kill(os.getpid(), signal.SIGINT); print(stop.requested(), flush=True)\n"
+            "    os.kill(os.getpid(), signal.SIGINT); time.sleep(30)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert result.returncode == 137 and result.stdout == "True\n"
+    assert result.stderr.strip() == ("error: killed by a second Ctrl-C; --resume auto continues from the last "
+                                     "checkpoint published, if any")

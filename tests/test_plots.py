@@ -134,6 +134,8 @@ def test_a_history_with_values_of_the_wrong_kind_is_one_error(tmp_path, damage, 
 def test_a_history_path_that_is_a_folder_or_binary_says_so(tmp_path):
     with pytest.raises(UsageError, match=f"{tmp_path} is a folder: give its training_history.json"):
         main(["--history", str(tmp_path), "--output", str(tmp_path / "curves.png")])
+    with pytest.raises(UsageError, match="/dev/zero: not a regular file"):
+        main(["--history", "/dev/zero", "--output", str(tmp_path / "curves.png")])
     (tmp_path / "model.pt").write_bytes(b"PK\x03\x04\x80\xff" * 20)  # an export given by mistake
     with pytest.raises(UsageError, match="model.pt is not a training history file .*can't decode byte"):
         main(["--history", str(tmp_path / "model.pt"), "--output", str(tmp_path / "curves.png")])

@@ -278,14 +278,15 @@ def run_and_forward_signals(command, launched_at):
     env = {**os.environ, LAUNCHED_AT_ENV: repr(launched_at), SPAWNED_AT_ENV: repr(time.time())}
     child = subprocess.Popen(command, start_new_session=True, env=env,
                              preexec_fn=die_with_parent_call(os.getpid()))
-    received = []
+    received, spawned = [], []
 
     def forward(signum, frame):
         received.append(signum)
         if len(received) == 1:
-            print("Stopping: once training has started, it saves a checkpoint at its current step (again to kill "
-                  "it now)",
-                  file=sys.stderr, flush=True)
+            spawned.append(has_children(child.pid))  # DeepSpeed's launcher imports for seconds before it spawns
+            if spawned[0]:
+                print("Stopping: once training has started, it saves a checkpoint at its current step (again to "
+                      "kill it now)", file=sys.stderr, flush=True)
         signal_group(child.pid, signal.SIGTERM if len(received) == 1 else signal.SIGKILL)
 
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -306,6 +307,9 @@ def run_and_forward_signals(command, launched_at):
               "from the last checkpoint published, if any", file=sys.stderr, flush=True)
         return 128 + signal.SIGKILL
     if received:
+        if not spawned[0]:
+            print(f"\nStopped by {signal.Signals(received[0]).name} before the training started: nothing to save",
+                  file=sys.stderr, flush=True)
         return 128 + received[0]
     # DeepSpeed's launcher exits with a rank's return code, -9 for a SIGKILL; or it was killed itself
     if status in (256 - signal.SIGKILL, 128 + signal.SIGKILL):
@@ -314,6 +318,16 @@ def run_and_forward_signals(command, launched_at):
               "published, if any", file=sys.stderr, flush=True)
         return 128 + signal.SIGKILL
     return status
+
+
+def has_children(pid):
+    """Whether process `pid` has started any process (psutil: DeepSpeed's own dependency)."""
+    import psutil
+
+    try:
+        return bool(psutil.Process(pid).children())
+    except psutil.Error:  # gone already
+        return False
 
 
 def signal_group(pgid, signum):

@@ -181,7 +181,8 @@ def check_values(args):
     if args.learning_rate <= 0:
         raise UsageError(f"--learning_rate must be positive, got {args.learning_rate}")
     for name, what in (("pretrained", "a weights name (DEFAULT, IMAGENET1K_V1, ...) or a file"),
-                       ("cache_dir", "a folder, or off"), ("deepspeed_config", "a JSON file")):
+                       ("cache_dir", "a folder, or off"), ("deepspeed_config", "a JSON file"),
+                       ("resume", "auto or a checkpoint")):
         if getattr(args, name, None) == "":  # an unset shell variable, most likely: not the default said quietly
             raise UsageError(f"--{name} is empty: give {what}, or leave the flag out")
     if args.data_on_device == "cache" and args.cache_dir == "off":

@@ -57,6 +57,11 @@ class StopOnSignal:
             signal.signal(signum, handler)
 
     def _handle(self, signum, frame):
+        if signum == signal.SIGINT and self.signal == signal.SIGINT:  # a second Ctrl-C (run without the launcher,
+            if os.environ.get("RANK", "0") == "0":                    # which turns Ctrl-C into one SIGTERM)
+                print("\nerror: killed by a second Ctrl-C; --resume auto continues from the last checkpoint "
+                      "published, if any", file=sys.stderr, flush=True)
+            os._exit(128 + signal.SIGKILL)
         self.signal = signum
 
     @property

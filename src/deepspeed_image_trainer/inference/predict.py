@@ -13,6 +13,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..data.folders import load_rgb
 from ..utils.failures import CliParser, UsageError, check_counts
+from ..utils.text import listed
 from .load import default_device, eval_transform, load_model, predict_log_probabilities
 
 
@@ -22,8 +23,13 @@ def image_paths(inputs):
         if item.is_dir():
             # Hidden files (macOS `._photo.jpg`, `.ipynb_checkpoints/`) are not photos, as in training; nor is a
             # folder named like one. A link to nothing, a FIFO or a device is kept: Images reports it.
-            paths += sorted(p for p in item.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS and not p.is_dir()
-                            and not any(part.startswith(".") for part in p.relative_to(item).parts))
+            found = [p for p in sorted(item.rglob("*")) if not p.is_dir()
+                     and not any(part.startswith(".") for part in p.relative_to(item).parts)]
+            paths += [p for p in found if p.suffix.lower() in IMG_EXTENSIONS]
+            other = [str(p) for p in found if p.suffix.lower() not in IMG_EXTENSIONS]
+            if other:  # as training's data check says them
+                print(f"warning: ignoring {len(other)} file(s) without an image suffix in {item}: {listed(other)}",
+                      file=sys.stderr)
         elif item.exists() or item.is_symlink():
             paths.append(item)
         else:

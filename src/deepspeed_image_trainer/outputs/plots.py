@@ -15,7 +15,8 @@ def load_history(path):
     if path.is_dir():
         raise UsageError(f"{path} is a folder: give its training_history.json")
     if not path.is_file():
-        raise UsageError(f"history file not found: {path}")
+        raise UsageError(f"{path}: not a regular file (a FIFO or a device); give a training_history.json"
+                         if path.exists() else f"history file not found: {path}")
     try:
         history = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:  # a binary file: not UTF-8

@@ -65,6 +65,9 @@ def load_checked(path, map_location="cpu", mmap=False, deepspeed_classes=True):
         raise UsageError(f"{path} holds Python objects other than tensors ({refused}): not loaded, since loading "
                          "it could run any code; use a file this trainer or torchvision wrote") from None
     except OSError as err:
+        if Path(path).is_file() and os.access(path, os.R_OK):  # opened, then failed: cut short (mmap's EINVAL)
+            raise UsageError(f"{path} is damaged or not a torch file (OSError: {err.strerror or error_line(err)})") \
+                from None
         raise UsageError(f"{path}: {err.strerror or error_line(err)}") from None
     except Exception as err:  # noqa: BLE001 - a damaged file fails in zip, pickle or tensor code, each its own way
         detail = f"{type(err).__name__}: {error_line(err)}" if str(err).strip() else type(err).__name__
