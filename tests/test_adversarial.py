@@ -108,6 +108,8 @@ FLAGS = [
     (["--pretrained", "EMPTY"], "EMPTY is damaged or not a torch file (EOFError)"),
     (["--data_on_device", "cache", "--cache_dir", "RANDOM_BYTES"], "--data_on_device cache needs the decoded-image cache: --cache_dir"),
     (["--pretrained", "MODEL_STATES"], "export it first with export_model.py"),
+    (["--pretrained", "WRAPPED"], "is not a state_dict (tensors by name); its tensors are under 'state_dict': save "
+                                  "that dict alone"),
     (["--pretrained", "PAYLOAD"], "PAYLOAD holds Python objects other than tensors (GLOBAL io.open): not "
                                   "loaded, since loading it could run any code"),
 ]
@@ -145,6 +147,7 @@ def test_the_launcher_refuses_what_no_run_can_use(tiny_data, tmp_path, monkeypat
     (tmp_path / "EMPTY").write_bytes(b"")
     torch.save({"module": {"fc.weight": torch.zeros(3, 512)}, "ds_version": "0.19"}, tmp_path / "MODEL_STATES")
     torch.save({"fc.weight": Payload(tmp_path / "ran")}, tmp_path / "PAYLOAD")
+    torch.save({"state_dict": {"fc.weight": torch.zeros(3, 512)}, "epoch": 3}, tmp_path / "WRAPPED")
     argv = data_args(tiny_data) + [str(tmp_path / arg) if (tmp_path / arg).is_file() else arg for arg in extra]
     monkeypatch.chdir(tmp_path)
     assert_usage_error_in_process(launch_deepspeed.main, argv + ["--dry_run"], capsys, message)

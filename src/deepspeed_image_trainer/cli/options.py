@@ -209,7 +209,7 @@ def check_values(args):
             and not args.sync_bn:
         raise UsageError(f"--batch_size 1 at --image_size {args.image_size}: ResNet18's last batch-norm layers then "
                          "see one value per channel, which they cannot normalise; use --batch_size 2 or more, "
-                         "or --image_size 33 or more")
+                         "--image_size 33 or more, or --sync_bn on several ranks")
 
 
 def norm_batch_size(batch_size, sync_bn, world_size):

@@ -290,8 +290,8 @@ def check_image_size(name, num_classes, image_size, batch_size=2):
             model(torch.zeros(1, 3, image_size, image_size, device="meta"))
         except ValueError as err:  # "Expected more than 1 value per channel when training"
             raise UsageError(f"--batch_size 1 at --image_size {image_size}: a batch norm layer of {name} then sees "
-                             f"one value per channel ({error_line(err)}); use --batch_size 2 or more, or a larger "
-                             "--image_size") from None
+                             f"one value per channel ({error_line(err)}); use --batch_size 2 or more, a larger "
+                             "--image_size, or --sync_bn on several ranks") from None
     return model
 
 
@@ -385,9 +385,12 @@ def pretrained_state(model, name, choice, num_classes, mmap=False):
     except UsageError as err:
         raise UsageError(f"--pretrained {err}") from None
     if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+        nested = [key for key, value in state.items() if isinstance(value, dict)] if isinstance(state, dict) else []
         raise UsageError(f"--pretrained {path} is not a state_dict (tensors by name)"
                          + ("; for a checkpoint of this trainer, export it first with export_model.py"
-                            if isinstance(state, dict) and "module" in state else ""))
+                            if "module" in nested else
+                            f"; its tensors are under '{nested[0]}': save that dict alone (torch.save(state"
+                            f"['{nested[0]}'], path))" if nested else ""))
     broken = next((k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
     if broken is not None:  # else the run would stop on a NaN loss, blaming the learning rate
         raise UsageError(f"--pretrained {path}: {broken} holds NaN or infinite values; these weights cannot train")
