@@ -206,7 +206,6 @@ def test_resuming_with_other_settings_stops_before_anything_starts(trained, tiny
 @pytest.mark.slow
 @pytest.mark.parametrize("extra, accumulation, said", [
     ([], 2, "Resuming on 1 rank(s) with the checkpoint's global batch 8: micro-batch 4 x --gradient_accumulation_steps 2"),
-    (["--batch_size", "2"], 4, "global batch 8: micro-batch 2 x --gradient_accumulation_steps 4"),
     (["--num_gpus", "2", "--batch_size", "2"], 2, "Resuming on 2 rank(s) with the checkpoint's global batch 8: "
                                                   "micro-batch 2 x --gradient_accumulation_steps 2")])
 def test_the_same_command_resumes_on_another_number_of_ranks_with_the_saved_global_batch(
