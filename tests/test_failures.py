@@ -239,6 +239,7 @@ run_cli(main)
 """
 
 
+@pytest.mark.slow  # starts processes
 def test_a_crash_in_a_dataloader_worker_ends_the_process_with_its_traceback():
     """The workers ignore SIGTERM (the training process stops them itself), which is how the interpreter's exit
     handlers stop them: a crashed rank whose loader was still held waited for them for good."""

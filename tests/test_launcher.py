@@ -256,6 +256,7 @@ def test_a_stop_before_the_training_starts_is_one_line(tiny_data, tmp_path):
     assert result.stderr.strip() == f"Stopped by SIGTERM {said}"
 
 
+@pytest.mark.slow  # starts processes
 def test_a_second_ctrl_c_kills_a_training_process_run_without_the_launcher():
     """The first Ctrl-C asks for a stop after the step (and a save); a second one, as the launcher's does, kills."""
     import os
