@@ -18,7 +18,7 @@ def stopped_before_training(signum, frame):
     folders = sys.modules.get("deepspeed_image_trainer.outputs.run_folders")
     if folders is not None:
         folders.release()
-    os.write(2, f"\nStopped by {signal.Signals(signum).name} before the training started: nothing to save\n".encode())
+    os.write(2, f"Stopped by {signal.Signals(signum).name} before the training started: nothing to save\n".encode())
     os._exit(128 + signum)
 
 

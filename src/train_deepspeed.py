@@ -15,7 +15,7 @@ def stopped_while_importing(signum, frame):
     """SIGINT/SIGTERM during the imports (seconds; a launcher's Ctrl-C reaches its ranks as SIGTERM): nothing
     of the run exists yet. One line, from rank 0, instead of a silent end."""
     if os.environ.get("RANK", "0") == "0":
-        os.write(2, f"\nStopped by {signal.Signals(signum).name} before the training started: nothing to save\n"
+        os.write(2, f"Stopped by {signal.Signals(signum).name} before the training started: nothing to save\n"
                  .encode())
     os._exit(128 + signum)
 

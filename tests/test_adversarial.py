@@ -108,6 +108,7 @@ FLAGS = [
     (["--pretrained", "EMPTY"], "EMPTY is damaged or not a torch file (EOFError)"),
     (["--data_on_device", "cache", "--cache_dir", "RANDOM_BYTES"], "--data_on_device cache needs the decoded-image cache: --cache_dir"),
     (["--pretrained", "MODEL_STATES"], "export it first with export_model.py"),
+    (["--pretrained", "SPARSE"], "fc.weight is a torch.sparse_coo torch.float32 tensor; give dense real-valued"),
     (["--pretrained", "WRAPPED"], "is not a state_dict (tensors by name); its tensors are under 'state_dict': save "
                                   "that dict alone"),
     (["--pretrained", "PAYLOAD"], "PAYLOAD holds Python objects other than tensors (GLOBAL io.open): not "
@@ -148,6 +149,7 @@ def test_the_launcher_refuses_what_no_run_can_use(tiny_data, tmp_path, monkeypat
     torch.save({"module": {"fc.weight": torch.zeros(3, 512)}, "ds_version": "0.19"}, tmp_path / "MODEL_STATES")
     torch.save({"fc.weight": Payload(tmp_path / "ran")}, tmp_path / "PAYLOAD")
     torch.save({"state_dict": {"fc.weight": torch.zeros(3, 512)}, "epoch": 3}, tmp_path / "WRAPPED")
+    torch.save({"fc.weight": torch.zeros(3, 512).to_sparse()}, tmp_path / "SPARSE")
     argv = data_args(tiny_data) + [str(tmp_path / arg) if (tmp_path / arg).is_file() else arg for arg in extra]
     monkeypatch.chdir(tmp_path)
     assert_usage_error_in_process(launch_deepspeed.main, argv + ["--dry_run"], capsys, message)
@@ -207,7 +209,8 @@ def test_resuming_with_other_settings_stops_before_anything_starts(trained, tiny
 @pytest.mark.parametrize("extra, accumulation, said", [
     ([], 2, "Resuming on 1 rank(s) with the checkpoint's global batch 8: micro-batch 4 x --gradient_accumulation_steps 2"),
     (["--num_gpus", "2", "--batch_size", "2"], 2, "Resuming on 2 rank(s) with the checkpoint's global batch 8: "
-                                                  "micro-batch 2 x --gradient_accumulation_steps 2")])
+                                                  "micro-batch 2 x --gradient_accumulation_steps 2"),
+    (["--deepspeed_config", "AUTO_BATCH"], 2, "micro-batch 4 x --gradient_accumulation_steps 2")])  # "auto" sets none
 def test_the_same_command_resumes_on_another_number_of_ranks_with_the_saved_global_batch(
         trained, tmp_path, monkeypatch, capsys, extra, accumulation, said):
     """Saved by 2 ranks of micro-batch 4: one rank (or a smaller micro-batch) accumulates up to the same global
@@ -217,6 +220,9 @@ def test_the_same_command_resumes_on_another_number_of_ranks_with_the_saved_glob
         shutil.copytree(workdir / name, tmp_path / name)
     argv = first.args[2:]
     at = argv.index("--num_gpus")
+    (tmp_path / "AUTO_BATCH").write_text(json.dumps({key: "auto" for key in (
+        "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")}))
+    extra = [str(tmp_path / arg) if arg == "AUTO_BATCH" else arg for arg in extra]
     argv = argv[:at] + argv[at + 2:] + extra  # the same command, but for where it runs
     monkeypatch.chdir(tmp_path)
     assert launch_deepspeed.main(argv + ["--epochs", "3", "--resume", "auto", "--dry_run"]) == 0

@@ -96,6 +96,16 @@ def test_a_run_resumed_from_another_folder_brings_the_best_checkpoint_its_histor
     assert not (tmp_path / "third").exists()
 
 
+def test_resume_auto_passes_over_a_checkpoint_with_a_file_cut_short(tmp_path):
+    fake_checkpoint(tmp_path / "epoch_2", 2, "epoch_2")
+    fake_checkpoint(tmp_path / "last", 2, "last")
+    shard = tmp_path / "last/last/zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    shard.write_bytes(shard.read_bytes()[:20])
+    skipped = []
+    assert find_checkpoint("auto", tmp_path, skipped) == tmp_path / "epoch_2"
+    assert skipped == [(tmp_path / "last", "zero_pp_rank_0_mp_rank_00_optim_states.pt cut short or not a torch file")]
+
+
 def test_resume_path_forms(tmp_path):
     fake_checkpoint(tmp_path / "epoch_4", 4, "epoch_4")
     fake_checkpoint(tmp_path / "best_model", 3, "best")

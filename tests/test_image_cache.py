@@ -137,6 +137,15 @@ def test_a_fill_killed_half_way_is_never_used_and_the_next_fill_replaces_it(tmp_
     assert not list((tmp_path / "cache").glob("*.partial"))
 
 
+def test_a_damaged_entry_beside_the_one_filled_is_left_alone(tmp_path):
+    from deepspeed_image_trainer.data.cache import _remove_replaced
+
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other/meta.json").write_text("[1, 2]")  # valid JSON, not an entry's description
+    _remove_replaced(tmp_path, "mine", {"resize": 4, "crop": 4, "decoder": "cpu"}, tmp_path / "train")
+    assert (tmp_path / "other/meta.json").exists()
+
+
 @pytest.mark.skipif(os.name != "posix", reason="runs take turns on an fcntl lock")
 def test_runs_filling_one_entry_at_once_fill_it_once(tmp_path):
     paths = [tmp_path / f"{i}.jpg" for i in range(4)]

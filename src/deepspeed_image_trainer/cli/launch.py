@@ -9,6 +9,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -278,13 +279,22 @@ def run_and_forward_signals(command, launched_at):
     env = {**os.environ, LAUNCHED_AT_ENV: repr(launched_at), SPAWNED_AT_ENV: repr(time.time())}
     child = subprocess.Popen(command, start_new_session=True, env=env,
                              preexec_fn=die_with_parent_call(os.getpid()))
-    received, spawned = [], []
+    received, spawned = [], threading.Event()
+
+    def watch():  # DeepSpeed's launcher imports for seconds before it spawns the training processes
+        while child.poll() is None and not spawned.is_set():
+            if has_children(child.pid):
+                spawned.set()
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, daemon=True).start()
 
     def forward(signum, frame):
         received.append(signum)
         if len(received) == 1:
-            spawned.append(has_children(child.pid))  # DeepSpeed's launcher imports for seconds before it spawns
-            if spawned[0]:
+            if has_children(child.pid):
+                spawned.set()
+            if spawned.is_set():
                 print("Stopping: once training has started, it saves a checkpoint at its current step (again to "
                       "kill it now)", file=sys.stderr, flush=True)
         signal_group(child.pid, signal.SIGTERM if len(received) == 1 else signal.SIGKILL)
@@ -307,8 +317,8 @@ def run_and_forward_signals(command, launched_at):
               "from the last checkpoint published, if any", file=sys.stderr, flush=True)
         return 128 + signal.SIGKILL
     if received:
-        if not spawned[0]:
-            print(f"\nStopped by {signal.Signals(received[0]).name} before the training started: nothing to save",
+        if not spawned.is_set():
+            print(f"Stopped by {signal.Signals(received[0]).name} before the training started: nothing to save",
                   file=sys.stderr, flush=True)
         return 128 + received[0]
     # DeepSpeed's launcher exits with a rank's return code, -9 for a SIGKILL; or it was killed itself

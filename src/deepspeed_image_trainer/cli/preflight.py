@@ -39,10 +39,11 @@ def keep_saved_global_batch(args, base, resume_from, world_size):
     """A run resumed on another number of ranks keeps the checkpoint's global batch, which its optimizer and
     schedule were built for, through its gradient accumulation: the same command goes on when a job comes back
     on fewer or more GPUs. Returns the line that says so (None when nothing changes); stops with the flags that
-    would keep it when this micro-batch cannot. A user's JSON that sets the batch is left to check_resumable."""
+    would keep it when this micro-batch cannot. A user's JSON that sets the batch ("auto" does not) is left to
+    check_resumable."""
     saved = read_info(resume_from).get("settings", {}).get("train_batch_size")
     per_step = args.batch_size * world_size
-    if not isinstance(saved, int) or any(key in base for key in BATCH_KEYS) \
+    if not isinstance(saved, int) or any(base.get(key, "auto") != "auto" for key in BATCH_KEYS) \
             or saved == per_step * args.gradient_accumulation_steps:
         return None
     if "gradient_accumulation_steps" not in args.explicit and saved % per_step == 0:

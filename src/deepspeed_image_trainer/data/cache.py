@@ -164,6 +164,8 @@ def _remove_replaced(root, key, settings, source):
             meta = json.loads((folder / META_FILE).read_text())
         except (OSError, ValueError):
             continue
+        if not isinstance(meta, dict):  # damaged: not this trainer's; left to the next fill of its own key
+            continue
         if meta.get("source") == os.path.abspath(source) and all(meta.get(k) == v for k, v in settings.items()):
             shutil.rmtree(folder, ignore_errors=True)
             (root / f".{folder.name}.lock").unlink(missing_ok=True)

@@ -52,6 +52,8 @@ def inspect_image(path, decode=True):
     A JPEG is decoded at 1/8 scale (`draft`): the DCT-scaled decode still reads every entropy-coded
     byte, so a truncated file fails here as it would in training, at a fraction of the cost.
     """
+    if os.path.exists(path) and not os.path.isfile(path):  # opening a FIFO would wait for a writer for good
+        return {"error": "not a regular file: a FIFO, a device or a socket", "decoded": True}
     if os.path.getsize(path) == 0:
         return {"error": "empty file", "decoded": True}
     try:

@@ -54,7 +54,8 @@ def load_base_config(path):
     path = Path(path)
     if not path.is_file():
         raise UsageError(f"--deepspeed_config {path}: " + ("a folder, not a JSON file" if path.is_dir() else
-                                                           "file not found"))
+                                                           "not a regular file (a FIFO or a device)"
+                                                           if path.exists() else "file not found"))
     try:
         config = json.loads(path.read_text())
     except OSError as err:

@@ -25,7 +25,7 @@ def stopped_at_once(on_stop):
 
     def stop(signum, frame):
         if os.environ.get("RANK", "0") == "0":
-            print(f"\nStopped by {signal.Signals(signum).name} before the training started: nothing to save",
+            print(f"Stopped by {signal.Signals(signum).name} before the training started: nothing to save",
                   file=sys.stderr, flush=True)
         on_stop()
         sys.stdout.flush()

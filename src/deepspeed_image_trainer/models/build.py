@@ -354,6 +354,8 @@ def weights_file(name, choice):
     if weights is None and Path(choice).is_dir():
         raise UsageError(f"--pretrained {choice}: a folder; give a state_dict file (export_model.py writes one) "
                          "or a weights name")
+    if weights is None and Path(choice).exists():
+        raise UsageError(f"--pretrained {choice}: not a regular file (a FIFO or a device); give a state_dict file")
     if weights is None:
         names = ", ".join(["DEFAULT", *(w.name for w in torchvision.models.get_model_weights(name))])
         raise UsageError(f"--pretrained {choice}: no such file, and not a weights name of {name} ({names})")
@@ -391,6 +393,10 @@ def pretrained_state(model, name, choice, num_classes, mmap=False):
                             if "module" in nested else
                             f"; its tensors are under '{nested[0]}': save that dict alone (torch.save(state"
                             f"['{nested[0]}'], path))" if nested else ""))
+    odd = next((k for k, v in state.items() if v.layout != torch.strided or v.is_quantized or v.is_complex()), None)
+    if odd is not None:  # the model's own tensors are dense and real: these would fail in a rank, or lose values
+        raise UsageError(f"--pretrained {path}: {odd} is a {state[odd].layout} {state[odd].dtype} tensor; give dense "
+                         "real-valued weights (tensor.to_dense(), .dequantize())")
     broken = next((k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
     if broken is not None:  # else the run would stop on a NaN loss, blaming the learning rate
         raise UsageError(f"--pretrained {path}: {broken} holds NaN or infinite values; these weights cannot train")

@@ -256,9 +256,19 @@ def missing_files(folder, info):
     return [str(tag / name) for name in wanted if name not in present]
 
 
+def _whole_zip(path):
+    """Whether torch.save's zip archive at `path` has its directory (at the end: a file cut short has none)."""
+    try:
+        zipfile.ZipFile(path).close()
+        return True
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
 def find_checkpoint(resume, checkpoint_dir, skipped=None):
     """The folder to resume from: for "auto", the newest whole one under checkpoint_dir (None when there is
-    none), adding those it passed over to `skipped` as (folder, why: a damaged extra_info.json, files missing);
+    none), adding those it passed over to `skipped` as (folder, why: a damaged extra_info.json, files missing or
+    cut short);
     otherwise a checkpoint folder, its tag folder, or a name under checkpoint_dir (last, best, epoch_N)."""
     checkpoint_dir = Path(checkpoint_dir)
     if resume == "auto":
@@ -272,9 +282,13 @@ def find_checkpoint(resume, checkpoint_dir, skipped=None):
                 except UsageError as err:
                     passed_over.append((checkpoint_dir / name, str(err).split(": use another checkpoint")[0]))
             elif folder is not None:
-                missing = missing_files(folder, read_info(folder))
+                info = read_info(folder)
+                missing = missing_files(folder, info)
+                cut = [path.name for path in sorted(Path(folder, info["tag"]).glob("*.pt")) if not _whole_zip(path)]
                 if missing:
                     passed_over.append((folder, f"{len(missing)} of its files are missing ({listed(missing, 2)})"))
+                elif cut:
+                    passed_over.append((folder, f"{listed(cut, 2)} cut short or not a torch file"))
                 else:
                     found.append(folder)
         if skipped is not None:
