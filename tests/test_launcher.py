@@ -174,9 +174,8 @@ def test_a_training_process_killed_from_outside_is_one_line_and_status_137(endin
 # a stand-in for DeepSpeed's launcher that has started a training process, or (SPAWNING) not yet.
 FORWARDER = ("import sys; from deepspeed_image_trainer.cli.launch import run_and_forward_signals; "
              "sys.exit(run_and_forward_signals([sys.executable, '-c', 'import signal, subprocess, sys, time; "
-             "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-             "SPAWNING or subprocess.Popen([sys.executable, \"-c\", \"import signal, time; "
-             "signal.signal(signal.SIGTERM, signal.SIG_DFL); time.sleep(60)\"]); "
+             "SPAWNING or subprocess.Popen([sys.executable, \"-c\", \"import time; time.sleep(60)\"]); "
+             "signal.signal(signal.SIGTERM, signal.SIG_IGN); "  # after the spawn: the child keeps SIGTERM's default
              "print(1, flush=True); time.sleep(5)'], 0))")
 
 
