@@ -16,7 +16,7 @@ from pathlib import Path
 from ..data.check import check_data, decodes_every_file
 from ..engine.config import load_base_config, num_parameters
 from ..engine.distributed import free_port
-from ..engine.interrupt import die_with_parent_call
+from ..engine.interrupt import die_with_parent_call, stopped_before_training
 from ..engine.timing import LAUNCHED_AT_ENV, SPAWNED_AT_ENV
 from ..models.names import DEFAULT_MODEL
 from ..outputs import run_folders
@@ -318,8 +318,7 @@ def run_and_forward_signals(command, launched_at):
         return 128 + signal.SIGKILL
     if received:
         if not spawned.is_set():
-            print(f"Stopped by {signal.Signals(received[0]).name} before the training started: nothing to save",
-                  file=sys.stderr, flush=True)
+            print(stopped_before_training(received[0]), file=sys.stderr, flush=True)
         return 128 + received[0]
     # DeepSpeed's launcher exits with a rank's return code, -9 for a SIGKILL; or it was killed itself
     if status in (256 - signal.SIGKILL, 128 + signal.SIGKILL):

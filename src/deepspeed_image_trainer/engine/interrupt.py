@@ -14,6 +14,11 @@ from .distributed import all_reduce
 AGREE_EVERY = 10  # checks between the all-reduces that let several ranks stop at the same step
 
 
+def stopped_before_training(signum):
+    """The line of a stop by `signum` before the training started (the scripts say it too, before their imports)."""
+    return f"Stopped by {signal.Signals(signum).name} before the training started: nothing to save"
+
+
 @contextlib.contextmanager
 def stopped_at_once(on_stop):
     """While a run starts (nothing of it is being saved): SIGINT/SIGTERM end the process at once, after
@@ -25,8 +30,7 @@ def stopped_at_once(on_stop):
 
     def stop(signum, frame):
         if os.environ.get("RANK", "0") == "0":
-            print(f"Stopped by {signal.Signals(signum).name} before the training started: nothing to save",
-                  file=sys.stderr, flush=True)
+            print(stopped_before_training(signum), file=sys.stderr, flush=True)
         on_stop()
         sys.stdout.flush()
         os._exit(128 + signum)

@@ -256,13 +256,14 @@ def missing_files(folder, info):
     return [str(tag / name) for name in wanted if name not in present]
 
 
-def _whole_zip(path):
-    """Whether torch.save's zip archive at `path` has its directory (at the end: a file cut short has none)."""
+def _cut_short(path):
+    """Why torch.save's zip archive at `path` cannot be opened (its directory is at the end: a file cut short by a
+    full disk or a stopped copy has none), or None."""
     try:
         zipfile.ZipFile(path).close()
-        return True
-    except (zipfile.BadZipFile, OSError):
-        return False
+        return None
+    except (zipfile.BadZipFile, OSError) as err:
+        return str(err)
 
 
 def find_checkpoint(resume, checkpoint_dir, skipped=None):
@@ -284,7 +285,7 @@ def find_checkpoint(resume, checkpoint_dir, skipped=None):
             elif folder is not None:
                 info = read_info(folder)
                 missing = missing_files(folder, info)
-                cut = [path.name for path in sorted(Path(folder, info["tag"]).glob("*.pt")) if not _whole_zip(path)]
+                cut = [path.name for path in sorted(Path(folder, info["tag"]).glob("*.pt")) if _cut_short(path)]
                 if missing:
                     passed_over.append((folder, f"{len(missing)} of its files are missing ({listed(missing, 2)})"))
                 elif cut:
@@ -372,14 +373,12 @@ def check_resumable(folder, world_size, zero_stage, settings, read_shards=False)
                          f"({listed(missing, 2)}): an interrupted copy? Resume from another checkpoint (--resume PATH: "
                          "last, best, epoch_N) or start a new run")
     for path in sorted(Path(folder, info["tag"]).glob("*.pt")):
-        # torch.save's files are zip archives, whose directory is at the end: one cut short (a full disk, a copy
-        # stopped) stops here, before any rank starts, instead of in DeepSpeed's load on every rank
-        try:
-            zipfile.ZipFile(path).close()
-        except (zipfile.BadZipFile, OSError) as err:
-            raise UsageError(f"cannot resume from {folder}: {path.name} is cut short or not a torch file ({err}); "
+        # one cut short stops here, before any rank starts, instead of in DeepSpeed's load on every rank
+        why = _cut_short(path)
+        if why:
+            raise UsageError(f"cannot resume from {folder}: {path.name} is cut short or not a torch file ({why}); "
                              "resume from another checkpoint (--resume PATH: last, best, epoch_N) or start a new "
-                             "run") from None
+                             "run")
     try:  # every rank's shard, read as its rank will read it (memory-mapped: the structure, not the tensors)
         if read_shards:
             check_checkpoint_files(folder, info["tag"])
