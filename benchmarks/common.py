@@ -93,8 +93,11 @@ REFERENCES = {
     "torch bf16 channels_last": {"dtype": "bf16", "channels_last": True},
     "torch fp16 channels_last": {"dtype": "fp16", "channels_last": True},
     "torch bf16 channels_last compile": {"dtype": "bf16", "channels_last": True, "compile": True},
+    # on several GPUs: DDP with every BatchNorm2d made torch.nn.SyncBatchNorm (the reference of --sync_bn)
+    "torch bf16 channels_last SyncBatchNorm": {"dtype": "bf16", "channels_last": True, "sync_bn": True},
 }
 BF16_REF, FP16_REF = "torch bf16 channels_last", "torch fp16 channels_last"
+SYNC_BN_REF = "torch bf16 channels_last SyncBatchNorm"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -126,6 +129,8 @@ def reference_case(settings, args, device):
 
     model = torchvision.models.get_model(args.model, num_classes=args.num_classes,
                                          **construction_args(args.model, args.image_size)).to(device)
+    if settings.get("sync_bn") and world_size > 1:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if settings["channels_last"]:
         model = model.to(memory_format=torch.channels_last)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
@@ -168,7 +173,7 @@ def trainer_case(flags, args, device, profile=None):
     from deepspeed_image_trainer.engine.distributed import init_distributed
     from deepspeed_image_trainer.engine.config import (build_ds_config, coalesces_grad_reduction, load_base_config,
                                                        precision)
-    from deepspeed_image_trainer.models.build import build_model
+    from deepspeed_image_trainer.models.build import build_model, synchronize_batch_norm
     from deepspeed_image_trainer.cli.options import parse_args
     from deepspeed_image_trainer.engine.loop import input_dtype, train_one_epoch
 
@@ -179,6 +184,8 @@ def trainer_case(flags, args, device, profile=None):
     torch.backends.cudnn.benchmark = True
     images_per_epoch = args.batch_size * world_size * (args.warmup_steps + args.steps)
     model = build_model(args.model, args.num_classes, args.image_size)
+    if train_args.sync_bn:
+        synchronize_batch_norm(model)
     config = build_ds_config(train_args, world_size, images_per_epoch, base=load_base_config(train_args.deepspeed_config),
                              device_type=device.type, num_params=sum(p.numel() for p in model.parameters()))
     deepspeed_overrides.install()

@@ -3,9 +3,10 @@
 #
 #   bash benchmarks/multi_gpu_report.sh steps MODEL OUT   # scaling.py: DDP and the trainer's step per ZeRO stage, 1 vs 2 GPUs
 #   bash benchmarks/multi_gpu_report.sh epochs MODEL OUT  # scaling.py: end-to-end epochs, ZeRO 0-3 data on GPU, ZeRO-2 cache
+#   bash benchmarks/multi_gpu_report.sh sync_bn - OUT     # scaling.py: --sync_bn beside DDP with torch's SyncBatchNorm
 #   bash benchmarks/multi_gpu_report.sh accuracy - OUT    # scaling.py: same global batch on 1 and 2 GPUs, with and without --sync_bn
 #   bash benchmarks/multi_gpu_report.sh resume - OUT      # scaling.py: ZeRO-2 and 3 runs saved on 1 GPU resumed on 2, and back
-#   bash benchmarks/multi_gpu_report.sh memory - OUT      # memory_profile.py per configuration on 1 and 2 GPUs
+#   bash benchmarks/multi_gpu_report.sh memory - OUT      # memory_profile.py: vit_h_14 per ZeRO stage on 1 and 2 GPUs
 #   bash benchmarks/multi_gpu_report.sh shard MODEL OUT   # capacity.py: ZeRO-3 on 2 GPUs held to 8 GiB each
 #
 # MODEL: resnet18 or vit_b_16 for steps and epochs (the two-GPU issue's); for shard, one of the ladder's models
@@ -13,7 +14,7 @@
 # regnet_y_128gf. OUT defaults to benchmarks/results. Each part prints its tables last and adds to its JSON (--update).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?steps, epochs, accuracy, resume, memory or shard}
+part=${1:?steps, epochs, sync_bn, accuracy, resume, memory or shard}
 model=${2:--}
 out=${3:-benchmarks/results}
 mkdir -p "$out"
@@ -31,27 +32,24 @@ steps)
 epochs)
     "${scaling[@]}" --model "${model:-resnet18}" --only reference real
     ;;
-accuracy | resume)
+sync_bn | accuracy | resume)
     "${scaling[@]}" --only "$part"
     ;;
 memory)
-    tables=()
-    # ResNet18: activations dominate; wide_resnet101_2 (127 M parameters) at a small batch: model states do.
-    for pair in "resnet18 64" "wide_resnet101_2 8"; do
-        set -- $pair
-        python3 src/memory_profile.py --model "$1" --batch_size "$2" --bf16 --output_dir "$out" > "$out/memory_$1_x1.log"
-        deepspeed --num_gpus 2 src/memory_profile.py --model "$1" --batch_size "$2" --bf16 --output_dir "$out" \
-            > "$out/memory_$1_x2.log" 2>&1
-        tables+=("$out/memory_$1_x1.log" "$out/memory_$1_x2.log")
-    done
-    for table in "${tables[@]}"; do sed -n '/ rank(s) on /,$p' "$table"; done
+    # vit_h_14 (631 M parameters) at a small micro-batch: the model states dominate; each ZeRO stage on 1 and 2 GPUs
+    configs=("ZeRO-0 (DDP-like)" ZeRO-1 ZeRO-2 ZeRO-3)
+    python3 src/memory_profile.py --model vit_h_14 --batch_size 8 --bf16 --configs "${configs[@]}" \
+        --output_dir "$out" > "$out/memory_vit_h_14_x1.log" 2>&1
+    deepspeed --num_gpus 2 src/memory_profile.py --model vit_h_14 --batch_size 8 --bf16 --configs "${configs[@]}" \
+        --output_dir "$out" > "$out/memory_vit_h_14_x2.log" 2>&1
+    for table in "$out"/memory_vit_h_14_x[12].log; do sed -n '/ rank(s) on /,$p' "$table"; done
     ;;
 shard)
     python3 benchmarks/capacity.py --models "${model:-vit_h_14}" --gib 8 --num_gpus 2 --configs ZeRO-3 \
         --output_dir "$out" --update
     ;;
 *)
-    echo "error: the part is steps, epochs, accuracy, resume, memory or shard, not '$part'" >&2
+    echo "error: the part is steps, epochs, sync_bn, accuracy, resume, memory or shard, not '$part'" >&2
     exit 2
     ;;
 esac

@@ -50,7 +50,8 @@ def first_minute(name):
     result = load(name)
     trainer = result["trainer"]
     runs = [("plain PyTorch (`benchmarks/plain_loop.py`)", result["reference"]),
-            ("trainer, first run on the dataset", trainer["cold"]),
+            ("trainer, first run on a fresh machine" if result["settings"].get("fresh_machine")
+             else "trainer, first run on the dataset", trainer["cold"]),
             *[(f"trainer, run {i + 2}", run) for i, run in enumerate(trainer["warm"])]]
     rows = []
     for label, run in runs:
@@ -425,6 +426,33 @@ def scaling(names):
     return "\n\n".join(parts)
 
 
+def scaling_sync_bn(name):
+    """scaling.py --only sync_bn: --sync_bn beside DDP with torch's SyncBatchNorm, and what syncing costs."""
+    result = load(name)
+    settings, results = result["settings"], result["results"]
+    n = settings["max_gpus"]
+    unsynced = {"torch bf16 channels_last SyncBatchNorm": "torch bf16 channels_last",
+                "step: zero2 bf16 sync_bn": "step: zero2 bf16",
+                "epoch: zero2 bf16 sync_bn, data on GPU": "epoch: zero2 bf16, data on GPU"}
+    rows = []
+    for label, r in results.items():
+        one, many = r["1_gpu"], r[f"{n}_gpu"]
+        if "error" in one or "error" in many:
+            rows.append([label, f"failed: {error_line((one if 'error' in one else many)['error'])}"] + [""] * 4)
+            continue
+        without = results.get(unsynced.get(label), {}).get(f"{n}_gpu", {}).get("images_per_s")
+        rows.append([label, f"{one['images_per_s']:,.0f}", f"{many['images_per_s']:,.0f}",
+                     f"**{r['of_reference']:.2f}** of {r['reference']}" if r.get("of_reference") else "reference",
+                     f"{many['images_per_s'] / without:.2f}" if without else "",
+                     f"{many['peak_gpu_memory_gib']:.2f}"])
+    return source(result, name) + (
+        f"\n{settings['model']}, {settings['num_classes']} classes, micro-batch {settings['batch_size']} per GPU, "
+        f"{settings['image_size']} px, bf16 autocast; steps on GPU-resident synthetic images, epochs end to end "
+        f"(images/s over the epochs after the first). On 1 GPU there is nothing to synchronise:\n\n") + table(
+        ["measurement", "1 GPU images/s", f"{n} GPUs images/s", f"of the plain-PyTorch reference on {n} GPUs",
+         f"synced over unsynced on {n} GPUs", f"peak GiB ({n} GPUs)"], rows)
+
+
 TABLES = {
     "first-minute-gpu": lambda: first_minute("first_minute_nvidia_h200.json"),
     "first-minute-cpu": lambda: first_minute("first_minute_cpu.json"),
@@ -439,6 +467,7 @@ TABLES = {
     "deepspeed-overrides": lambda: throughput("throughput_nvidia_h100_80gb_hbm3.json"),
     "scaling-epochs": lambda: scaling([f"scaling_{model}nvidia_h100_80gb_hbm3_x2.json"
                                        for model in ("", "resnet50_", "vit_b_16_")]),
+    "scaling-sync-bn": lambda: scaling_sync_bn("scaling_sync_bn/scaling_nvidia_h100_80gb_hbm3_x2.json"),
     "fp16-offload": fp16_offload,
     "augmentation": augmentation,
     "data-tiers": lambda: data_tiers("data_tiers_nvidia_h100_80gb_hbm3.json"),

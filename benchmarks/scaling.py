@@ -21,14 +21,18 @@ import time
 from pathlib import Path
 
 import throughput
-from common import ROOT, earlier_results, environment, failed, fmt, settings_of, shown
+from common import ROOT, SYNC_BN_REF, earlier_results, environment, failed, fmt, settings_of, shown
 from machine import machine_slug
 
 DDP = "torch bf16 channels_last"  # as DistributedDataParallel when run on several GPUs
 CACHE = "epoch: zero2 bf16, data in the cache"
 MEASUREMENTS = [("reference", DDP)] + [("synthetic", f"step: zero{stage} bf16") for stage in range(4)] + [
     ("synthetic", "step: zero2 bf16 offload_optimizer")] + [
-    ("real", f"epoch: zero{stage} bf16, data on GPU") for stage in range(4)] + [("real", CACHE)]
+    ("real", f"epoch: zero{stage} bf16, data on GPU") for stage in range(4)] + [("real", CACHE)] + [
+    ("reference", SYNC_BN_REF), ("synthetic", "step: zero2 bf16 sync_bn"), ("real", "epoch: zero2 bf16 sync_bn, data on GPU")]
+# --only sync_bn: --sync_bn and torch's SyncBatchNorm beside the same runs without them; named or chosen so only
+SYNC_BN = [DDP, SYNC_BN_REF, "step: zero2 bf16", "step: zero2 bf16 sync_bn", "epoch: zero2 bf16, data on GPU",
+           "epoch: zero2 bf16 sync_bn, data on GPU"]
 # speed-up on 2 GPUs (the two-GPU issue's goals)
 GOALS = {**{f"epoch: zero{stage} bf16, data on GPU": 1.9 for stage in range(3)},
          "epoch: zero3 bf16, data on GPU": 1.8, CACHE: 1.9}
@@ -40,6 +44,11 @@ SHARED_SETTINGS = ("model", "batch_size", "image_size", "num_classes", "steps", 
 # A run saved on one GPU count goes on on the other: name -> (ZeRO stage, GPUs before, GPUs after; "N": --max_gpus)
 RESUMES = {f"resume: zero{stage}, {before} → {after} GPUs": (stage, before, after)
            for stage in (2, 3) for before, after in ((1, "N"), ("N", 1))}
+
+
+def reference_of(name):
+    """The plain-PyTorch measurement `name` is compared with on N GPUs."""
+    return SYNC_BN_REF if "sync" in name.lower() else DDP
 
 
 def sample_run(num_gpus, epochs, flags, args, workdir):
@@ -116,10 +125,11 @@ def get_args_parser():
 def main():
     args = get_args_parser().parse_args()
     only = set(args.only or ())
-    chosen = [(kind, name) for kind, name in MEASUREMENTS if not only or name in only or kind in only]
+    chosen = [(kind, name) for kind, name in MEASUREMENTS if name in only or "sync_bn" in only and name in SYNC_BN
+              or "sync" not in name.lower() and (not only or kind in only)]
     accuracy = [name for name in ACCURACY if not only or name in only or "accuracy" in only]
     resumes = [name for name in RESUMES if not only or name in only or "resume" in only]
-    unknown = only - {"reference", "synthetic", "real", "accuracy", "resume", *(name for _, name in MEASUREMENTS),
+    unknown = only - {"reference", "synthetic", "real", "accuracy", "resume", "sync_bn", *(name for _, name in MEASUREMENTS),
                       *ACCURACY, *RESUMES}
     if unknown:
         sys.exit(f"error: unknown measurement(s): {', '.join(sorted(unknown))}")
@@ -158,6 +168,10 @@ def main():
         one, many = (results[name][f"{n}_gpu"].get("images_per_s") for n in gpu_counts)
         if one and many:
             results[name].update(speedup=many / one, efficiency=many / one / args.max_gpus, goal=GOALS.get(name))
+        reference = reference_of(name)
+        ref_many = results.get(reference, {}).get(f"{args.max_gpus}_gpu", {}).get("images_per_s")
+        if many and ref_many and name != reference:
+            results[name].update(reference=reference, of_reference=many / ref_many)
         save()
     for name in accuracy:
         num_gpus, flags = ACCURACY[name]
@@ -171,11 +185,10 @@ def main():
         print(f"{name}: {json.dumps(results[name])[:300]}", flush=True)
         save()
 
-    ddp = results.get(DDP, {}).get("speedup")
     print(f"\n{env['gpu'] or 'CPU'} | torch {env['torch']} | DeepSpeed {env['deepspeed']} | CUDA {env['cuda']} | "
           f"micro-batch {args.batch_size} per GPU, {args.image_size} px")
     print(f"{'measurement':<40}{'1 GPU':>9}{f'{args.max_gpus} GPUs':>9}{'speed-up':>9}{'eff.':>6}{'goal':>6}"
-          f"{'vs DDP':>7}{'peak GiB':>9}")
+          f"{'of ref':>7}{'peak GiB':>9}  (of ref: N-GPU images/s over DDP's, or DDP with SyncBatchNorm's for sync_bn)")
     for name, r in results.items():
         label = re.sub(r"\bN\b", str(args.max_gpus), name)
         if "error" in r:
@@ -195,7 +208,7 @@ def main():
             continue
         print(f"{name:<40}{one['images_per_s']:>9.0f}{many['images_per_s']:>9.0f}{fmt(r.get('speedup')):>9}"
               f"{fmt(r.get('efficiency')):>6}{fmt(r.get('goal')):>6}"
-              f"{fmt(r['speedup'] / ddp if ddp and r.get('speedup') else None):>7}{fmt(many['peak_gpu_memory_gib']):>9}")
+              f"{fmt(r.get('of_reference')):>7}{fmt(many['peak_gpu_memory_gib']):>9}")
     print(f"results: {shown([str(path)])}")
 
 

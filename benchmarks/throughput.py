@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from common import (BF16_REF, FP16_REF, REFERENCES, ROOT, earlier_results, environment, failed, fmt,
+from common import (BF16_REF, FP16_REF, REFERENCES, ROOT, SYNC_BN_REF, earlier_results, environment, failed, fmt,
                     measurement_parser, ratio, reference_case, run_case_of, settings_of, shown, slug_of,
                     trainer_case, write_profile)
 from machine import machine_slug
@@ -51,6 +51,7 @@ SYNTHETIC = {
     "step: zero2 fp16": (["--zero_stage", "2", "--fp16"], FP16_REF, None),
     "step: zero2 bf16 half_weights": (["--zero_stage", "2", "--bf16", "--precision_mode", "half_weights"],
                                       BF16_REF, None),
+    "step: zero2 bf16 sync_bn": (["--zero_stage", "2", "--bf16", "--sync_bn"], SYNC_BN_REF, None),
     "step: zero2 bf16 clip_grad 1": (["--zero_stage", "2", "--bf16", "--clip_grad", "1"], BF16_REF, None),
     "step: zero2 bf16 compile": (["--zero_stage", "2", "--bf16", "--compile"], BF16_REF, None),
     "step: zero2 bf16 offload_optimizer": (["--zero_stage", "2", "--bf16", "--offload_optimizer"], BF16_REF, None),
@@ -72,6 +73,8 @@ REAL = {
                                                           "--data_on_device", "on"], BF16_REF, 0.5),
     "epoch: zero2 bf16 offload_optimizer, data on GPU, DeepSpeed's methods": (
         ["--zero_stage", "2", "--bf16", "--offload_optimizer", "--data_on_device", "on"], BF16_REF, 0.5),
+    "epoch: zero2 bf16 sync_bn, data on GPU": (["--zero_stage", "2", "--bf16", "--sync_bn", "--data_on_device", "on"],
+                                               SYNC_BN_REF, None),
     "epoch: zero2 bf16, DataLoader": (["--zero_stage", "2", "--bf16", "--data_on_device", "off"], BF16_REF, None),
     # the dataset memory-mapped from the decoded-image cache, batches copied to the GPU (data larger than it)
     "epoch: zero2 bf16, data in the cache": (["--zero_stage", "2", "--bf16", "--data_on_device", "cache"], BF16_REF,
@@ -83,6 +86,7 @@ REAL = {
 SKIPPED_BY_DEFAULT = {"torch bf16 channels_last compile", "step: zero2 bf16 compile", "step: zero2 bf16 offload_optimizer",
                       "epoch: zero2 bf16 compile, data on GPU",
                       "epoch: zero0 bf16, data on GPU", "epoch: zero1 bf16, data on GPU",
+                      *(name for name in [*REFERENCES, *SYNTHETIC, *REAL] if "sync" in name.lower()),
                       *(name for name in [*SYNTHETIC, *REAL] if "offload" in name and name.startswith("step") or
                         name.endswith("DeepSpeed's methods"))}
 # without src/deepspeed_image_trainer/engine/overrides.py's replacements (TRAINER_DEEPSPEED_OVERRIDES=0), to measure what they gain

@@ -162,6 +162,49 @@ def test_average_buffers_makes_every_rank_hold_the_mean_statistics(ranks):
     torch.testing.assert_close(ranks[0]["unsynced_after"][1], ranks[1]["unsynced_after"][1], rtol=0, atol=0)
 
 
+def on_each_gpu(rank, port, results):
+    """--sync_bn on two GPUs (NCCL): this layer beside torch.nn.SyncBatchNorm given the same shard, with fp32
+    weights (torch's kernels) in fp32 and under bf16 autocast, and with bf16 weights (the hand-written path)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=WORLD_SIZE)
+    x, weight = (t.cuda().contiguous(memory_format=torch.channels_last) for t in whole_batch())
+    shard = slice(rank * 2, rank * 2 + 2)
+    out = {}
+    for case, weights, autocast in (("fp32", torch.float32, False), ("autocast", torch.float32, True),
+                                    ("bf16 weights", torch.bfloat16, False)):
+        for name, layer in (("trainer", fresh_layer()), ("torch", torch.nn.SyncBatchNorm.convert_sync_batchnorm(
+                torch.nn.Sequential(fresh_layer()))[0])):
+            layer = layer.cuda()
+            if name == "trainer":
+                synchronize_batch_norm(layer)
+                layer.to(weights)
+                layer.running_mean.data, layer.running_var.data = (b.float() for b in (layer.running_mean,
+                                                                                        layer.running_var))
+            x_shard = x[shard].clone().to(weights).requires_grad_()
+            with torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+                y = layer(x_shard)
+            (y.float() * weight[shard]).sum().backward()
+            out[case, name] = [t.detach().float().cpu() for t in (y, x_shard.grad, layer.weight.grad,
+                                                                  layer.bias.grad, layer.running_mean,
+                                                                  layer.running_var, layer.num_batches_tracked)]
+    results[rank] = out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_sync_bn_on_gpus_is_torchs_sync_batch_norm():
+    """With fp32 weights the layer is torch's SyncBatchNorm (its kernels, bit for bit); with bf16 weights its
+    own fp32 statistics agree with torch's to bf16's precision."""
+    results = spawn_ranks(on_each_gpu, WORLD_SIZE)
+    for rank in range(WORLD_SIZE):
+        ran = results[rank]
+        for case in ("fp32", "autocast"):
+            torch.testing.assert_close(ran[case, "trainer"], ran[case, "torch"], rtol=0, atol=0)
+        torch.testing.assert_close(ran["bf16 weights", "trainer"][:4], ran["fp32", "torch"][:4], rtol=0.02, atol=0.05)
+        torch.testing.assert_close(ran["bf16 weights", "trainer"][4:], ran["fp32", "torch"][4:], rtol=1e-2, atol=1e-2)
+
+
 def test_a_rendezvous_that_lost_its_port_starts_again_on_another(monkeypatch):
     """Runs started side by side (the benchmarks' jobs, the memory search's probes) race for free ports:
     a port taken between free_port() and the bind gets a new start on another port; other failures do not."""

@@ -14,7 +14,7 @@ import torch
 
 from deepspeed_image_trainer.cli.options import add_training_args, parse_args
 from deepspeed_image_trainer.engine.config import build_ds_config
-from deepspeed_image_trainer.engine.memory import out_of_memory_advice
+from deepspeed_image_trainer.engine.memory import out_of_memory_advice, zero3_note
 
 from conftest import ROOT, assert_usage_error, data_args, digests, history_of, launch
 
@@ -154,6 +154,21 @@ def test_out_of_memory_advice_offers_to_stop_coalescing_before_offloading_parame
     assert out_of_memory_advice(config, coalesced=True).endswith(
         "1) --coalesce_grad_reduction off (frees the GPU copy of the summed gradients; slower); "
         "2) --zero_stage 3 --offload_param")
+
+
+def test_zero3_on_a_model_every_gpu_holds_says_zero2_is_faster():
+    """ResNet18 (11.7 M parameters) on two 80 GB GPUs at ZeRO-3: a line; not for one GPU, ZeRO-2, parameter
+    offload, or a model whose 16 bytes a parameter take over a quarter of the GPU."""
+    gpu = 80 * 2**30
+    zero3 = config_of("--zero_stage", "3", "--bf16", world_size=2)
+    assert zero3_note(zero3, 2, 11_700_000, gpu) == (
+        "note: ZeRO-3 shards 11.7 M parameters whose unpartitioned states (0.17 GiB) fit every GPU (0.2% of one): "
+        "it gathers each layer's weights in every forward and backward, which costs more than the memory it saves; "
+        "--zero_stage 2 is faster here")
+    assert zero3_note(zero3, 1, 11_700_000, gpu) is None
+    assert zero3_note(config_of("--zero_stage", "2", world_size=2), 2, 11_700_000, gpu) is None
+    assert zero3_note(config_of("--zero_stage", "3", "--offload_param", world_size=2), 2, 11_700_000, gpu) is None
+    assert zero3_note(zero3, 2, 632_000_000, 8 * 2**30) is None  # vit_h_14 on 8 GiB cards
 
 
 def test_out_of_memory_with_nothing_left_to_try():

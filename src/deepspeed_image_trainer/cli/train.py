@@ -26,7 +26,7 @@ from ..engine.distributed import (agreed, all_reduce, any_rank, checked_world_si
 from ..engine.finetune import BodyLearningRate, fine_tuning, parameter_groups, whole_run_frozen
 from ..engine.interrupt import StopOnSignal, die_with_parent_call, stopped_at_once
 from ..engine.loop import evaluate, input_dtype, peak_gpu_memory_gib, replace_lr_scheduler, train_one_epoch
-from ..engine.memory import advise_on_out_of_memory
+from ..engine.memory import advise_on_out_of_memory, zero3_note
 from ..engine.numerics import StepHealth
 from ..engine.rng import restore_rng_state, rng_state, seed_everything
 from ..engine.timing import StartupClock
@@ -189,6 +189,9 @@ def build(args, clock):
     accumulation = ds_config["gradient_accumulation_steps"]
     dtype = input_dtype(precision(ds_config))
     device = local_device()
+    if device.type == "cuda" and (note := zero3_note(ds_config, world_size, num_params,
+                                                     torch.cuda.get_device_properties(device).total_memory)):
+        say(note)
     cache = cache_root(args.cache_dir)
     tier, why = choose_device_data(args.data_on_device, device, len(train_set), len(val_set), args.image_size,
                                    args.device_train_size, num_params, cache)

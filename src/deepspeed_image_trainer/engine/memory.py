@@ -44,6 +44,24 @@ def out_of_memory_advice(ds_config, data_on_device=False, detail="", coalesced=F
             + "; ".join(f"{i}) {step}" for i, step in enumerate(steps, 1)))
 
 
+# ZeRO-3 is said to be slower where every rank can hold the model's unpartitioned states (weights, gradients and
+# Adam's, 16 bytes a parameter) in this share of its GPU.
+ZERO2_FITS_SHARE = 0.25
+
+
+def zero3_note(ds_config, world_size, num_params, gpu_bytes):
+    """A line for ZeRO-3 without parameter offload on several GPUs for a model whose states fit every GPU
+    (None otherwise): ZeRO-2 is faster there (measured: docs/performance.md, Several GPUs)."""
+    zero = ds_config["zero_optimization"]
+    offloads = zero.get("offload_param", {}).get("device", "none") not in ("none", None)
+    states = 16 * num_params
+    if zero["stage"] != 3 or world_size < 2 or offloads or not gpu_bytes or states > ZERO2_FITS_SHARE * gpu_bytes:
+        return None
+    return (f"note: ZeRO-3 shards {num_params / 1e6:.1f} M parameters whose unpartitioned states ({states / 2**30:.2f} "
+            f"GiB) fit every GPU ({states / gpu_bytes:.1%} of one): it gathers each layer's weights in every forward "
+            f"and backward, which costs more than the memory it saves; --zero_stage 2 is faster here")
+
+
 @contextlib.contextmanager
 def advise_on_out_of_memory(ds_config, data_on_device, coalesced=False):
     """Stop with the next flags to try, instead of a traceback, when the GPU runs out of memory."""

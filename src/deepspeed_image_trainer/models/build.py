@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import torchvision
 from torch import nn
+from torch.nn.modules._functions import SyncBatchNorm as TorchSyncBatchNorm
 from torchvision.models.convnext import LayerNorm2d
 from torchvision.models.resnet import BasicBlock, ResNet
 
@@ -53,14 +54,16 @@ class BatchNorm2dFP32(nn.BatchNorm2d):
     (fp32 or autocast) BatchNorm2d's own kernels already take half-precision input and compute in fp32.
 
     With `sync = True` (see `synchronize_batch_norm`) training batches are normalised with the mean and
-    variance over all ranks' micro-batches, as torch.nn.SyncBatchNorm does. That one needs CUDA and fp32
-    weights; this one works over gloo on CPU too and under half-precision weights.
+    variance over all ranks' micro-batches: through torch.nn.SyncBatchNorm's own fused kernels where they apply
+    (CUDA, fp32 weights), otherwise (gloo on CPU, half-precision weights) by `_synced_forward`.
     """
 
     sync = False
 
     def forward(self, x):
         if self.sync and self.training and dist.is_initialized() and dist.get_world_size() > 1:
+            if x.is_cuda and self.weight.dtype == torch.float32:
+                return self._torch_synced_forward(x)
             return self._synced_forward(x)
         if self.weight.dtype == torch.float32:
             return super().forward(x)
@@ -73,6 +76,13 @@ class BatchNorm2dFP32(nn.BatchNorm2d):
                 self.training, self.momentum, self.eps,
             )
         return out.to(x.dtype)
+
+    def _torch_synced_forward(self, x):
+        """What torch.nn.SyncBatchNorm.forward does in training on several ranks, on this layer's state."""
+        self.num_batches_tracked.add_(1)
+        momentum = self.momentum if self.momentum is not None else 1 / self.num_batches_tracked.item()
+        return TorchSyncBatchNorm.apply(x, self.weight, self.bias, self.running_mean, self.running_var, self.eps,
+                                        momentum, dist.group.WORLD, dist.get_world_size())
 
     def _synced_forward(self, x):
         """Batch statistics over every rank: all-reduce the sum, then the squared deviations (two passes,
