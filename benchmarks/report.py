@@ -453,8 +453,57 @@ def scaling_sync_bn(name):
          f"synced over unsynced on {n} GPUs", f"peak GiB ({n} GPUs)"], rows)
 
 
+def scaling_accuracy(name):
+    """scaling.py --only accuracy resume: the same global batch on 1 and N GPUs, and runs resumed on the other count."""
+    result = load(name)
+    settings, results = result["settings"], result["results"]
+    n = settings["max_gpus"]
+    gpus = (lambda text: re.sub(r"\bN\b", str(n), text))
+    accuracy = [[gpus(label.removeprefix("accuracy: ")), f"{settings['accuracy_batch'] // r['num_gpus']} × {r['num_gpus']}",
+                 " · ".join(f"{acc:.2f}" for acc in r["val_acc_per_epoch"]), f"**{r['last_val_acc']:.3f}**",
+                 f"{r['val_loss_per_epoch'][-1]:.3f}"]
+                for label, r in results.items() if r["kind"] == "accuracy" and "error" not in r]
+    resumed = [[gpus(label.removeprefix("resume: ")), r["resumed_at"],
+                " · ".join(f"{acc:.2f}" for acc in r["val_acc_per_epoch"]), f"**{r['last_val_acc']:.3f}**",
+                f"{r['val_loss_per_epoch'][-1]:.3f}"]
+               for label, r in results.items() if r["kind"] == "resume" and "error" not in r]
+    failed_runs = [label for label, r in results.items() if "error" in r]
+    out = source(result, name) + (
+        f"\nThe built-in sample dataset, resnet18 at 96 px, bf16, ZeRO-2, global batch {settings['accuracy_batch']}, "
+        f"{settings['accuracy_epochs']} epochs, one seed each:\n\n") + table(
+        ["run", "micro-batch × GPUs", "val acc per epoch", "last val acc", "last val loss"], accuracy)
+    out += (f"\n{settings['resume_epochs']} epochs on one GPU count, then `--resume auto` with `--epochs "
+            f"{2 * settings['resume_epochs']}` on the other (the same command otherwise):\n\n") + table(
+        ["run", "resumed at", "val acc per epoch", "last val acc", "last val loss"], resumed)
+    return out + (f"\nFailed: {', '.join(failed_runs)}\n" if failed_runs else "")
+
+
+def zero_memory(names):
+    """memory_profile.py per ZeRO stage on 1 and N GPUs: model states beside the ZeRO paper's formula."""
+    runs = [load(name) for name in names]
+    out = "".join(source(result, name) for result, name in zip(runs, names))
+    first = runs[0]["settings"]
+    counts = [run["world_size"] for run in runs]
+    rows_of = [{row["config"]: row for row in run["results"]} for run in runs]
+
+    def cell(row):
+        if row is None or "error" in row:
+            return "failed" if row else "–"
+        estimate = row.get("deepspeed_estimate_gpu_gib")
+        return (f"**{row['model_states_gib']:.1f}** / {row['paper_formula_gib']:.1f} / "
+                f"{'–' if estimate is None else f'{estimate:.1f}'} · {row['peak_allocated_gib']:.1f}")
+
+    configs = list(dict.fromkeys(config for rows in rows_of for config in rows))
+    out += (f"\n{first['model']} ({runs[0]['results'][0]['params'] / 1e6:,.0f} M parameters), micro-batch "
+            f"{first['batch_size']} per GPU, {first['image_size']} px, bf16 autocast (fp32 weights); GiB per GPU: "
+            f"model states held between steps measured / the ZeRO paper's formula / DeepSpeed's estimator · "
+            f"peak allocated:\n\n")
+    return out + table(["configuration", *[f"{count} GPU{'s' if count > 1 else ''}" for count in counts]],
+                       [[config, *[cell(rows.get(config)) for rows in rows_of]] for config in configs])
+
+
 TABLES = {
-    "first-minute-gpu": lambda: first_minute("first_minute_nvidia_h200.json"),
+    "first-minute-gpu": lambda: first_minute("first_minute/first_minute_nvidia_h100_80gb_hbm3.json"),
     "first-minute-cpu": lambda: first_minute("first_minute_cpu.json"),
     "checkpoint-engines": checkpoint_engines,
     "throughput-gpu": lambda: throughput("throughput_nvidia_h200.json"),
@@ -468,6 +517,9 @@ TABLES = {
     "scaling-epochs": lambda: scaling([f"scaling_{model}nvidia_h100_80gb_hbm3_x2.json"
                                        for model in ("", "resnet50_", "vit_b_16_")]),
     "scaling-sync-bn": lambda: scaling_sync_bn("scaling_sync_bn/scaling_nvidia_h100_80gb_hbm3_x2.json"),
+    "scaling-accuracy": lambda: scaling_accuracy("scaling_accuracy/scaling_nvidia_h100_80gb_hbm3_x2.json"),
+    "zero-memory": lambda: zero_memory([f"zero_memory/memory_vit_h_14_nvidia_h100_80gb_hbm3_x{n}.json" for n in (1, 2)]),
+    "capacity-8gib-2gpus": lambda: capacity("capacity_8gib", 2),
     "fp16-offload": fp16_offload,
     "augmentation": augmentation,
     "data-tiers": lambda: data_tiers("data_tiers_nvidia_h100_80gb_hbm3.json"),
