@@ -261,3 +261,28 @@ def test_a_crash_in_a_dataloader_worker_ends_the_process_with_its_traceback():
     result = subprocess.run([sys.executable, "-c", CRASH_IN_A_WORKER], capture_output=True, text=True, timeout=60,
                             env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert result.returncode == 1 and result.stderr.rstrip().endswith("OverflowError: a bug in a DataLoader worker")
+
+
+def test_a_tool_whose_output_lost_its_reader_ends_quietly(tiny_data):
+    """`tool | true`: the reader is gone before the tool writes; the tool neither ends in a BrokenPipeError
+    traceback nor fails (output it cannot write is dropped, as a training run's is: utils/streams.py)."""
+    import subprocess
+
+    process = subprocess.Popen([sys.executable, str(ROOT / "src" / "prepare_data.py"), "--check", str(tiny_data)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process.stdout.close()
+    assert process.wait(timeout=120) == 0
+    assert b"Traceback" not in process.stderr.read()
+
+
+def test_output_that_cannot_be_written_goes_nowhere_and_later_output_too():
+    import os
+
+    from deepspeed_image_trainer.utils.streams import OutlivesReader
+
+    read_end, write_end = os.pipe()
+    stream = OutlivesReader(os.fdopen(write_end, "w"))
+    os.close(read_end)
+    assert stream.write("x" * 100_000) == 100_000 and stream.flush() is None  # no BrokenPipeError
+    stream.write("more")
+    stream.flush()
+    assert os.readlink(f"/proc/self/fd/{stream.fileno()}") == os.devnull

@@ -267,6 +267,23 @@ def main(argv=None, launched_at=None):
         run_folders.release()
 
 
+SAME_REQUEST_S = 0.5
+# DeepSpeed's per-node launcher with its output wrapped as the trainer's is: its log lines would otherwise end in
+# "--- Logging error ---" tracebacks once the reader of the output has gone (`launch_deepspeed.py ... | head`)
+OUTLIVING_LAUNCHER = (
+    "import runpy, sys; sys.path.insert(0, {src!r}); "
+    "from deepspeed_image_trainer.utils.streams import outlive_closed_output; outlive_closed_output(); "
+    "runpy.run_module('deepspeed.launcher.launch', run_name='__main__', alter_sys=True)")
+
+
+def outliving_closed_output(command):
+    """`command` as run: DeepSpeed's per-node launcher started through OUTLIVING_LAUNCHER."""
+    if command[1:4] != ["-u", "-m", "deepspeed.launcher.launch"]:
+        return command
+    src = str(Path(__file__).resolve().parents[2])
+    return [command[0], "-u", "-c", OUTLIVING_LAUNCHER.format(src=src), *command[4:]]
+
+
 def run_and_forward_signals(command, launched_at):
     """Run `command` in its own process group and return its status, or 128 + the signal's number when
     stopped by one (DeepSpeed's launcher itself exits 1 then).
@@ -277,9 +294,9 @@ def run_and_forward_signals(command, launched_at):
     group goes with this process, however it dies.
     """
     env = {**os.environ, LAUNCHED_AT_ENV: repr(launched_at), SPAWNED_AT_ENV: repr(time.time())}
-    child = subprocess.Popen(command, start_new_session=True, env=env,
+    child = subprocess.Popen(outliving_closed_output(command), start_new_session=True, env=env,
                              preexec_fn=die_with_parent_call(os.getpid()))
-    received, spawned = [], threading.Event()
+    received, spawned, last = [], threading.Event(), [0.0]
 
     def watch():  # DeepSpeed's launcher imports for seconds before it spawns the training processes
         while child.poll() is None and not spawned.is_set():
@@ -290,6 +307,12 @@ def run_and_forward_signals(command, launched_at):
     threading.Thread(target=watch, daemon=True).start()
 
     def forward(signum, frame):
+        # `timeout` sends its signal to this process and again to its own process group, this one included:
+        # the same signal within a moment of the first is that one request, not a second asking to kill
+        now = time.monotonic()
+        if received and signum == received[-1] and now - last[0] < SAME_REQUEST_S:
+            return
+        last[0] = now
         received.append(signum)
         if len(received) == 1:
             if has_children(child.pid):

@@ -10,6 +10,7 @@ import traceback
 
 from ..models.names import DEFAULT_MODEL, architecture
 from ..utils.failures import CliError, UsageError
+from ..utils.streams import outlive_closed_output
 
 
 def zero_stage(value):
@@ -224,7 +225,8 @@ PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "NCCL comm
 
 def run_cli(main, argv=None):
     """Run main(argv); a CliError becomes one line on stderr and its exit status (UsageError: 2), any other
-    exception its traceback and status 1."""
+    exception its traceback and status 1. Output whose reader has gone (`| head`) is dropped from then on."""
+    outlive_closed_output()
     try:
         return main(argv)
     except CliError as err:

@@ -1,0 +1,47 @@
+"""Output that outlives its reader: `launch_deepspeed.py ... | head` (or a console output redirected to a full
+disk) must not end a training run or a tool in a traceback."""
+import os
+import sys
+
+
+class OutlivesReader:
+    """A text stream whose writes go to /dev/null once one fails (the pipe lost its reader: BrokenPipeError; a
+    full disk), for the rest of the process and the processes it starts after, instead of raising in whoever
+    printed."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text):
+        try:
+            return self._stream.write(text)
+        except OSError:
+            self._reader_gone()
+            return len(text)
+
+    def flush(self):
+        try:
+            self._stream.flush()
+        except OSError:
+            self._reader_gone()
+
+    def _reader_gone(self):
+        try:
+            fd = self._stream.fileno()
+        except (OSError, ValueError):  # a stream of no file (a test's capture): this one's writes go nowhere
+            self._stream = open(os.devnull, "w")
+            return
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)  # what is still buffered goes there too
+        os.close(devnull)
+
+    def __getattr__(self, name):  # fileno, isatty, encoding, buffer, ...: the stream's own
+        return getattr(self._stream, name)
+
+
+def outlive_closed_output():
+    """Wrap sys.stdout and sys.stderr (before anything keeps a reference to them, as logging handlers do)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, OutlivesReader):
+            setattr(sys, name, OutlivesReader(stream))
