@@ -129,6 +129,22 @@ def test_bad_input_on_the_command_line_is_one_line_and_exit_status_2(tiny_data, 
     assert not (tmp_path / "logs").exists()
 
 
+def test_a_master_port_another_process_listens_on_is_refused_before_anything_starts(tiny_data, tmp_path, monkeypatch,
+                                                                                  capsys):
+    import socket
+
+    from deepspeed_image_trainer.cli import launch as launch_deepspeed
+
+    monkeypatch.chdir(tmp_path)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert_usage_error_in_process(launch_deepspeed.main, data_args(tiny_data) + ["--master_port", str(port)], capsys,
+                                      f"error: --master_port {port}: the port is taken on this machine")
+    assert not (tmp_path / "logs").exists()
+
+
 def test_more_gpus_than_the_machine_has_are_refused(tiny_data, tmp_path, monkeypatch, capsys):
     import torch
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..data.check import check_data, decodes_every_file
 from ..engine.config import load_base_config, num_parameters
-from ..engine.distributed import free_port
+from ..engine.distributed import check_port_free, free_port
 from ..engine.interrupt import die_with_parent_call, stopped_before_training
 from ..engine.timing import LAUNCHED_AT_ENV, SPAWNED_AT_ENV
 from ..models.names import DEFAULT_MODEL
@@ -201,6 +201,8 @@ def main(argv=None, launched_at=None):
         raise UsageError("on Windows DeepSpeed runs on a single GPU only (no NCCL): use --num_gpus 1")
     if args.master_port is not None and not 0 < args.master_port < 65536:
         raise UsageError(f"--master_port {args.master_port} is not a port number: use 1024-65535")
+    if args.master_port is not None and not args.hostfile and not args.dry_run:
+        check_port_free(args.master_port, "--master_port")
     check_visible_gpus(num_gpus, multi_node=bool(args.hostfile))
     check_writable(args.checkpoint_dir, "--checkpoint_dir")
     check_writable(args.log_dir, "--log_dir")

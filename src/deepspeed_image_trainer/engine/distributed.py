@@ -37,12 +37,19 @@ def init_distributed(on_stop=lambda: None):
     _skip_shared_memory_op()
     world, where = int(os.environ["WORLD_SIZE"]), f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     if world == 1:
-        deepspeed.init_distributed(dist_backend="nccl" if use_nccl else "gloo", verbose=False)
+        try:
+            deepspeed.init_distributed(dist_backend="nccl" if use_nccl else "gloo", verbose=False)
+        except dist.DistError as err:
+            if port_taken(err):
+                raise UsageError(port_in_use(os.environ["MASTER_PORT"], "MASTER_PORT")) from None
+            raise
     else:
         with _said_if_waiting(world, where), _ended_by_signals(on_stop):
             try:
                 deepspeed.init_distributed(dist_backend="nccl" if use_nccl else "gloo", verbose=False)
             except dist.DistError as err:  # torch's rendezvous gave up: a C++ message, no traceback needed
+                if port_taken(err):  # rank 0 could not listen
+                    raise UsageError(port_in_use(os.environ["MASTER_PORT"], "MASTER_PORT")) from None
                 reason = str(err).splitlines()[0].rstrip(".")
                 raise CliError(f"the {world} ranks (WORLD_SIZE) did not all join at {where} (MASTER_ADDR, "
                                f"MASTER_PORT) within DeepSpeed's timeout, DEEPSPEED_TIMEOUT="
@@ -142,6 +149,25 @@ def _skip_shared_memory_op():
 def local_device():
     """This rank's device: its GPU (LOCAL_RANK), or the CPU."""
     return torch.device("cuda", int(os.environ["LOCAL_RANK"])) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def check_port_free(port, named):
+    """Refuse a rendezvous port another process listens on (rank 0's store could not bind it)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's store: a port in TIME_WAIT is free
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as err:
+            raise UsageError(port_in_use(port, named, err.strerror)) from None
+
+
+def port_taken(err):
+    """Whether torch's rendezvous failed because rank 0's store could not listen on its port."""
+    return any(text in str(err) for text in ("EADDRINUSE", "address already in use", "code: -98"))
+
+
+def port_in_use(port, named, reason="address already in use"):
+    return f"{named} {port}: the port is taken on this machine ({reason}); choose another, or leave it out for a free one"
 
 
 def free_port():
