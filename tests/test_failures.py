@@ -286,3 +286,12 @@ def test_output_that_cannot_be_written_goes_nowhere_and_later_output_too():
     stream.write("more")
     stream.flush()
     assert os.readlink(f"/proc/self/fd/{stream.fileno()}") == os.devnull
+
+
+def test_a_learning_rate_the_optimizers_overflow_on_is_refused_before_anything_starts():
+    """1e308 passed the finite check and ended in AdamW's first step with a RuntimeError traceback."""
+    from deepspeed_image_trainer.utils.failures import UsageError
+
+    with pytest.raises(UsageError, match=r"^--learning_rate 1e\+308 is larger than any learning rate that trains"):
+        config_of("--learning_rate", "1e308")
+    assert config_of("--learning_rate", "1e6")["optimizer"]["params"]["lr"] == 1e6

@@ -384,6 +384,7 @@ def _skip_unused_grad_norm(config):
 # The moment estimates' settings each of DeepSpeed's optimizers takes (lower-case type): filled in when the
 # JSON leaves them out; an optimizer not named takes neither (SGD's constructor refuses them).
 ADAM_SETTINGS = {"betas": [0.9, 0.999], "eps": 1e-8}
+MAX_LR = 1e6
 OPTIMIZER_SETTINGS = {**dict.fromkeys(("adam", "adamw", "lamb", "onebitadam", "zerooneadam", "onebitlamb"),
                                       ("betas", "eps")),
                       "lion": ("betas",), "adagrad": ("eps",)}
@@ -393,6 +394,7 @@ def _resolve_optimizer(config, args, device_type):
     optimizer = config.setdefault("optimizer", {"type": "AdamW", "params": {}})
     optimizer.setdefault("type", "AdamW")  # a JSON's optimizer section that gives params only
     params = optimizer.setdefault("params", {})
+    given = {key: value for key, value in params.items() if value != AUTO}
     takes = OPTIMIZER_SETTINGS.get(str(optimizer.get("type", "")).lower(), ())
     auto_values = {"lr": args.learning_rate, "weight_decay": args.weight_decay,
                    **{key: value for key, value in ADAM_SETTINGS.items() if key in takes or params.get(key) == AUTO}}
@@ -400,6 +402,12 @@ def _resolve_optimizer(config, args, device_type):
         flag = {"lr": "learning_rate", "weight_decay": "weight_decay"}.get(key)
         if params.get(key, AUTO) == AUTO or (flag and flag in args.explicit):
             params[key] = value
+    lr = params.get("lr")
+    if isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > MAX_LR:
+        said = "--learning_rate" if "learning_rate" in args.explicit or "lr" not in (given or {}) else \
+            "the JSON's optimizer.params.lr"
+        raise UsageError(f"{said} {lr:g} is larger than any learning rate that trains (at most {MAX_LR:g}; the "
+                         "optimizers' fp32 update overflows near 1e37)")
     if str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
         # ZeRO partitions any torch optimizer's state, but DeepSpeed stops on one it has not listed (SGD among
         # them) unless this is set: the optimizer the JSON names is the user's choice.
