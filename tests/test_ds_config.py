@@ -690,3 +690,26 @@ def test_sgd_from_the_json_trains_under_zero_with_offload():
         "optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}})
     results = spawn_ranks(sgd_steps, 1, config)
     assert all(results["moved"]) and math.isfinite(results["loss"])
+
+
+def test_nvme_offload_is_refused_where_deepspeed_cannot_build_its_async_io_op(tmp_path, monkeypatch):
+    """The engine's start failed in every rank with a RuntimeError traceback (no libaio) after the launcher let it
+    through; an nvme_path under a file is refused too."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    from deepspeed_image_trainer.engine.config import build_ds_config, check_with_deepspeed
+
+    (tmp_path / "a_file").write_text("")
+
+    def checked(nvme_path):
+        config = build_ds_config(parse_args(lambda: add_training_args(argparse.ArgumentParser()), []), 1, 64,
+                                 base={"zero_optimization": {"stage": 3, "offload_param": {
+                                     "device": "nvme", "nvme_path": str(nvme_path)}}}, device_type="cpu")
+        check_with_deepspeed(config, "x.json", "cpu")
+
+    with pytest.raises(UsageError, match="^--deepspeed_config x.json: zero_optimization.offload_param.nvme_path .*a_file is not a folder"):
+        checked(tmp_path / "a_file" / "swap")
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=True: False)
+    with pytest.raises(UsageError, match=r"^--deepspeed_config x.json: zero_optimization.offload_param to nvme needs DeepSpeed's "
+                                         r"async_io op, which cannot be built on this machine"):
+        checked(tmp_path / "swap")

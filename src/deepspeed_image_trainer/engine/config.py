@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 
 from ..models.names import DEFAULT_MODEL
-from ..utils.failures import UsageError
+from ..utils.failures import UsageError, check_writable
 from ..utils.text import error_line
 
 AUTO = "auto"
@@ -589,6 +589,17 @@ def check_with_deepspeed(config, path, device_type):
         if offload.get("device") == "nvme" and not offload.get("nvme_path"):
             raise UsageError(f"{where}: zero_optimization.{section} to nvme needs its nvme_path (a folder on the "
                              "NVMe drive)")
+        if offload.get("device") == "nvme":
+            try:
+                check_writable(offload["nvme_path"], f"zero_optimization.{section}.nvme_path")
+            except UsageError as err:
+                raise UsageError(f"{where}: {err}") from None
+            from deepspeed.ops.op_builder import AsyncIOBuilder
+
+            if not AsyncIOBuilder().is_compatible(verbose=False):  # else the engine's start fails in a traceback
+                raise UsageError(f"{where}: zero_optimization.{section} to nvme needs DeepSpeed's async_io op, which "
+                                 "cannot be built on this machine (it needs libaio: apt install libaio-dev); offload "
+                                 "to the CPU instead (device: cpu)")
     check_scheduler(config, built_optimizer(config, where, device_type), where)
 
 
