@@ -166,7 +166,9 @@ def test_resuming_with_other_settings_is_refused_naming_each(tmp_path, argv, kwa
 def test_a_damaged_extra_info_is_not_a_checkpoint(tmp_path):
     folder = fake_checkpoint(tmp_path / "last", 2, "last")
     fake_checkpoint(tmp_path / "epoch_1", 1, "epoch_1")
-    for garbage in (b"\x00\xff\xfe", b"[1, 2]", b'{"epoch": "2"}'):
+    # an epoch edited past what it trained (its metrics say 2) and one below 0
+    edited = [json.dumps({"epoch": epoch, "tag": "last", "metrics": {"epoch": 2}}).encode() for epoch in (99, -1)]
+    for garbage in (b"\x00\xff\xfe", b"[1, 2]", b'{"epoch": "2"}', *edited):
         (folder / EXTRA_INFO).write_bytes(garbage)
         assert readable(folder) is None
         assert find_checkpoint("auto", tmp_path) == tmp_path / "epoch_1"
