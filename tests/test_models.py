@@ -175,6 +175,11 @@ def test_pretrained_without_the_file_or_the_network_names_both(tmp_path, monkeyp
                                          rf"{tmp_path}/hub/checkpoints and could not be downloaded from https://"
                                          r".*\(Temporary failure in name resolution\); download it into"):
         build_model("mobilenet_v3_small", 3, pretrained="DEFAULT")
+    (tmp_path / "hub/checkpoints/mobilenet_v3_small-047dcff4.pth").mkdir(parents=True)
+    with pytest.raises(UsageError, match=r"--pretrained DEFAULT: .*/mobilenet_v3_small-047dcff4.pth is a folder, "
+                                         r"where the weights file should be"):
+        build_model("mobilenet_v3_small", 3, pretrained="DEFAULT")
+    (tmp_path / "hub/checkpoints/mobilenet_v3_small-047dcff4.pth").rmdir()
     with pytest.raises(UsageError, match=r"--pretrained IMAGENET1K_V2: no such file, and not a weights name of "
                                          r"mobilenet_v3_small \(DEFAULT, IMAGENET1K_V1\)"):
         build_model("mobilenet_v3_small", 3, pretrained="IMAGENET1K_V2")
