@@ -1,4 +1,5 @@
 import base64
+import shlex
 import sys
 import time
 
@@ -39,6 +40,18 @@ def test_dry_run_prints_config_and_command_and_spawns_nothing(tiny_data, tmp_pat
     assert "--deepspeed_config" not in command  # the training script resolves the config itself
     assert "--dry_run" not in command and "--num_gpus" not in command[7:]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_dry_runs_command_reads_the_users_json_which_it_can_run_with(tiny_data, tmp_path, monkeypatch, capsys):
+    """It named the copy a run keeps in --log_dir, which a dry run does not write: the printed command failed."""
+    from deepspeed_image_trainer.cli import launch as launch_deepspeed
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.json").write_text('{"gradient_clipping": 2.0}')
+    assert launch_deepspeed.main(data_args(tiny_data) + ["--deepspeed_config", "mine.json", "--dry_run"]) == 0
+    command = shlex.split(capsys.readouterr().out.strip().splitlines()[-1])
+    assert command[command.index("--deepspeed_config") + 1] == "mine.json"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["mine.json"]
 
 
 def test_the_training_script_gets_the_users_json_as_read_not_the_config_resolved_here():

@@ -245,7 +245,8 @@ def main(argv=None, launched_at=None):
         for line in data_check.warnings() if data_check else ():  # else the training's rank 0 says them
             print(line, file=sys.stderr)
         print(json.dumps(config, indent=2))
-        print(shlex.join(build_command(args, num_gpus, num_nodes, given_path)))
+        # the user's own JSON, which the command then reads: a dry run writes no copy of it into --log_dir
+        print(shlex.join(build_command(args, num_gpus, num_nodes, args.deepspeed_config)))
         return 0
     # The folders are this run's from here until this process exits, before it writes into them: a second run
     # stops without touching the first one's files. Later nodes start once the first one holds them.
