@@ -42,6 +42,7 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "LION": {"optimizer": {"type": "Lion"}},
         "MUADAM": {"optimizer": {"type": "MuAdam"}},
         "NVME_NO_PATH": {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+        "TOTAL_NEGATIVE": {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": -5}}},
         "STEPS_WORDS": {"steps_per_print": "x"},
         "STEPLR_GAMMA_WORDS": {"scheduler": {"type": "StepLR", "params": {"step_size": 5, "gamma": "x"}}},
         "ONECYCLE_WORDS": {"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": "x", "cycle_max_lr": 0.1}}},
@@ -88,6 +89,8 @@ FLAGS = [
     (["--deepspeed_config", "LION"], "with --offload_optimizer DeepSpeed's CPU Lion runs here"),
     (["--deepspeed_config", "MUADAM"], "optimizer MuAdam needs the mup package"),
     (["--deepspeed_config", "NVME_NO_PATH"], "zero_optimization.offload_param to nvme needs its nvme_path"),
+    (["--deepspeed_config", "TOTAL_NEGATIVE"], "scheduler.params.total_num_steps of WarmupDecayLR must be at least "
+                                               "1 step, got -5"),  # trained at lr 0 from the second step
     (["--deepspeed_config", "STEPS_WORDS"], "steps_per_print must be a whole number of steps, got 'x'"),
     (["--deepspeed_config", "STEPLR_GAMMA_WORDS"], "scheduler.params.gamma of StepLR must be a number, got 'x'"),
     (["--deepspeed_config", "ONECYCLE_WORDS"], "scheduler OneCycle cannot be built from scheduler.params "

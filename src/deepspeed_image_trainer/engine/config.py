@@ -683,6 +683,10 @@ DEEPSPEED_OPTIMIZER_CLASSES = {"adam": ("deepspeed.ops.adam", "FusedAdam"),
                                "adagrad": ("deepspeed.ops.adagrad", "DeepSpeedCPUAdagrad")}
 
 
+# Step counts of DeepSpeed's schedulers that only a positive number makes sense of.
+STEP_COUNTS = ("total_num_steps", "warmup_num_steps", "cycle_first_step_size")
+
+
 def check_scheduler(config, optimizer, where):
     """Build the LR scheduler DeepSpeed's engine builds from `config` (engine._scheduler_from_config) over
     `optimizer`, a stand-in, and take a few of its steps: one without the parameters it needs, or with values
@@ -699,6 +703,8 @@ def check_scheduler(config, optimizer, where):
         default = getattr(inspect.signature(scheduler).parameters.get(key), "default", None)
         if _number(default) and not _number(value):
             raise UsageError(f"{where}: scheduler.params.{key} of {kind} must be a number, got {value!r}")
+        if key in STEP_COUNTS and _number(value) and value < 1:  # a negative total decayed to 0 at once, silently
+            raise UsageError(f"{where}: scheduler.params.{key} of {kind} must be at least 1 step, got {value!r}")
     try:
         with warnings.catch_warnings():  # torch's: a scheduler stepped before its optimizer
             warnings.simplefilter("ignore")
