@@ -459,7 +459,8 @@ def scaling_accuracy(name):
     settings, results = result["settings"], result["results"]
     n = settings["max_gpus"]
     gpus = (lambda text: re.sub(r"\bN\b", str(n), text))
-    accuracy = [[gpus(label.removeprefix("accuracy: ")), f"{settings['accuracy_batch'] // r['num_gpus']} × {r['num_gpus']}",
+    accuracy = [[gpus(label.removeprefix("accuracy: ")),
+                 f"{settings['accuracy_batch'] // r['num_gpus']} × {r['num_gpus']}",
                  " · ".join(f"{acc:.2f}" for acc in r["val_acc_per_epoch"]), f"**{r['last_val_acc']:.3f}**",
                  f"{r['val_loss_per_epoch'][-1]:.3f}"]
                 for label, r in results.items() if r["kind"] == "accuracy" and "error" not in r]
@@ -518,7 +519,8 @@ TABLES = {
                                        for model in ("", "resnet50_", "vit_b_16_")]),
     "scaling-sync-bn": lambda: scaling_sync_bn("scaling_sync_bn/scaling_nvidia_h100_80gb_hbm3_x2.json"),
     "scaling-accuracy": lambda: scaling_accuracy("scaling_accuracy/scaling_nvidia_h100_80gb_hbm3_x2.json"),
-    "zero-memory": lambda: zero_memory([f"zero_memory/memory_vit_h_14_nvidia_h100_80gb_hbm3_x{n}.json" for n in (1, 2)]),
+    "zero-memory": lambda: zero_memory([f"zero_memory/memory_vit_h_14_nvidia_h100_80gb_hbm3_x{n}.json"
+                                        for n in (1, 2)]),
     "capacity-8gib-2gpus": lambda: capacity("capacity_8gib", 2),
     "fp16-offload": fp16_offload,
     "augmentation": augmentation,

@@ -142,8 +142,8 @@ def test_bad_input_on_the_command_line_is_one_line_and_exit_status_2(tiny_data, 
     assert not (tmp_path / "logs").exists()
 
 
-def test_a_master_port_another_process_listens_on_is_refused_before_anything_starts(tiny_data, tmp_path, monkeypatch,
-                                                                                  capsys):
+def test_a_master_port_another_process_listens_on_is_refused_before_anything_starts(
+        tiny_data, tmp_path, monkeypatch, capsys):
     import socket
 
     from deepspeed_image_trainer.cli import launch as launch_deepspeed

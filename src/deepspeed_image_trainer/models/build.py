@@ -374,10 +374,9 @@ def weights_file(name, choice):
     if path.is_file():
         return path
     if path.exists():  # a folder (or FIFO) by that name: a download would fail on it with a misleading reason
-        raise UsageError(f"--pretrained {choice}: {path} is " + ("a folder" if path.is_dir() else
-                                                                 "not a regular file (a FIFO or a device)")
-                         + f", where the weights file should be; remove it (it is downloaded again) or give the "
-                         "file's path")
+        kind = "a folder" if path.is_dir() else "not a regular file (a FIFO or a device)"
+        raise UsageError(f"--pretrained {choice}: {path} is {kind}, where the weights file should be; remove it "
+                         "(it is downloaded again) or give the file's path")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         torch.hub.download_url_to_file(weights.url, str(path), hash_prefix=path.stem.rsplit("-", 1)[-1])
