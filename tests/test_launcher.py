@@ -200,12 +200,13 @@ def test_a_training_process_killed_from_outside_is_one_line_and_status_137(endin
 
 
 # The launcher's signal handling around training processes that take their time to save (they ignore SIGTERM):
-# a stand-in for DeepSpeed's launcher that has started a training process, or (SPAWNING) not yet.
+# a stand-in for DeepSpeed's launcher that has started a training process, or (SPAWNING) not yet, which ends
+# SECONDS after it says so.
 FORWARDER = ("import sys; from deepspeed_image_trainer.cli.launch import run_and_forward_signals; "
              "sys.exit(run_and_forward_signals([sys.executable, '-c', 'import signal, subprocess, sys, time; "
              "SPAWNING or subprocess.Popen([sys.executable, \"-c\", \"import time; time.sleep(60)\"]); "
              "signal.signal(signal.SIGTERM, signal.SIG_IGN); "  # after the spawn: the child keeps SIGTERM's default
-             "print(1, flush=True); time.sleep(5)'], 0))")
+             "print(1, flush=True); time.sleep(SECONDS)'], 0))")
 
 
 @pytest.mark.slow
@@ -219,8 +220,9 @@ def test_a_second_ctrl_c_kills_the_training_and_says_so(signals, gap, status, me
     import signal
     import subprocess
 
-    launcher = subprocess.Popen([sys.executable, "-c", FORWARDER.replace("SPAWNING", "False")],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    forwarder = FORWARDER.replace("SPAWNING", "False").replace("SECONDS", "30")
+    launcher = subprocess.Popen([sys.executable, "-c", forwarder], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
     try:
         assert launcher.stdout.readline().strip() == "1"  # the "training" runs
         for name in signals:
@@ -230,11 +232,16 @@ def test_a_second_ctrl_c_kills_the_training_and_says_so(signals, gap, status, me
         if status is None:  # one Ctrl-C: the training saves as long as it needs
             with pytest.raises(subprocess.TimeoutExpired):
                 launcher.wait(timeout=2)
-            launcher.kill()
-        assert launcher.wait(timeout=30) == (status or -9)
+            assert launcher.stderr.readline().startswith(message)
+            return
+        assert launcher.wait(timeout=30) == status
         assert launcher.stderr.read().strip().splitlines()[-1].startswith(message)
-    finally:
-        launcher.kill()
+    finally:  # the stand-in ignores SIGTERM, which the launcher's death sends it: killed with it
+        import psutil
+
+        if launcher.poll() is None:
+            for process in [*psutil.Process(launcher.pid).children(recursive=True), launcher]:
+                process.kill()
         launcher.wait()
 
 
@@ -272,7 +279,7 @@ def test_a_stop_before_the_training_starts_is_one_line(tiny_data, tmp_path):
         assert err.strip() == f"Stopped by {signal.Signals(signum).name} {said}" and not out
     assert not any(tmp_path.iterdir())
     # DeepSpeed's launcher still importing, no training process started yet: the launcher says it
-    launcher = subprocess.Popen([sys.executable, "-c", FORWARDER.replace("SPAWNING", "True")],
+    launcher = subprocess.Popen([sys.executable, "-c", FORWARDER.replace("SPAWNING", "True").replace("SECONDS", "5")],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert launcher.stdout.readline().strip() == "1"
     launcher.send_signal(signal.SIGINT)
