@@ -295,3 +295,5 @@ def test_a_learning_rate_the_optimizers_overflow_on_is_refused_before_anything_s
     with pytest.raises(UsageError, match=r"^--learning_rate 1e\+308 is larger than any learning rate that trains"):
         config_of("--learning_rate", "1e308")
     assert config_of("--learning_rate", "1e6")["optimizer"]["params"]["lr"] == 1e6
+    with pytest.raises(UsageError, match=r"^--backbone_lr_scale 10 makes the body's learning rate 1e\+07"):
+        config_of("--learning_rate", "1e6", "--backbone_lr_scale", "10")

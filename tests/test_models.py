@@ -191,6 +191,17 @@ def test_pretrained_without_the_file_or_the_network_names_both(tmp_path, monkeyp
     torch.save(state, tmp_path / "nan.pt")
     with pytest.raises(UsageError, match=r"nan.pt: layer2.0.conv1.weight holds NaN or infinite values"):
         build_model("resnet18", 3, pretrained=str(tmp_path / "nan.pt"))
+    state = build_model("resnet18", 3).state_dict()
+    state["conv1.weight"] = state["conv1.weight"].double() * 1e300  # finite in the file, infinite in fp32
+    torch.save(state, tmp_path / "huge.pt")
+    with pytest.raises(UsageError, match=r"huge.pt: conv1.weight holds NaN or infinite values \(in fp32"):
+        build_model("resnet18", 3, pretrained=str(tmp_path / "huge.pt"))
+    hub = tmp_path / "hub/checkpoints/mobilenet_v3_small-047dcff4.pth"
+    hub.unlink()
+    hub.symlink_to(hub)  # a link loop where the weights file should be
+    with pytest.raises(UsageError, match=r"--pretrained DEFAULT: .*mobilenet_v3_small-047dcff4.pth is a link to "
+                                         r"nothing"):
+        build_model("mobilenet_v3_small", 3, pretrained="DEFAULT")
 
 
 def bf16_steps(name, size):

@@ -408,6 +408,10 @@ def _resolve_optimizer(config, args, device_type):
             "the JSON's optimizer.params.lr"
         raise UsageError(f"{said} {lr:g} is larger than any learning rate that trains (at most {MAX_LR:g}; the "
                          "optimizers' fp32 update overflows near 1e37)")
+    scale = getattr(args, "backbone_lr_scale", 1.0)
+    if _number(lr) and _number(scale) and lr * scale > MAX_LR:
+        raise UsageError(f"--backbone_lr_scale {scale:g} makes the body's learning rate {lr * scale:g}, larger than any "
+                         f"that trains (at most {MAX_LR:g})")
     if str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
         # ZeRO partitions any torch optimizer's state, but DeepSpeed stops on one it has not listed (SGD among
         # them) unless this is set: the optimizer the JSON names is the user's choice.

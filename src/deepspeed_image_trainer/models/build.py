@@ -373,6 +373,9 @@ def weights_file(name, choice):
     path = folder / Path(urlparse(weights.url).path).name
     if path.is_file():
         return path
+    if path.is_symlink() and not path.exists():
+        raise UsageError(f"--pretrained {choice}: {path} is a link to nothing (its target is missing or a link loop), "
+                         "where the weights file should be; remove it (it is downloaded again) or give the file's path")
     if path.exists():  # a folder (or FIFO) by that name: a download would fail on it with a misleading reason
         kind = "a folder" if path.is_dir() else "not a regular file (a FIFO or a device)"
         raise UsageError(f"--pretrained {choice}: {path} is {kind}, where the weights file should be; remove it "
@@ -411,9 +414,11 @@ def pretrained_state(model, name, choice, num_classes, mmap=False):
     if odd is not None:  # the model's own tensors are dense and real: these would fail in a rank, or lose values
         raise UsageError(f"--pretrained {path}: {odd} is a {state[odd].layout} {state[odd].dtype} tensor; give dense "
                          "real-valued weights (tensor.to_dense(), .dequantize())")
-    broken = next((k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+    # as the model holds them (fp32): float64 values beyond fp32's range are infinite there
+    broken = next((k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v.float()).all()), None)
     if broken is not None:  # else the run would stop on a NaN loss, blaming the learning rate
-        raise UsageError(f"--pretrained {path}: {broken} holds NaN or infinite values; these weights cannot train")
+        raise UsageError(f"--pretrained {path}: {broken} holds NaN or infinite values (in fp32, as the model holds "
+                         "them); these weights cannot train")
     own = model.state_dict()
     versions = getattr(state, "_metadata", None)  # the file's module versions (MNASNet's stem depends on them)
     if not (isinstance(versions, dict) and all(isinstance(v, dict) for v in versions.values())):

@@ -117,7 +117,9 @@ def read_info(folder):
     wrong = [key for key, right in INFO_TYPES.items() if key in info and not right(info[key])]
     metrics = info.get("metrics")
     if info["epoch"] < 0 or isinstance(metrics, dict) and metrics.get("epoch", info["epoch"]) != info["epoch"]:
-        wrong.append("epoch")  # an end-of-epoch checkpoint's epoch is its metrics' too
+        # an end-of-epoch checkpoint's epoch is its metrics' too
+        raise UsageError(f"{path} is not a checkpoint description this trainer wrote (its epoch {info['epoch']} is "
+                         f"not the epoch its metrics record): use another checkpoint (last, best_model, epoch_N)")
     if wrong:
         raise UsageError(f"{path} is not a checkpoint description this trainer wrote ({', '.join(wrong)} of the "
                          "wrong kind): use another checkpoint (last, best_model, epoch_N)")

@@ -64,7 +64,7 @@ def earlier_results(checkpoint_dir, log_dir):
         if folder is not None:
             state = f"epoch {read_info(folder)['epoch']}"
         elif (checkpoint_dir / name / EXTRA_INFO).exists():
-            state = f"unreadable {EXTRA_INFO}"
+            state = f"an {EXTRA_INFO} this trainer cannot use"
         else:
             state = f"no {EXTRA_INFO}: damaged"
         found.append(f"{checkpoint_dir / name} ({state})")
