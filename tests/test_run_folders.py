@@ -136,7 +136,7 @@ def test_resume_auto_does_not_start_over_a_damaged_checkpoint(tmp_path):
                                          r"\(no extra_info.json: damaged\).*--overwrite replaces them"):
         check_new_run(args, None)
     (folder / "extra_info.json").write_bytes(b"\x00\xff garbage")
-    with pytest.raises(UsageError, match=r"last \(unreadable extra_info.json\)"):
+    with pytest.raises(UsageError, match=r"last \(an extra_info.json this trainer cannot use\)"):
         check_new_run(args, None)
 
 
