@@ -202,3 +202,19 @@ def test_the_background_engine_saves_a_copy_and_stops_at_the_first_failed_write(
         engine.after(later.append, "published")
         engine.wait()
     assert failures == [True] and later == []  # nothing queued behind a failed file runs
+
+
+def test_a_resume_keeps_the_figures_measured_after_the_last_epochs_save(tmp_path):
+    """The checkpoint holds the history as it was before its own save: the last epoch's checkpoint_s and
+    epoch_wall_s came back null from it, over the file's values."""
+    from deepspeed_image_trainer.outputs.history import TrainingHistory
+
+    written = {"epoch": 2, "val_loss": 0.5, "val_acc": 0.8, "checkpoint_s": 0.31, "epoch_wall_s": 7.05}
+    path = tmp_path / "training_history.json"
+    path.write_text(json.dumps({"config": {}, "epochs": [{**written, "epoch": 1, "val_loss": 0.7}, written]}))
+    history = TrainingHistory(path, {})
+    saved = {"epochs": [{**written, "epoch": 1, "val_loss": 0.7},
+                        {**written, "checkpoint_s": None, "epoch_wall_s": None}], "best": {"epoch": 2, "val_acc": 0.8}}
+    history.restore(saved)
+    assert history.data["epochs"][1] == written
+    assert saved["epochs"][1]["checkpoint_s"] is None  # the checkpoint's own copy left as it was

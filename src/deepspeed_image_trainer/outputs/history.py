@@ -33,6 +33,9 @@ def epoch_line(record, epochs, is_best):
             + (" | best" if is_best else ""))
 
 
+AFTER_SAVE = ("checkpoint_s", "epoch_wall_s")
+
+
 class TrainingHistory:
     def __init__(self, path, config, timing=None):
         self.path = Path(path)
@@ -57,8 +60,17 @@ class TrainingHistory:
 
     def restore(self, saved):
         """Take the epochs and best of a resumed run's saved history; keep this run's config."""
-        self.data["epochs"] = list(saved["epochs"])
+        self.data["epochs"] = [dict(record) for record in saved["epochs"]]
         self.data["best"] = dict(saved["best"])
+        # The figures measured after an epoch's save (AFTER_SAVE) are not in that checkpoint: the file has them.
+        try:
+            written = {r.get("epoch"): r for r in json.loads(self.path.read_bytes())["epochs"] if isinstance(r, dict)}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            written = {}
+        for record in self.data["epochs"]:
+            same = written.get(record.get("epoch"))
+            if same is not None and same.get("val_loss") == record.get("val_loss"):
+                record.update({key: same[key] for key in AFTER_SAVE if record.get(key) is None and key in same})
 
     def file_is_behind(self):
         """Whether the file holds fewer epochs than this history (a stop between a checkpoint's publication and
