@@ -403,9 +403,9 @@ def _resolve_optimizer(config, args, device_type):
         if params.get(key, AUTO) == AUTO or (flag and flag in args.explicit):
             params[key] = value
     lr = params.get("lr")
-    if isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > MAX_LR:
-        said = "--learning_rate" if "learning_rate" in args.explicit or "lr" not in (given or {}) else \
-            "the JSON's optimizer.params.lr"
+    if _number(lr) and lr > MAX_LR:
+        said = ("the JSON's optimizer.params.lr" if "lr" in given and "learning_rate" not in args.explicit
+                else "--learning_rate")
         raise UsageError(f"{said} {lr:g} is larger than any learning rate that trains (at most {MAX_LR:g}; the "
                          "optimizers' fp32 update overflows near 1e37)")
     scale = getattr(args, "backbone_lr_scale", 1.0)

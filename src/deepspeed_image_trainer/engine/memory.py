@@ -3,7 +3,7 @@ import contextlib
 import re
 
 from ..utils.failures import OutOfMemory
-from .config import precision
+from .config import _offloads, precision
 
 
 def _smallest_factor(n):
@@ -53,9 +53,9 @@ def zero3_note(ds_config, world_size, num_params, gpu_bytes):
     """A line for ZeRO-3 without parameter offload on several GPUs for a model whose states fit every GPU
     (None otherwise): ZeRO-2 is faster there (measured: docs/performance.md, Several GPUs)."""
     zero = ds_config["zero_optimization"]
-    offloads = zero.get("offload_param", {}).get("device", "none") not in ("none", None)
     states = 16 * num_params
-    if zero["stage"] != 3 or world_size < 2 or offloads or not gpu_bytes or states > ZERO2_FITS_SHARE * gpu_bytes:
+    if (zero["stage"] != 3 or world_size < 2 or _offloads(zero, "offload_param") or not gpu_bytes
+            or states > ZERO2_FITS_SHARE * gpu_bytes):
         return None
     return (f"note: ZeRO-3 shards {num_params / 1e6:.1f} M parameters whose unpartitioned states ({states / 2**30:.2f} "
             f"GiB) fit every GPU ({states / gpu_bytes:.1%} of one): it gathers each layer's weights in every forward "
