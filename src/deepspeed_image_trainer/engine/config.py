@@ -394,7 +394,7 @@ def _resolve_optimizer(config, args, device_type):
     optimizer = config.setdefault("optimizer", {"type": "AdamW", "params": {}})
     optimizer.setdefault("type", "AdamW")  # a JSON's optimizer section that gives params only
     params = optimizer.setdefault("params", {})
-    given = {key: value for key, value in params.items() if value != AUTO}
+    json_lr = params.get("lr", AUTO) != AUTO  # the JSON's own number, before the flags fill in "auto"
     takes = OPTIMIZER_SETTINGS.get(str(optimizer.get("type", "")).lower(), ())
     auto_values = {"lr": args.learning_rate, "weight_decay": args.weight_decay,
                    **{key: value for key, value in ADAM_SETTINGS.items() if key in takes or params.get(key) == AUTO}}
@@ -404,7 +404,7 @@ def _resolve_optimizer(config, args, device_type):
             params[key] = value
     lr = params.get("lr")
     if _number(lr) and lr > MAX_LR:
-        said = ("the JSON's optimizer.params.lr" if "lr" in given and "learning_rate" not in args.explicit
+        said = ("the JSON's optimizer.params.lr" if json_lr and "learning_rate" not in args.explicit
                 else "--learning_rate")
         raise UsageError(f"{said} {lr:g} is larger than any learning rate that trains (at most {MAX_LR:g}; the "
                          "optimizers' fp32 update overflows near 1e37)")
