@@ -52,7 +52,9 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "DATA_TYPES_NUMBER": {"data_types": 5},
         "LR_INFINITE": {"optimizer": {"type": "AdamW", "params": {"lr": 1e999}}},
         "CLIP_NAN": {"gradient_clipping": float("nan")},
-        "ZERO_TYPO": {"zero_optimisation": {"stage": 3}}}
+        "ZERO_TYPO": {"zero_optimisation": {"stage": 3}},
+        "STAGE_TRUE": {"zero_optimization": {"stage": True}},  # equal to 1, and its checkpoints then unusable
+        "ACCUM_FP32": {"data_types": {"grad_accum_dtype": "fp32"}}}
 
 FLAGS = [
     (["--seed", "-1"], "--seed must be in 0 .. 4294967295, got -1"),
@@ -103,6 +105,9 @@ FLAGS = [
      "data_types.grad_accum_dtype 'FP32' is not one of"),
     (["--deepspeed_config", "DATA_TYPES_NUMBER", "--zero_stage", "1", "--bf16", "--coalesce_grad_reduction", "on"],
      "data_types in the DeepSpeed config must be a JSON object, got 5"),
+    (["--deepspeed_config", "STAGE_TRUE"], "ZeRO stage must be 0, 1, 2 or 3, got true"),
+    (["--deepspeed_config", "ACCUM_FP32", "--zero_stage", "0", "--bf16", "--precision_mode", "half_weights"],
+     "grad_accum_dtype 'fp32' at ZeRO stage 0: DeepSpeed accumulates there in the weights' dtype only (bf16)"),
     (["--deepspeed_config", "LR_INFINITE"], "optimizer.params.lr is inf, not a finite number"),
     (["--deepspeed_config", "CLIP_NAN"], "gradient_clipping is nan, not a finite number"),
     (["--deepspeed_config", "ZERO_TYPO"], "'zero_optimisation' is not a key DeepSpeed reads (did you mean "

@@ -278,6 +278,8 @@ def _resolve_zero(config, args, num_params=None, world_size=1, resumed_stage=Non
             zero[key] = dict(OFFLOAD_TO_CPU)
     if stage == AUTO:
         stage = resumed_stage if resumed_stage is not None else auto_stage(world_size, zero)
+    if type(stage) is not int or stage not in (0, 1, 2, 3):  # true/2.0 compare equal to 1/2 and name no stage
+        raise UsageError(f"ZeRO stage must be 0, 1, 2 or 3, got {json.dumps(stage)}")
     zero["stage"] = stage
     if num_params:
         for key in BUCKETS:
@@ -302,8 +304,6 @@ def _resolve_zero(config, args, num_params=None, world_size=1, resumed_stage=Non
         zero["leaf_module"] = {"classes": list(ZERO3_LEAF_BLOCKS)}
     if stage == 3 and zero.get("stage3_module_granularity_threshold", AUTO) == AUTO:
         zero["stage3_module_granularity_threshold"] = 0  # DeepSpeed's: the leaf modules make the units
-    if stage not in (0, 1, 2, 3):
-        raise UsageError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
     allgather = zero.get("allgather_bucket_size")
     if stage in (1, 2) and isinstance(allgather, int) and allgather % BUCKET_ALIGNMENT:
         raise UsageError(f"zero_optimization.allgather_bucket_size must be a multiple of {BUCKET_ALIGNMENT} "
@@ -568,11 +568,17 @@ def check_with_deepspeed(config, path, device_type):
     data_types = config.get("data_types", {})  # an object: _check_types
     if "grad_accum_dtype" in data_types and data_types["grad_accum_dtype"] is not None:
         try:
-            DtypeEnum(data_types["grad_accum_dtype"])  # what the engine reads it with, at its start
+            accumulation = DtypeEnum(data_types["grad_accum_dtype"])  # what the engine reads it with, at its start
         except (ValueError, TypeError):
             names = ", ".join(name for dtype in DtypeEnum for name in dtype._all_values[1:])
             raise UsageError(f"{where}: data_types.grad_accum_dtype {data_types['grad_accum_dtype']!r} is not one of "
                              f"DeepSpeed's dtype names ({names})") from None
+        # Without ZeRO, DeepSpeed's engine accumulates only in the weights' own dtype (NotImplementedError at its start)
+        weights = precision(config) if precision(config) in ("fp16", "bf16") else "fp32"
+        if config["zero_optimization"]["stage"] == 0 and accumulation != DtypeEnum(weights):
+            raise UsageError(f"{where}: data_types.grad_accum_dtype {data_types['grad_accum_dtype']!r} at ZeRO stage 0: "
+                             f"DeepSpeed accumulates there in the weights' dtype only ({weights}); remove it or use "
+                             "--zero_stage 1, 2 or 3")
     _check_top_level_keys(config, where)
     # Checked here against one rank, DeepSpeed would refuse the global batch of several; it was checked above.
     checked = {key: value for key, value in config.items() if key != "train_batch_size"}
