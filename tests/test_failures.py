@@ -274,6 +274,15 @@ def test_a_tool_whose_output_lost_its_reader_ends_quietly(tiny_data):
     assert b"Traceback" not in process.stderr.read()
 
 
+def test_a_closed_standard_output_is_no_failure(tiny_data):
+    """`launch_deepspeed.py ... >&-`: sys.stdout was None, and flushing it at the exit raised AttributeError (a
+    finished run and a dry run exited 1)."""
+    result = subprocess.run(["sh", "-c", 'exec "$@" >&-', "sh", sys.executable, str(ROOT / "launch_deepspeed.py"),
+                              "--train_dir", str(tiny_data / "train"), "--val_dir", str(tiny_data / "val"),
+                              "--dry_run"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "Traceback" not in result.stderr
+
+
 def test_output_that_cannot_be_written_goes_nowhere_and_later_output_too():
     import os
 

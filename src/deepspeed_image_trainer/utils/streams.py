@@ -40,7 +40,19 @@ class OutlivesReader:
 
 
 def outlive_closed_output():
-    """Wrap sys.stdout and sys.stderr (before anything keeps a reference to them, as logging handlers do)."""
+    """Wrap sys.stdout and sys.stderr (before anything keeps a reference to them, as logging handlers do).
+
+    A standard descriptor closed at the start (`>&-`, `<&-`) is opened on /dev/null first: Python leaves
+    sys.stdout None then (flushing it at the exit raised), and the processes started after would have none."""
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            devnull = os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)
+            if devnull != fd:
+                os.dup2(devnull, fd)
+                os.close(devnull)
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if stream is not None and not isinstance(stream, OutlivesReader):
