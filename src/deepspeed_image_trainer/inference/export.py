@@ -76,6 +76,8 @@ def export(checkpoint, output):
     output = Path(output)
     check_output_file(output, "--output", SUFFIXES)
     state_dict, info = consolidated_state_dict(checkpoint)
+    if output.resolve().is_relative_to(Path(info["folder"]).resolve()):  # it would replace a file the export reads
+        raise UsageError(f"--output {output} is inside the checkpoint {info['folder']} it exports: write it elsewhere")
     # strict: the export must load as it is
     load_weights(model_for_weights(info["model"], len(info["class_names"]), info["image_size"]), state_dict,
                  info["folder"])
