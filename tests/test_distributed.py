@@ -242,7 +242,9 @@ def test_a_rendezvous_that_lost_its_port_starts_again_on_another(monkeypatch):
     ({"WORLD_SIZE": "1", "RANK": "3"}, "RANK=3 and WORLD_SIZE=1 in the environment: the ranks are 0 .. WORLD_SIZE - 1"),
     ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' in the environment is not a whole number"),
     ({"MASTER_PORT": "abc"}, "MASTER_PORT='abc' in the environment is not a whole number"),
-    ({"MASTER_PORT": "99999"}, "MASTER_PORT=99999 in the environment is not a port: use 1 .. 65535")])
+    ({"MASTER_PORT": "99999"}, "MASTER_PORT=99999 in the environment is not a port: use 1 .. 65535"),
+    ({"MASTER_ADDR": "no.such.host.invalid"}, "MASTER_ADDR in the environment 'no.such.host.invalid' is not an "
+                                              "address this machine can find")])
 def test_a_rank_environment_no_group_can_have_is_refused_before_joining(monkeypatch, env, message):
     from deepspeed_image_trainer.engine.distributed import init_distributed
 

@@ -48,9 +48,13 @@ def test_a_dry_runs_command_reads_the_users_json_which_it_can_run_with(tiny_data
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mine.json").write_text('{"gradient_clipping": 2.0}')
-    assert launch_deepspeed.main(data_args(tiny_data) + ["--deepspeed_config", "mine.json", "--dry_run"]) == 0
-    command = shlex.split(capsys.readouterr().out.strip().splitlines()[-1])
+    assert launch_deepspeed.main(data_args(tiny_data) + ["--deepspeed_config", "mine.json", "--dry_run",
+                                                         "--master_addr", "10.1.2.3"]) == 0
+    out, err = capsys.readouterr()
+    command = shlex.split(out.strip().splitlines()[-1])
     assert command[command.index("--deepspeed_config") + 1] == "mine.json"
+    # one node meets at 127.0.0.1 whatever --master_addr says: said, not silent
+    assert "note: --master_addr 10.1.2.3 is for runs over several nodes" in err and "10.1.2.3" not in out
     assert sorted(path.name for path in tmp_path.iterdir()) == ["mine.json"]
 
 
@@ -111,13 +115,16 @@ BAD_INPUT = [
     (["--deepspeed_config", "WRONG_TYPE"], 'zero_optimization in the DeepSpeed config must be a JSON object, got 2'),
     (["--deepspeed_config", "DEEPCOMPILE", "--compile"], "DeepCompile (compile.deepcompile with --compile) is not"),
     (["--checkpoint_dir", "FILE/checkpoints"], "is not a folder; choose another --checkpoint_dir"),
+    (["--hostfile", "HOSTFILE", "--master_addr", "no.such.host.invalid"],  # the ranks retried it for 10 minutes
+     "--master_addr 'no.such.host.invalid' is not an address this machine can find"),
 ]
 
 
 def bad_input_argv(tmp_path, tiny_data, extra):
     files = {"BROKEN": "{\"train_batch_size\": ", "LIST": "[]", "FILE": "",
              "WRONG_BATCH": '{"train_batch_size": 7, "train_micro_batch_size_per_gpu": 4}',
-             "WRONG_TYPE": '{"zero_optimization": 2}', "DEEPCOMPILE": '{"compile": {"deepcompile": true}}'}
+             "WRONG_TYPE": '{"zero_optimization": 2}', "DEEPCOMPILE": '{"compile": {"deepcompile": true}}',
+             "HOSTFILE": "localhost slots=1\n"}
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     return data_args(tiny_data) + [str(tmp_path / arg) if arg.split("/")[0] in files else arg for arg in extra]

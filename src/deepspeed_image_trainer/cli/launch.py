@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..data.check import check_data, decodes_every_file
 from ..engine.config import load_base_config, num_parameters
-from ..engine.distributed import check_port_free, free_port
+from ..engine.distributed import check_address, check_port_free, free_port
 from ..engine.interrupt import die_with_parent_call, stopped_before_training
 from ..engine.timing import LAUNCHED_AT_ENV, SPAWNED_AT_ENV
 from ..models.names import DEFAULT_MODEL
@@ -203,6 +203,11 @@ def main(argv=None, launched_at=None):
         raise UsageError(f"--master_port {args.master_port} is not a port number: use 1024-65535")
     if args.master_port is not None and not args.hostfile and not args.dry_run:
         check_port_free(args.master_port, "--master_port")
+    if args.master_addr is not None and args.hostfile:
+        check_address(args.master_addr, "--master_addr")
+    elif args.master_addr is not None:
+        print(f"note: --master_addr {args.master_addr} is for runs over several nodes (--hostfile): the ranks of one "
+              "node meet at 127.0.0.1", file=sys.stderr)
     check_visible_gpus(num_gpus, multi_node=bool(args.hostfile))
     check_writable(args.checkpoint_dir, "--checkpoint_dir")
     check_writable(args.log_dir, "--log_dir")

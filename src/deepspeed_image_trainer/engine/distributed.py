@@ -78,7 +78,19 @@ def checked_world_size():
                          "are 0 .. WORLD_SIZE - 1 (and LOCAL_RANK not negative)")
     if not 0 < values["MASTER_PORT"] < 65536:
         raise UsageError(f"MASTER_PORT={values['MASTER_PORT']} in the environment is not a port: use 1 .. 65535")
+    check_address(os.environ["MASTER_ADDR"], "MASTER_ADDR in the environment")
     return values["WORLD_SIZE"]
+
+
+def check_address(address, named):
+    """Refuse a rendezvous address that resolves to nothing: torch's store retried it for DeepSpeed's whole
+    timeout (10 minutes), without the line that says the rank is waiting."""
+    try:
+        socket.getaddrinfo(address, None)
+    except (socket.gaierror, UnicodeError) as err:
+        reason = err.strerror if isinstance(err, socket.gaierror) else "not a host name"
+        raise UsageError(f"{named} {address!r} is not an address this machine can find ({reason}): give the first "
+                         "node's host name or IP address") from None
 
 
 @contextlib.contextmanager
