@@ -463,6 +463,42 @@ def test_resuming_a_finished_run_trains_nothing_and_changes_nothing(trained, tmp
 
 
 @pytest.mark.slow
+def test_a_checkpoint_stopped_in_an_epoch_past_epochs_trains_nothing(trained, tmp_path, monkeypatch, capsys):
+    """A checkpoint saved in epoch N (a stop mid-epoch) resumed with --epochs below N trained nothing and
+    rewrote the history's config.epochs, silently."""
+    workdir, first = trained("zero0")
+    for name in ("logs", "checkpoints_deepspeed"):
+        shutil.copytree(workdir / name, tmp_path / name)
+    info_path = tmp_path / "checkpoints_deepspeed/last/extra_info.json"
+    info = {key: value for key, value in json.loads(info_path.read_text()).items() if key != "metrics"}
+    info_path.write_text(json.dumps({**info, "interrupted_at": {"epoch": TRAINED_EPOCHS + 1, "step": 1, "samples": 4}}))
+    before = digests(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    assert launch_deepspeed.main(first.args[2:] + ["--resume", "auto", "--epochs", str(TRAINED_EPOCHS)]) == 0
+    assert capsys.readouterr().out.startswith(f"Nothing to train: checkpoints_deepspeed/last stopped in epoch "
+                                              f"{TRAINED_EPOCHS + 1} and --epochs is {TRAINED_EPOCHS}")
+    assert digests(tmp_path) == before
+
+
+@pytest.mark.slow
+def test_a_dry_run_refuses_what_the_run_refuses_when_no_checkpoint_is_left(trained, tmp_path, monkeypatch, capsys):
+    """--resume auto --dry_run passed over every damaged checkpoint with a warning and exited 0, where the run
+    then refused to start over the earlier results."""
+    workdir, first = trained("zero0")
+    for name in ("logs", "checkpoints_deepspeed"):
+        shutil.copytree(workdir / name, tmp_path / name)
+    for info_path in (tmp_path / "checkpoints_deepspeed").glob("*/extra_info.json"):
+        info_path.write_text("{")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        run_cli(launch_deepspeed.main, first.args[2:] + ["--resume", "auto", "--dry_run"])
+    out, err = capsys.readouterr()
+    assert exited.value.code == 2 and not out
+    assert err.count("warning: --resume auto skips") == 4 and err.splitlines()[-1].startswith(
+        "error: --resume auto found no checkpoint to continue from, but these hold an earlier run's results")
+
+
+@pytest.mark.slow
 def test_a_shard_that_loads_no_tensors_stops_the_launcher(trained, tmp_path, monkeypatch, capsys):
     """A valid zip archive whose pickle names other objects, in rank 1's optimizer shard: the launcher reads
     every shard as the load will, before any rank starts."""

@@ -131,6 +131,10 @@ def test_another_world_size_resumes_but_not_an_old_mid_epoch_position(tmp_path):
     assert check_resumable(folder, 2, 3, {})["epoch"] == 2
     with pytest.raises(UsageError, match=r"in the middle of an epoch.*did not record the position in samples"):
         check_resumable(folder, 1, 3, {})
+    for stopped in ({"epoch": 7, "step": 5, "samples": 40}, {"epoch": "3"}):  # saved in epoch 3, after epoch 2
+        (folder / EXTRA_INFO).write_text(json.dumps({**info, "interrupted_at": stopped}))
+        with pytest.raises(UsageError, match="not a checkpoint description this trainer wrote"):
+            check_resumable(folder, 2, 3, {})
 
 
 def settings_of(*argv, classes=("ant", "bee", "cat"), world_size=1):

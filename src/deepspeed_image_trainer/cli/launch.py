@@ -247,6 +247,7 @@ def main(argv=None, launched_at=None):
         return 0
     given_path = given_config_path(args.log_dir, base) if args.deepspeed_config else None
     if args.dry_run:
+        run_folders.check_new_run(args, resume_from)  # what the run would refuse first
         for line in data_check.warnings() if data_check else ():  # else the training's rank 0 says them
             print(line, file=sys.stderr)
         print(json.dumps(config, indent=2))

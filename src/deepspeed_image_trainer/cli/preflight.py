@@ -83,7 +83,9 @@ def preflight(args, base, *, world_size, device_type, class_names, num_train_ima
     resumed_info = (check_resumable(resume_from, world_size, record["zero_stage"], resume_settings(record),
                                     read_shards) if resume_from is not None else None)
     finished = None
-    if resumed_info is not None and "interrupted_at" not in resumed_info and resumed_info["epoch"] >= args.epochs:
-        finished = (f"Nothing to train: {resume_from} ends at epoch {resumed_info['epoch']} and --epochs is "
-                    f"{args.epochs}; its checkpoints and history are left as they are (a larger --epochs trains on)")
+    stopped = (resumed_info or {}).get("interrupted_at")
+    if resumed_info is not None and (stopped["epoch"] if stopped else resumed_info["epoch"] + 1) > args.epochs:
+        where = f"stopped in epoch {stopped['epoch']}" if stopped else f"ends at epoch {resumed_info['epoch']}"
+        finished = (f"Nothing to train: {resume_from} {where} and --epochs is {args.epochs}; its checkpoints and "
+                    "history are left as they are (a larger --epochs trains on)")
     return Preflight(ds_config, coalesced, record, resume_from, resumed_info, finished)

@@ -100,7 +100,8 @@ def _whole_number(value, low=0):
 INFO_TYPES = {"class_names": lambda v: isinstance(v, list) and v and all(isinstance(n, str) for n in v),
               "image_size": lambda v: _whole_number(v, 1), "world_size": lambda v: _whole_number(v, 1),
               "zero_stage": lambda v: v in (0, 1, 2, 3) and _whole_number(v),
-              "settings": lambda v: isinstance(v, dict)}
+              "settings": lambda v: isinstance(v, dict),
+              "interrupted_at": lambda v: isinstance(v, dict) and _whole_number(v.get("epoch"), 1)}
 
 
 def read_info(folder):
@@ -116,8 +117,10 @@ def read_info(folder):
                          "another checkpoint (last, best_model, epoch_N)")
     wrong = [key for key, right in INFO_TYPES.items() if key in info and not right(info[key])]
     metrics = info.get("metrics")
-    if info["epoch"] < 0 or isinstance(metrics, dict) and metrics.get("epoch", info["epoch"]) != info["epoch"]:
-        # an end-of-epoch checkpoint's epoch is its metrics' too
+    stopped = info.get("interrupted_at")
+    if info["epoch"] < 0 or isinstance(metrics, dict) and metrics.get("epoch", info["epoch"]) != info["epoch"] or (
+            isinstance(stopped, dict) and stopped.get("epoch", info["epoch"] + 1) != info["epoch"] + 1):
+        # an end-of-epoch checkpoint's epoch is its metrics' too; one saved in epoch N is after epoch N - 1
         raise UsageError(f"{path} is not a checkpoint description this trainer wrote (its epoch {info['epoch']} is "
                          f"not the epoch its metrics record): use another checkpoint (last, best_model, epoch_N)")
     if wrong:
