@@ -222,3 +222,28 @@ def test_a_resume_keeps_the_figures_measured_after_the_last_epochs_save(tmp_path
     history.restore(saved)
     assert history.data["epochs"][1] == written
     assert saved["epochs"][1]["checkpoint_s"] is None  # the checkpoint's own copy left as it was
+
+
+def test_a_resume_takes_the_weights_name_its_run_started_from(tmp_path):
+    """Resumed without --pretrained, a run started from named weights used the default preprocessing (bilinear
+    where its weights had bicubic) and recorded pretrained null; another name than the checkpoint's is refused."""
+    from types import SimpleNamespace
+
+    from deepspeed_image_trainer.cli.preflight import take_saved_weights_name
+    from deepspeed_image_trainer.models.build import preprocessing
+
+    folder = fake_checkpoint(tmp_path / "last", 2, "last")
+    info = json.loads((folder / EXTRA_INFO).read_text())
+    (folder / EXTRA_INFO).write_text(json.dumps({**info, "model": "vit_b_16", "pretrained": "IMAGENET1K_SWAG_E2E_V1"}))
+    args = SimpleNamespace(resume="auto", checkpoint_dir=tmp_path, pretrained=None)
+    take_saved_weights_name(args)
+    assert args.pretrained == "IMAGENET1K_SWAG_E2E_V1"
+    assert preprocessing("vit_b_16", args.pretrained)["interpolation"] == "bicubic"
+    take_saved_weights_name(args)  # the same name given: kept
+    args.pretrained = "DEFAULT"
+    with pytest.raises(UsageError, match=r"^--pretrained DEFAULT: .*last continues a run started from --pretrained "
+                                         r"IMAGENET1K_SWAG_E2E_V1, whose trained weights it holds; leave --pretrained"):
+        take_saved_weights_name(args)
+    started_at_random = SimpleNamespace(resume="auto", checkpoint_dir=tmp_path / "nothing", pretrained=None)
+    take_saved_weights_name(started_at_random)  # no checkpoint yet: a new run
+    assert started_at_random.pretrained is None

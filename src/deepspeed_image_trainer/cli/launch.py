@@ -23,7 +23,7 @@ from ..outputs import run_folders
 from ..utils.failures import CliParser, UsageError, check_writable, stop_on_write_error
 from ..utils.files import write_json_atomic
 from .options import add_training_args, norm_batch_size, parse_args
-from .preflight import preflight, weights_to_load
+from .preflight import preflight, take_saved_weights_name, weights_to_load
 
 TRAIN_SCRIPT = Path(__file__).resolve().parents[2] / "train_deepspeed.py"  # src/
 LAUNCHER_FLAGS = {"num_gpus", "num_nodes", "hostfile", "master_addr", "master_port", "launcher", "node_rank",
@@ -231,6 +231,7 @@ def main(argv=None, launched_at=None):
                                 decodes_every_file(args.data_on_device, device_type, args.cache_dir == OFF))
         class_names, num_train_images = data_check.classes, data_check.train.num_images
     num_params = num_parameters(len(class_names))
+    take_saved_weights_name(args)
     if args.model != DEFAULT_MODEL or args.pretrained or args.batch_size == 1:  # the training script's checks,
         from ..models.build import checked_model                                 # before any process starts
 

@@ -32,6 +32,23 @@ def weights_to_load(args):
     return args.pretrained
 
 
+def take_saved_weights_name(args):
+    """A resumed run's --pretrained is its checkpoint's: the preprocessing (mean, std, resize, interpolation) and
+    the record follow the weights the run started from, without loading them. Left out, it is taken from the
+    checkpoint (the resumed epochs used the default preprocessing, and the history said pretrained null); another
+    is refused."""
+    resume_from = find_checkpoint(args.resume, args.checkpoint_dir) if args.resume else None
+    if resume_from is None:
+        return
+    saved = read_info(resume_from).get("pretrained")
+    if args.pretrained is None:
+        args.pretrained = saved
+    elif args.pretrained != saved:
+        raise UsageError(f"--pretrained {args.pretrained}: {resume_from} continues a run started from "
+                         f"{'--pretrained ' + saved if saved else 'random weights'}, whose trained weights it holds; "
+                         "leave --pretrained out to resume it")
+
+
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 

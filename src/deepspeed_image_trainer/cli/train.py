@@ -40,7 +40,7 @@ from ..outputs.record import checkpoint_info
 from ..utils.failures import CliParser, UsageError, check_writable, stop_on_write_error
 from ..utils.text import listed
 from .options import add_training_args, norm_batch_size, parse_args
-from .preflight import preflight, weights_to_load
+from .preflight import preflight, take_saved_weights_name, weights_to_load
 
 
 @dataclass
@@ -147,6 +147,7 @@ def build(args, clock):
     check_writable(args.log_dir, "--log_dir")
     check_usable(args)
     base_config = load_base_config(args.deepspeed_config)
+    take_saved_weights_name(args)
     inputs = preprocessing(args.model, args.pretrained)  # the mean, std and resize its weights were trained with
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size, inputs,
