@@ -447,7 +447,8 @@ def _train_in(rank, port, results, workdir, argv):
 
 
 @pytest.mark.slow
-def test_resuming_a_finished_run_trains_nothing_and_changes_nothing(trained, tmp_path, monkeypatch, capsys):
+def test_resuming_a_finished_run_trains_nothing_and_changes_nothing(trained, tmp_path, tmp_path_factory, monkeypatch,
+                                                                   capsys):
     workdir, first = trained("zero0")
     for name in ("logs", "checkpoints_deepspeed"):
         shutil.copytree(workdir / name, tmp_path / name)
@@ -457,9 +458,11 @@ def test_resuming_a_finished_run_trains_nothing_and_changes_nothing(trained, tmp
     assert capsys.readouterr().out == (f"Nothing to train: checkpoints_deepspeed/last ends at epoch {TRAINED_EPOCHS} "
                                        f"and --epochs is {TRAINED_EPOCHS}; its checkpoints and history are left as "
                                        "they are (a larger --epochs trains on)\n")
-    # the training script run directly says the same once it holds the folders
+    # the training script run directly says the same once it holds the folders, and that the run has finished
+    marker = tmp_path_factory.mktemp("marker") / "finished"
+    monkeypatch.setenv("TRAINER_FINISHED_FILE", str(marker))
     assert spawn_ranks(_train_in, 1, tmp_path, first.args[2:] + ["--resume", "last"])["status"] == 0
-    assert digests(tmp_path) == before
+    assert digests(tmp_path) == before and marker.read_text() == "finished\n"
 
 
 @pytest.mark.slow

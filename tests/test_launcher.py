@@ -252,6 +252,30 @@ def test_a_second_ctrl_c_kills_the_training_and_says_so(signals, gap, status, me
         launcher.wait()
 
 
+FINISHED_THEN_SIGNALLED = (
+    "import sys; from deepspeed_image_trainer.cli.launch import run_and_forward_signals; "
+    "sys.exit(run_and_forward_signals([sys.executable, '-c', 'import os, signal, subprocess, sys, time; "
+    "subprocess.Popen([sys.executable, \"-c\", \"import time; time.sleep(60)\"]); "
+    "open(os.environ[\"TRAINER_FINISHED_FILE\"], \"w\").write(\"finished\\\\n\"); "  # as rank 0 does at the end
+    "signal.signal(signal.SIGTERM, lambda *_: sys.exit(1)); "  # DeepSpeed's launcher's status once signalled
+    "print(1, flush=True); time.sleep(30)'], 0))")
+
+
+@pytest.mark.slow
+def test_a_signal_after_the_run_finished_stops_nothing():
+    """`timeout` expiring in the teardown of a finished run: the launcher said it stopped the run to save, and
+    exited 143."""
+    import signal
+    import subprocess
+
+    launcher = subprocess.Popen([sys.executable, "-c", FINISHED_THEN_SIGNALLED], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    assert launcher.stdout.readline().strip() == "1"
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=30) == 0
+    assert launcher.stderr.read().strip() == "The run had finished when SIGTERM came"
+
+
 @pytest.mark.slow
 def test_ctrl_c_while_the_launcher_imports_ends_it_without_a_traceback(tiny_data, tmp_path):
     import signal

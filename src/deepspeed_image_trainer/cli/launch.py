@@ -11,12 +11,13 @@ import subprocess
 import sys
 import threading
 import time
+import tempfile
 from pathlib import Path
 
 from ..data.check import check_data, decodes_every_file
 from ..engine.config import load_base_config, num_parameters
 from ..engine.distributed import check_address, check_port_free, free_port
-from ..engine.interrupt import die_with_parent_call, stopped_before_training
+from ..engine.interrupt import FINISHED_ENV, die_with_parent_call, finished, stopped_before_training
 from ..engine.timing import LAUNCHED_AT_ENV, SPAWNED_AT_ENV
 from ..models.names import DEFAULT_MODEL
 from ..outputs import run_folders
@@ -301,9 +302,23 @@ def run_and_forward_signals(command, launched_at):
     SIGINT/SIGTERM reach every process of the group as SIGTERM: the ranks finish their step, save a
     resumable checkpoint and exit; a second one kills them. This waits for all of them (DeepSpeed's
     launcher alone would exit first), at most STOP_GRACE_S after DeepSpeed's launcher has exited; and the
-    group goes with this process, however it dies.
+    group goes with this process, however it dies. A signal that comes once rank 0 has said the run finished
+    (FINISHED_ENV) stops nothing: 0.
     """
-    env = {**os.environ, LAUNCHED_AT_ENV: repr(launched_at), SPAWNED_AT_ENV: repr(time.time())}
+    try:
+        fd, marker = tempfile.mkstemp(prefix="trainer-finished-")
+        os.close(fd)
+    except OSError:  # no temporary folder: such a signal is reported as a stop
+        return _run_and_forward_signals(command, launched_at, None)
+    try:
+        return _run_and_forward_signals(command, launched_at, marker)
+    finally:
+        os.unlink(marker)
+
+
+def _run_and_forward_signals(command, launched_at, marker):
+    env = {**os.environ, LAUNCHED_AT_ENV: repr(launched_at), SPAWNED_AT_ENV: repr(time.time()),
+           **({FINISHED_ENV: marker} if marker else {})}
     child = subprocess.Popen(outliving_closed_output(command), start_new_session=True, env=env,
                              preexec_fn=die_with_parent_call(os.getpid()))
     received, spawned, last = [], threading.Event(), [0.0]
@@ -327,7 +342,7 @@ def run_and_forward_signals(command, launched_at):
         if len(received) == 1:
             if has_children(child.pid):
                 spawned.set()
-            if spawned.is_set():
+            if spawned.is_set() and not finished(marker):
                 print("Stopping: once training has started, it saves a checkpoint at its current step (again to "
                       "kill it now)", file=sys.stderr, flush=True)
         signal_group(child.pid, signal.SIGTERM if len(received) == 1 else signal.SIGKILL)
@@ -345,6 +360,9 @@ def run_and_forward_signals(command, launched_at):
                   "were killed", file=sys.stderr, flush=True)
             return 128 + signal.SIGKILL
         time.sleep(0.2)
+    if received and finished(marker):  # the signal came in the teardown (DeepSpeed's launcher then exits 1)
+        print(f"The run had finished when {signal.Signals(received[0]).name} came", file=sys.stderr, flush=True)
+        return 0
     if len(received) > 1:
         print("\nerror: the training processes were killed (a second Ctrl-C or SIGTERM); --resume auto continues "
               "from the last checkpoint published, if any", file=sys.stderr, flush=True)

@@ -24,7 +24,7 @@ from ..engine.config import load_base_config, precision, resolve_scheduler
 from ..engine.distributed import (agreed, all_reduce, any_rank, checked_world_size, differing, init_distributed,
                                   local_device, patient_group, rank_zero_only, shut_down)
 from ..engine.finetune import BodyLearningRate, fine_tuning, parameter_groups, whole_run_frozen
-from ..engine.interrupt import StopOnSignal, die_with_parent_call, stopped_at_once
+from ..engine.interrupt import StopOnSignal, die_with_parent_call, say_finished, stopped_at_once
 from ..engine.loop import evaluate, input_dtype, peak_gpu_memory_gib, replace_lr_scheduler, train_one_epoch
 from ..engine.memory import advise_on_out_of_memory, zero3_note
 from ..engine.numerics import StepHealth
@@ -133,6 +133,7 @@ def train(argv, process_started):
     with stopped_at_once(on_stop=run_folders.release):
         run = build(args, clock)
     if run is None:  # nothing to train
+        say_finished()
         return 0
     stopped = epoch_loop(run)
     return stopped if stopped is not None else finish(run)
@@ -393,5 +394,6 @@ def finish(run):
         total = datetime.timedelta(seconds=round(run.clock.since_start()))
         say(f"Best val acc {best['val_acc']:.4f} at epoch {best['epoch']}; total time {total}; "
             f"history in {run.history.path}, checkpoints in {run.args.checkpoint_dir}")
+    say_finished()  # every checkpoint is published and the history written: a signal from here on stops nothing
     shut_down()  # together: a rank leaving gloo while rank 0 still writes can abort in the backend's teardown
     return 0

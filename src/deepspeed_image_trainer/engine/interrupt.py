@@ -12,6 +12,30 @@ import torch
 from .distributed import all_reduce
 
 AGREE_EVERY = 10  # checks between the all-reduces that let several ranks stop at the same step
+# A file the launcher makes and rank 0 writes into once the run has finished: a signal after that (`timeout`
+# expiring in the teardown) stops nothing, and the launcher says the run finished.
+FINISHED_ENV = "TRAINER_FINISHED_FILE"
+
+
+def say_finished():
+    """Rank 0, once every rank is through the run's last collective and the results are written."""
+    path = os.environ.get(FINISHED_ENV)
+    if path and os.environ.get("RANK", "0") == "0":
+        try:
+            with open(path, "w") as marker:
+                marker.write("finished\n")
+        except OSError:  # the launcher then reports the signal, as it did before
+            pass
+
+
+def finished(path):
+    if path is None:
+        return False
+    try:
+        with open(path) as marker:
+            return marker.read() == "finished\n"
+    except OSError:
+        return False
 
 
 def stopped_before_training(signum):
