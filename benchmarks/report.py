@@ -397,8 +397,9 @@ def half_weights_gain(rows_of):
             f"images/s.\n")
 
 
-def scaling(names):
-    """scaling.py's end-to-end epochs on 1 and N GPUs beside plain DDP, one table per model."""
+def scaling(names, kind="real"):
+    """scaling.py's end-to-end epochs (kind "real") or steps on a synthetic batch ("synthetic") on 1 and N GPUs
+    beside plain DDP, one table per model."""
     parts = []
     for name in names:
         result = load(name)
@@ -407,7 +408,7 @@ def scaling(names):
         ddp = next(r for r in results.values() if r["kind"] == "reference")
         rows = []
         for label, r in results.items():
-            if r["kind"] not in ("reference", "real"):
+            if r["kind"] not in ("reference", kind):
                 continue
             one, many = r["1_gpu"], r[f"{n}_gpu"]
             if "error" in one or "error" in many:
@@ -419,8 +420,10 @@ def scaling(names):
                          f"{many['peak_gpu_memory_gib']:.2f}"])
         parts.append(source(result, name) + (
             f"\n{settings['model']}, {settings['num_classes']} classes, micro-batch {settings['batch_size']} per GPU, "
-            f"{settings['image_size']} px, bf16; the trainer's images/s over its epochs after the first, "
-            f"DDP's over its timed steps:\n\n") + table(
+            f"{settings['image_size']} px, bf16; " + (
+                "the trainer's images/s over its epochs after the first, DDP's over its timed steps"
+                if kind == "real" else "images/s over the timed steps, both on a GPU-resident synthetic batch") +
+            ":\n\n") + table(
             ["measurement", "1 GPU images/s", f"{n} GPUs images/s", "speed-up", f"of DDP on {n} GPUs",
              f"peak GiB ({n} GPUs)"], rows))
     return "\n\n".join(parts)
@@ -517,6 +520,8 @@ TABLES = {
     "deepspeed-overrides": lambda: throughput("throughput_nvidia_h100_80gb_hbm3.json"),
     "scaling-epochs": lambda: scaling([f"scaling_{model}nvidia_h100_80gb_hbm3_x2.json"
                                        for model in ("", "resnet50_", "vit_b_16_")]),
+    "scaling-steps": lambda: scaling([f"scaling_{model}nvidia_h200_x2.json" for model in ("", "vit_b_16_")],
+                                     kind="synthetic"),
     "scaling-sync-bn": lambda: scaling_sync_bn("scaling_sync_bn/scaling_nvidia_h100_80gb_hbm3_x2.json"),
     "scaling-accuracy": lambda: scaling_accuracy("scaling_accuracy/scaling_nvidia_h100_80gb_hbm3_x2.json"),
     "zero-memory": lambda: zero_memory([f"zero_memory/memory_vit_h_14_nvidia_h100_80gb_hbm3_x{n}.json"
