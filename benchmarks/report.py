@@ -522,6 +522,7 @@ TABLES = {
                                        for model in ("", "resnet50_", "vit_b_16_")]),
     "scaling-steps": lambda: scaling([f"scaling_{model}nvidia_h200_x2.json" for model in ("", "vit_b_16_")],
                                      kind="synthetic"),
+    "zero3-vit-b-16": lambda: zero3_settings("zero3_vit_b_16/zero3_settings_vit_b_16_b256_nvidia_h100_80gb_hbm3.json"),
     "scaling-sync-bn": lambda: scaling_sync_bn("scaling_sync_bn/scaling_nvidia_h100_80gb_hbm3_x2.json"),
     "scaling-accuracy": lambda: scaling_accuracy("scaling_accuracy/scaling_nvidia_h100_80gb_hbm3_x2.json"),
     "zero-memory": lambda: zero_memory([f"zero_memory/memory_vit_h_14_nvidia_h100_80gb_hbm3_x{n}.json"
