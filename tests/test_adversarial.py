@@ -117,6 +117,9 @@ FLAGS = [
     (["--data_on_device", "cache", "--cache_dir", "RANDOM_BYTES"], "--data_on_device cache needs the decoded-image cache: --cache_dir"),
     (["--pretrained", "MODEL_STATES"], "export it first with export_model.py"),
     (["--pretrained", "SPARSE"], "fc.weight is a torch.sparse_coo torch.float32 tensor; give dense real-valued"),
+    (["--pretrained", "META"], "fc.weight is a meta-device tensor, which holds no values"),
+    (["--pretrained", "INT_KEY"], "is not a state_dict (tensors by name)"),
+    (["--pretrained", "NESTED"], "fc.weight is a nested torch.float32 tensor; give dense real-valued"),
     (["--pretrained", "WRAPPED"], "is not a state_dict (tensors by name); its tensors are under 'state_dict': save "
                                   "that dict alone"),
     (["--pretrained", "PAYLOAD"], "PAYLOAD holds Python objects other than tensors (GLOBAL io.open): not "
@@ -158,6 +161,9 @@ def test_the_launcher_refuses_what_no_run_can_use(tiny_data, tmp_path, monkeypat
     torch.save({"fc.weight": Payload(tmp_path / "ran")}, tmp_path / "PAYLOAD")
     torch.save({"state_dict": {"fc.weight": torch.zeros(3, 512)}, "epoch": 3}, tmp_path / "WRAPPED")
     torch.save({"fc.weight": torch.zeros(3, 512).to_sparse()}, tmp_path / "SPARSE")
+    torch.save({"fc.weight": torch.empty(3, 512, device="meta")}, tmp_path / "META")  # a model built on meta
+    torch.save({"fc.weight": torch.zeros(3, 512), 0: torch.zeros(1)}, tmp_path / "INT_KEY")
+    torch.save({"fc.weight": torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])}, tmp_path / "NESTED")
     argv = data_args(tiny_data) + [str(tmp_path / arg) if (tmp_path / arg).is_file() else arg for arg in extra]
     monkeypatch.chdir(tmp_path)
     assert_usage_error_in_process(launch_deepspeed.main, argv + ["--dry_run"], capsys, message)
@@ -263,6 +269,8 @@ def damage(path, how, marker):
         path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
     elif how == "payload":
         torch.save({"module": Payload(marker)}, path)
+    elif how == "meta tensors":  # saved from a model on the meta device: shapes only
+        torch.save({key: value.to("meta") for key, value in torch.load(path).items()}, path)
     elif how == "class_names 5":
         path.write_text(json.dumps({**json.loads(path.read_text()), "class_names": 5}))
 
@@ -304,6 +312,7 @@ def test_a_damaged_or_hostile_checkpoint_folder_is_refused(export_of_a_run, tiny
 EXPORT_DAMAGE = [("model.pt", "random bytes", "is damaged or not a torch file"),
                  ("model.pt", "truncated", "is damaged or not a torch file"),
                  ("model.pt", "payload", "holds Python objects other than tensors"),
+                 ("model.pt", "meta tensors", "is a meta-device tensor, which holds no values"),
                  ("model.pt.json", "not json", "model.pt.json is unreadable"),
                  ("model.pt.json", "no classes", "expected class_names (a list of names) and image_size"),
                  ("model.pt.json", "two classes", f"has {TINY_CLASSES} outputs but its class names list 2"),

@@ -58,6 +58,17 @@ def test_a_dry_runs_command_reads_the_users_json_which_it_can_run_with(tiny_data
     assert sorted(path.name for path in tmp_path.iterdir()) == ["mine.json"]
 
 
+def test_a_dry_run_downloads_no_weights(tiny_data, tmp_path, monkeypatch, capsys):
+    """A dry run writes nothing: named weights missing from the torch hub cache were downloaded into it."""
+    from deepspeed_image_trainer.cli import launch as launch_deepspeed
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    monkeypatch.chdir(tmp_path)
+    assert launch_deepspeed.main(data_args(tiny_data) + ["--pretrained", "DEFAULT", "--dry_run"]) == 0
+    assert "note: --pretrained DEFAULT: the run downloads resnet18-f37072fd.pth into" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
 def test_the_training_script_gets_the_users_json_as_read_not_the_config_resolved_here():
     """The config resolved here holds the LR schedule's step counts, from the data check's count of images, as
     numbers: the training script would take them for the user's own. It gets the user's JSON as the launcher

@@ -234,11 +234,16 @@ def main(argv=None, launched_at=None):
     num_params = num_parameters(len(class_names))
     take_saved_weights_name(args)
     if args.model != DEFAULT_MODEL or args.pretrained or args.batch_size == 1:  # the training script's checks,
-        from ..models.build import checked_model                                 # before any process starts
+        from ..models.build import checked_model, not_downloaded                 # before any process starts
 
-        # downloads torchvision's weights once, here, rather than in every rank
+        # downloads torchvision's weights once, here, rather than in every rank; a dry run writes nothing
+        weights = weights_to_load(args)
+        if args.dry_run and (download := not_downloaded(args.model, weights)):
+            print(f"note: --pretrained {weights}: the run downloads {download.name} into {download.parent} (a dry run "
+                  "does not; its shapes are checked without the weights)", file=sys.stderr)
+            weights = None
         shapes = checked_model(args.model, len(class_names), args.image_size,
-                               norm_batch_size(args.batch_size, args.sync_bn, world_size), weights_to_load(args))
+                               norm_batch_size(args.batch_size, args.sync_bn, world_size), weights)
         num_params = sum(p.numel() for p in shapes.parameters())
     base = load_base_config(args.deepspeed_config)
     checked = preflight(args, base, world_size=world_size, device_type=device_type, class_names=class_names,

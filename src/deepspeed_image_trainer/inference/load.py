@@ -12,7 +12,7 @@ from ..models.build import check_saved_model, load_weights, model_for_weights
 from ..models.names import MODEL_NAME
 from ..utils.failures import UsageError
 from ..utils.files import fingerprint
-from ..utils.loading import load_checked
+from ..utils.loading import load_checked, tensors_by_name, unloadable_tensor
 from .export import consolidated_state_dict, sidecar_path
 
 
@@ -53,8 +53,11 @@ def _weights(path):
             raise UsageError(f"--model {path} is damaged or not a safetensors file ({err})") from None
     else:
         state_dict = load_checked(path, deepspeed_classes=False)
-    if not isinstance(state_dict, dict) or not all(torch.is_tensor(v) for v in state_dict.values()):
+    if not tensors_by_name(state_dict):
         raise UsageError(f"--model {path} is not a state_dict (tensors by name): export one with export_model.py")
+    odd = unloadable_tensor(state_dict)
+    if odd is not None:
+        raise UsageError(f"--model {path}: {odd}")
     return state_dict
 
 

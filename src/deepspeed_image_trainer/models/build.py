@@ -18,7 +18,7 @@ from torchvision.models.convnext import LayerNorm2d
 from torchvision.models.resnet import BasicBlock, ResNet
 
 from ..utils.failures import UsageError
-from ..utils.loading import load_checked
+from ..utils.loading import load_checked, tensors_by_name, unloadable_tensor
 from ..utils.text import error_line
 from .names import DEFAULT_MODEL, architecture
 
@@ -391,6 +391,14 @@ def weights_file(name, choice):
     return path
 
 
+def not_downloaded(name, choice):
+    """The torch hub cache's file for weights name `choice` of model `name` where it is not there yet (a run
+    downloads it into that path); None for a file, or weights already there."""
+    weights = _weights(architecture(name), choice) if isinstance(choice, str) else None
+    path = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(weights.url).path).name if weights else None
+    return path if path is not None and not path.exists() and not path.is_symlink() else None
+
+
 AUXILIARY_HEADS = ("aux1.", "aux2.", "AuxLogits.")  # GoogLeNet's and Inception V3's, left out (see above)
 
 
@@ -403,17 +411,16 @@ def pretrained_state(model, name, choice, num_classes, mmap=False):
         state = load_checked(path, mmap=mmap, deepspeed_classes=False)
     except UsageError as err:
         raise UsageError(f"--pretrained {err}") from None
-    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+    if not tensors_by_name(state):
         nested = [key for key, value in state.items() if isinstance(value, dict)] if isinstance(state, dict) else []
         raise UsageError(f"--pretrained {path} is not a state_dict (tensors by name)"
                          + ("; for a checkpoint of this trainer, export it first with export_model.py"
                             if "module" in nested else
                             f"; its tensors are under '{nested[0]}': save that dict alone (torch.save(state"
                             f"['{nested[0]}'], path))" if nested else ""))
-    odd = next((k for k, v in state.items() if v.layout != torch.strided or v.is_quantized or v.is_complex()), None)
+    odd = unloadable_tensor(state)
     if odd is not None:  # the model's own tensors are dense and real: these would fail in a rank, or lose values
-        raise UsageError(f"--pretrained {path}: {odd} is a {state[odd].layout} {state[odd].dtype} tensor; give dense "
-                         "real-valued weights (tensor.to_dense(), .dequantize())")
+        raise UsageError(f"--pretrained {path}: {odd}")
     # as the model holds them (fp32): float64 values beyond fp32's range are infinite there
     broken = next((k for k, v in state.items() if v.is_floating_point() and not torch.isfinite(v.float()).all()), None)
     if broken is not None:  # else the run would stop on a NaN loss, blaming the learning rate

@@ -100,7 +100,8 @@ def _whole_number(value, low=0):
 INFO_TYPES = {"class_names": lambda v: isinstance(v, list) and v and all(isinstance(n, str) for n in v),
               "image_size": lambda v: _whole_number(v, 1), "world_size": lambda v: _whole_number(v, 1),
               "zero_stage": lambda v: v in (0, 1, 2, 3) and _whole_number(v),
-              "settings": lambda v: isinstance(v, dict), "pretrained": lambda v: v is None or isinstance(v, str),
+              "settings": lambda v: isinstance(v, dict) and _whole_number(v.get("train_batch_size", 1), 1),
+              "pretrained": lambda v: v is None or isinstance(v, str),
               "interrupted_at": lambda v: isinstance(v, dict) and _whole_number(v.get("epoch"), 1)}
 
 

@@ -100,3 +100,21 @@ def _refused_global(err):
 
 def _detail(err):
     return next((line for line in _lines(err) if line), error_line(err))
+
+
+def tensors_by_name(state):
+    """Whether `state` is a state_dict: tensors by name (a key that is no name failed in the loader)."""
+    return isinstance(state, dict) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in state.items())
+
+
+def unloadable_tensor(state):
+    """The first entry of state_dict `state` no model's weights can take, as "<key> is a ... tensor; ..."; None
+    when every tensor is dense, real-valued and holds values (a meta-device tensor holds none)."""
+    for key, value in state.items():
+        if value.is_meta:
+            return f"{key} is a meta-device tensor, which holds no values; save the weights of a built model"
+        if value.is_nested or value.layout != torch.strided or value.is_quantized or value.is_complex():
+            kind = "nested" if value.is_nested else value.layout
+            return (f"{key} is a {kind} {value.dtype} tensor; give dense real-valued weights (tensor.to_dense(), "
+                    ".dequantize())")
+    return None
