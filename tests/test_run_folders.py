@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -281,3 +282,20 @@ def test_a_run_refused_on_its_second_folder_removes_the_first_it_made(tmp_path):
     run_folders.keep()
     run_folders.release()
     assert (tmp_path / "new/ckpt").is_dir()
+
+
+def test_files_written_whole_get_the_permissions_open_gives(tmp_path):
+    """tempfile makes its files 0600 and its folders 0700: histories, configs, checkpoint descriptions, exports
+    and cache entries stayed private to their owner, where the same file written by open() is not."""
+    import tempfile
+
+    from deepspeed_image_trainer.utils.files import as_open_would, write_json_atomic
+
+    write_json_atomic(tmp_path / "history.json", {})
+    (tmp_path / "plain.json").write_text("{}")
+    (tmp_path / "plain").mkdir()
+    entry = Path(tempfile.mkdtemp(dir=tmp_path))
+    as_open_would(entry, folder=True)
+    mode = lambda path: path.stat().st_mode & 0o777  # noqa: E731
+    assert mode(tmp_path / "history.json") == mode(tmp_path / "plain.json")
+    assert mode(entry) == mode(tmp_path / "plain")

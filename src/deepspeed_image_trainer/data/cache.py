@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..utils.failures import UsageError, check_writable
-from ..utils.files import fingerprint, write_json_atomic
+from ..utils.files import as_open_would, fingerprint, write_json_atomic
 
 VERSION = 1
 IMAGES_FILE, META_FILE = "images.u8", "meta.json"
@@ -128,6 +128,7 @@ def load_or_fill(paths, resize, crop, decoder, root, fill, records=None, source=
         for stale in root.glob(f".{key}.*.partial"):  # left by a run killed while filling
             shutil.rmtree(stale, ignore_errors=True)
         partial = Path(tempfile.mkdtemp(dir=root, prefix=f".{key}.", suffix=".partial"))
+        as_open_would(partial, folder=True)  # a cache folder others share reads their entries too
         try:
             with open(partial / IMAGES_FILE, "wb") as f:
                 unreadable = fill(f)

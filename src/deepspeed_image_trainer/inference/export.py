@@ -14,7 +14,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ from ..models.build import check_saved_model, load_weights, model_for_weights
 from ..models.names import MODEL_NAME
 from ..outputs.checkpoints import find_checkpoint, read_info
 from ..utils.failures import CliParser, UsageError, check_output_file, stop_on_write_error
-from ..utils.files import fingerprint, replace_together, written_beside
+from ..utils.files import fingerprint, mkstemp_as_open_would, replace_together, written_beside
 from ..utils.loading import check_checkpoint_files, load_checked
 
 SUFFIXES = (".pt", ".pth", ".safetensors")
@@ -90,7 +89,7 @@ def export(checkpoint, output):
     # earlier one (model and sidecar) as it was.
     with stop_on_write_error("export", "--output", retry="export again"):  # a folder that takes no file (/proc)
         output.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=output.suffix)
+        fd, tmp = mkstemp_as_open_would(dir=output.parent, prefix=f".{output.name}.", suffix=output.suffix)
     os.close(fd)
     tmp, tmp_sidecar = Path(tmp), None
     try:

@@ -36,11 +36,34 @@ def fingerprint(path, edge=2**20):
     return digest.hexdigest()
 
 
+def umask():
+    """The process's umask, read without changing it (os.umask sets it, racing other threads' files)."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
+
+
+def as_open_would(path, folder=False):
+    """The permissions open() or mkdir() would have given `path`: tempfile makes its files and folders private
+    (0600, 0700), and the renamed results (histories, exports, cache entries) stayed so."""
+    os.chmod(path, (0o777 if folder else 0o666) & ~umask())
+
+
+def mkstemp_as_open_would(**kwargs):
+    fd, name = tempfile.mkstemp(**kwargs)
+    os.fchmod(fd, 0o666 & ~umask())
+    return fd, name
+
+
 def written_beside(path, data):
     """`data` (bytes) in a new temporary file beside `path`, written through to the disk: its name."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = mkstemp_as_open_would(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
