@@ -10,6 +10,7 @@ import zipfile
 
 import pytest
 import torch
+import torchvision
 
 from deepspeed_image_trainer.cli import launch as launch_deepspeed
 from deepspeed_image_trainer.cli.options import run_cli
@@ -117,6 +118,7 @@ FLAGS = [
     (["--data_on_device", "cache", "--cache_dir", "RANDOM_BYTES"], "--data_on_device cache needs the decoded-image cache: --cache_dir"),
     (["--pretrained", "MODEL_STATES"], "export it first with export_model.py"),
     (["--pretrained", "SPARSE"], "fc.weight is a torch.sparse_coo torch.float32 tensor; give dense real-valued"),
+    (["--pretrained", "BAD_VERSIONS"], "its module versions (_metadata) are not whole numbers"),
     (["--pretrained", "META"], "fc.weight is a meta-device tensor, which holds no values"),
     (["--pretrained", "INT_KEY"], "is not a state_dict (tensors by name)"),
     (["--pretrained", "NESTED"], "fc.weight is a nested torch.float32 tensor; give dense real-valued"),
@@ -161,6 +163,9 @@ def test_the_launcher_refuses_what_no_run_can_use(tiny_data, tmp_path, monkeypat
     torch.save({"fc.weight": Payload(tmp_path / "ran")}, tmp_path / "PAYLOAD")
     torch.save({"state_dict": {"fc.weight": torch.zeros(3, 512)}, "epoch": 3}, tmp_path / "WRAPPED")
     torch.save({"fc.weight": torch.zeros(3, 512).to_sparse()}, tmp_path / "SPARSE")
+    versions = torchvision.models.resnet18().state_dict()
+    versions._metadata = {"bn1": {"version": "x"}}  # BatchNorm's loader compared it with 2 in a rank: TypeError
+    torch.save(versions, tmp_path / "BAD_VERSIONS")
     torch.save({"fc.weight": torch.empty(3, 512, device="meta")}, tmp_path / "META")  # a model built on meta
     torch.save({"fc.weight": torch.zeros(3, 512), 0: torch.zeros(1)}, tmp_path / "INT_KEY")
     torch.save({"fc.weight": torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])}, tmp_path / "NESTED")

@@ -122,6 +122,16 @@ def test_pretrained_weights_come_from_the_torch_hub_cache_with_a_new_head(tmp_pa
         "features.0.0.weight"], other["features.0.0.weight"])
 
 
+def test_weights_saved_before_batch_norm_counted_its_batches_load(tmp_path):
+    """Files from before torch 0.4.1 lack every num_batches_tracked, which batch norm's loader fills in (torch's
+    strict load takes them): they were refused as missing those keys."""
+    state = {k: v for k, v in torchvision.models.resnet18().state_dict().items()
+             if not k.endswith("num_batches_tracked")}
+    torch.save(state, tmp_path / "old.pth")
+    loaded = build_model("resnet18", 3, pretrained=str(tmp_path / "old.pth")).state_dict()
+    assert torch.equal(loaded["layer1.0.conv1.weight"], state["layer1.0.conv1.weight"])
+
+
 def test_weights_without_module_versions_load_into_mnasnet(tmp_path, monkeypatch):
     """MNASNet's loader refuses a state without its version (an export; torchvision's file seen through a
     filtered copy)."""

@@ -430,6 +430,9 @@ def pretrained_state(model, name, choice, num_classes, mmap=False):
     versions = getattr(state, "_metadata", None)  # the file's module versions (MNASNet's stem depends on them)
     if not (isinstance(versions, dict) and all(isinstance(v, dict) for v in versions.values())):
         versions = own._metadata
+    if any(type(v.get("version", 0)) is not int for v in versions.values()):  # the modules' loaders compare them
+        raise UsageError(f"--pretrained {path}: its module versions (_metadata) are not whole numbers; save the "
+                         "state_dict of a built model")
     state = {k: v for k, v in state.items() if not k.startswith(AUXILIARY_HEADS)}
     if name.startswith("vit_") and "encoder.pos_embedding" in state and "encoder.pos_embedding" in own:
         from torchvision.models.vision_transformer import interpolate_embeddings
@@ -440,7 +443,8 @@ def pretrained_state(model, name, choice, num_classes, mmap=False):
             and own[k].ndim and own[k].shape[0] == num_classes and v.shape[1:] == own[k].shape[1:]}
     kept = {k: v for k, v in state.items() if k not in head}
     unexpected = [k for k in kept if k not in own]
-    missing = [k for k in own if k not in kept and k not in head]
+    # batch norm's loader fills in num_batches_tracked, which weights saved before torch 0.4.1 lack
+    missing = [k for k in own if k not in kept and k not in head and not k.endswith(".num_batches_tracked")]
     mismatched = [k for k, v in kept.items() if k in own and v.shape != own[k].shape]
     if unexpected or missing or mismatched:
         what = "; ".join(f"{label} {', '.join(keys[:3])}" for label, keys in
