@@ -257,10 +257,13 @@ def test_a_resume_needs_neither_the_pretrained_file_nor_the_network(trained, tmp
     workdir, first = trained("zero0")
     for name in ("logs", "checkpoints_deepspeed"):
         shutil.copytree(workdir / name, tmp_path / name)
+    for path in (tmp_path / "checkpoints_deepspeed").glob("*/extra_info.json"):  # as if started from gone.pth
+        path.write_text(json.dumps({**json.loads(path.read_text()), "pretrained": "gone.pth"}))
     monkeypatch.chdir(tmp_path)
     argv = first.args[2:] + ["--epochs", "3", "--resume", "auto", "--pretrained", "gone.pth", "--dry_run"]
-    assert launch_deepspeed.main(argv) == 0, capsys.readouterr().err
-    assert '"train_batch_size"' in capsys.readouterr().out
+    for resumed in (argv, [arg for arg in argv if arg not in ("--pretrained", "gone.pth")]):  # given, or taken
+        assert launch_deepspeed.main(resumed) == 0, capsys.readouterr().err
+        assert '"train_batch_size"' in capsys.readouterr().out
     assert_usage_error_in_process(launch_deepspeed.main, argv[:-5] + ["--pretrained", "gone.pth", "--dry_run"], capsys,
                                   "--pretrained gone.pth: no such file")  # a new run needs it
 
