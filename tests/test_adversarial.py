@@ -566,9 +566,12 @@ def test_the_tools_refuse_values_no_run_can_use(export_of_a_run, tiny_data, caps
              (export_model.main, [str(export_of_a_run / "last"), "--output",  # it replaced the file it reads
                                   str(export_of_a_run / "last/last/mp_rank_00_model_states.pt")],
               "is inside the checkpoint"),
+             (export_model.main, [str(export_of_a_run / "last"), "--output",  # the next save of best removed it
+                                  str(export_of_a_run / "best/model.pt")], "which a run replaces whole"),
              (utils.main, ["--output", str(export_of_a_run / "curves.xyz")], "use a file name ending in .png"),
              (utils.main, ["--output", str(export_of_a_run / "a_file/curves.png")], "is not a folder")]
     (export_of_a_run / "dir.pt").mkdir()
+    shutil.copytree(export_of_a_run / "last", export_of_a_run / "best")  # another checkpoint of the run
     states = digests(export_of_a_run / "last")
     for main, argv, message in cases:
         assert_usage_error_in_process(main, argv, capsys, message)
