@@ -519,19 +519,33 @@ def test_a_dry_run_refuses_what_the_run_refuses_when_no_checkpoint_is_left(train
 
 
 @pytest.mark.slow
-def test_a_shard_that_loads_no_tensors_stops_the_launcher(trained, tmp_path, monkeypatch, capsys):
-    """A valid zip archive whose pickle names other objects, in rank 1's optimizer shard: the launcher reads
-    every shard as the load will, before any rank starts."""
+@pytest.mark.parametrize("how, message", [
+    ("payload", "zero_pp_rank_1_mp_rank_00_optim_states.pt holds Python objects other than tensors"),
+    # trained on silently: each rank's shard holds its own part of the optimizer
+    ("rank 0's copied", "zero_pp_rank_1_mp_rank_00_optim_states.pt is the same file as "
+                        "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+    # a KeyError: 'module' in DeepSpeed's load, in every rank
+    ("model states a state_dict", "mp_rank_00_model_states.pt is not a DeepSpeed checkpoint file (it holds no "
+                                  "'module')")])
+def test_a_shard_no_rank_can_load_stops_the_launcher(trained, tmp_path, monkeypatch, capsys, how, message):
+    """The launcher reads every shard as the load will, before any rank starts: a valid zip archive whose pickle
+    names other objects, a copy of another rank's shard, a file without what DeepSpeed reads from it."""
     workdir, first = trained("zero2-2ranks")
     for name in ("logs", "checkpoints_deepspeed"):
         shutil.copytree(workdir / name, tmp_path / name)
-    shard = tmp_path / "checkpoints_deepspeed/last/last/zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    damage(shard, "payload", tmp_path / "ran")
+    tag = tmp_path / "checkpoints_deepspeed/last/last"
+    shard = tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    if how == "payload":
+        damage(shard, how, tmp_path / "ran")
+    elif how == "rank 0's copied":
+        shutil.copy(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt", shard)
+    else:
+        torch.save(torchvision.models.resnet18().state_dict(), tag / "mp_rank_00_model_states.pt")
     before = digests(tmp_path)
     monkeypatch.chdir(tmp_path)
     _, err = assert_usage_error_in_process(launch_deepspeed.main, first.args[2:] + ["--epochs", "3", "--resume", "last"],
                                            capsys, "cannot resume from checkpoints_deepspeed/last: ")
-    assert "zero_pp_rank_1_mp_rank_00_optim_states.pt holds Python objects other than tensors" in err
+    assert message in err
     assert not (tmp_path / "ran").exists() and digests(tmp_path) == before
 
 

@@ -120,9 +120,13 @@ def test_a_checkpoint_ds_to_universal_would_unpickle_is_checked_first(tmp_path):
 
 
 def test_what_ds_to_universal_cannot_convert_or_write_is_one_message(tmp_path, monkeypatch):
-    tag_folder = not_a_zero_checkpoint(tmp_path / "foreign/tag", {"x": torch.zeros(2)})
+    tag_folder = not_a_zero_checkpoint(tmp_path / "plain/tag", {"x": torch.zeros(2)})
+    with pytest.raises(UsageError, match=r"optim_states.pt is not a DeepSpeed checkpoint file \(it holds no "
+                                         r"'optimizer_state_dict'\)"):
+        universal.convert(tag_folder, tmp_path / "run/.universal/tag")
+    tag_folder = not_a_zero_checkpoint(tmp_path / "foreign/tag", {"optimizer_state_dict": {"x": torch.zeros(2)}})
     with pytest.raises(UsageError, match=r"cannot convert .*tag for another number of ranks with DeepSpeed's "
-                                         r"ds_to_universal \(KeyError"):
+                                         r"ds_to_universal \((KeyError|RuntimeError): "):
         universal.convert(tag_folder, tmp_path / "run/.universal/tag")
     assert not (tmp_path / "run/.universal").exists()
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .failures import UsageError
+from .files import fingerprint
 from .text import error_line
 
 
@@ -74,13 +75,29 @@ def load_checked(path, map_location="cpu", mmap=False, deepspeed_classes=True):
         raise UsageError(f"{path} is damaged or not a torch file ({detail})") from None
 
 
+# What DeepSpeed's loaders take from each kind of a checkpoint's files (a KeyError in every rank without it)
+CHECKPOINT_FILE_KEYS = {"model_states.pt": "module", "optim_states.pt": "optimizer_state_dict"}
+
+
 def check_checkpoint_files(folder, tag):
-    """Every file of a DeepSpeed checkpoint's tag folder, through load_checked (memory-mapped)."""
+    """Every file of a DeepSpeed checkpoint's tag folder, through load_checked (memory-mapped), holding what
+    DeepSpeed reads from it; no two ranks' optimizer shards the same file (a copy trained on silently)."""
+    from .files import fingerprint
+
     files = sorted(Path(folder, tag).glob("*.pt"))
     if not files:
         raise UsageError(f"{Path(folder, tag)} holds no checkpoint files (*.pt)")
+    shards = {}
     for path in files:
-        load_checked(path, mmap=True)
+        state = load_checked(path, mmap=True)
+        key = next((key for suffix, key in CHECKPOINT_FILE_KEYS.items() if path.name.endswith(suffix)), None)
+        if key is not None and not (isinstance(state, dict) and isinstance(state.get(key), dict)):
+            raise UsageError(f"{path} is not a DeepSpeed checkpoint file (it holds no {key!r})")
+        if key == "optimizer_state_dict":
+            same = shards.setdefault(fingerprint(path), path)
+            if same != path:
+                raise UsageError(f"{path} is the same file as {same.name}, where each rank's shard holds its own part "
+                                 "of the optimizer")
 
 
 def _lines(err):
