@@ -55,7 +55,13 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "CLIP_NAN": {"gradient_clipping": float("nan")},
         "ZERO_TYPO": {"zero_optimisation": {"stage": 3}},
         "STAGE_TRUE": {"zero_optimization": {"stage": True}},  # equal to 1, and its checkpoints then unusable
-        "ACCUM_FP32": {"data_types": {"grad_accum_dtype": "fp32"}}}
+        "ACCUM_FP32": {"data_types": {"grad_accum_dtype": "fp32"}},
+        # what passed every check and failed in every rank: Muon's first step on a conv weight, the monitor's
+        # package or folder, DeepSpeed's batch check over a sequence-parallel group
+        "MUON": {"optimizer": {"type": "Muon", "params": {}}},
+        "WANDB": {"wandb": {"enabled": True}},
+        "CSV_PROC": {"csv_monitor": {"enabled": True, "output_path": "/proc/nope", "job_name": "x"}},
+        "SEQUENCE_PARALLEL": {"sequence_parallel_size": 2}}
 
 FLAGS = [
     (["--seed", "-1"], "--seed must be in 0 .. 4294967295, got -1"),
@@ -109,6 +115,10 @@ FLAGS = [
     (["--deepspeed_config", "STAGE_TRUE"], "ZeRO stage must be 0, 1, 2 or 3, got true"),
     (["--deepspeed_config", "ACCUM_FP32", "--zero_stage", "0", "--bf16", "--precision_mode", "half_weights"],
      "grad_accum_dtype 'fp32' at ZeRO stage 0: DeepSpeed accumulates there in the weights' dtype only (bf16)"),
+    (["--deepspeed_config", "MUON"], "DeepSpeed's Muon fails in its first step on convolution weights (4-D)"),
+    (["--deepspeed_config", "WANDB"], "the wandb monitor needs the wandb package: pip install wandb"),
+    (["--deepspeed_config", "CSV_PROC"], "csv_monitor.output_path /proc/nope: cannot write in /proc"),
+    (["--deepspeed_config", "SEQUENCE_PARALLEL"], "sequence_parallel_size is for splitting a language model's"),
     (["--deepspeed_config", "LR_INFINITE"], "optimizer.params.lr is inf, not a finite number"),
     (["--deepspeed_config", "CLIP_NAN"], "gradient_clipping is nan, not a finite number"),
     (["--deepspeed_config", "ZERO_TYPO"], "'zero_optimisation' is not a key DeepSpeed reads (did you mean "

@@ -518,7 +518,7 @@ def test_tensorboard_without_the_package_is_a_usage_error(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # find_spec then reports it missing
     check_monitor_support(build("--csv_monitor"))
-    with pytest.raises(UsageError, match="pip install tensorboard"):
+    with pytest.raises(UsageError, match="the tensorboard monitor needs the tensorboard package: pip install tensorboard"):
         check_monitor_support(build("--tensorboard"))
 
 

@@ -508,11 +508,21 @@ def lr_schedule(config):
     return next((name for name, (known, _) in LR_SCHEDULES.items() if known == kind), kind)
 
 
+# DeepSpeed's monitors, by their section of the JSON: the package each needs (none of them a dependency here)
+MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}
+
+
 def check_monitor_support(config):
-    """DeepSpeed's TensorBoard monitor needs the `tensorboard` package, which is not a dependency here."""
-    if config.get("tensorboard", {}).get("enabled") is True and importlib.util.find_spec("tensorboard") is None:
-        raise UsageError("TensorBoard logging needs the tensorboard package: pip install tensorboard "
-                         "(or use --csv_monitor)")
+    """A monitor whose package is missing, or whose output_path cannot be written, failed in deepspeed.initialize
+    in every rank."""
+    for section, package in MONITOR_PACKAGES.items():
+        if config.get(section, {}).get("enabled") is True and importlib.util.find_spec(package) is None:
+            raise UsageError(f"the {section} monitor needs the {package} package: pip install {package.replace('_', '-')}"
+                             " (or use --csv_monitor)")
+    for section in ("tensorboard", "csv_monitor"):
+        monitor = config.get(section, {})
+        if monitor.get("enabled") is True and monitor.get("output_path"):
+            check_writable(monitor["output_path"], f"{section}.output_path")
 
 
 def check_run(config, args, device_type):
@@ -526,6 +536,9 @@ def check_run(config, args, device_type):
 
 def check_trainer_support(config, args):
     """Refuse what DeepSpeed takes but the trainer's run cannot get through."""
+    if config.get("sequence_parallel_size", 1) != 1:
+        raise UsageError("sequence_parallel_size is for splitting a language model's sequence over ranks; an image "
+                         "classifier's run uses 1 (leave it out)")
     if uses_deepcompile(config, args):
         raise UsageError("DeepCompile (compile.deepcompile with --compile) is not supported: on a GPU it trained "
                          "ZeRO-3 but its compiled model failed in validation, and it needs CUDA; pass --no-compile "
@@ -653,6 +666,9 @@ def built_optimizer(config, where, device_type):
     stand_in = [torch.nn.Parameter(torch.zeros(1))]
     offloaded = _offloads(config["zero_optimization"], "offload_optimizer")
     name = kind.lower()
+    if name == "muon":  # DeepSpeed 0.19.8 orthogonalises every weight of 2 or more dimensions as a matrix
+        raise UsageError(f"{where}: optimizer {kind}: DeepSpeed's Muon fails in its first step on convolution weights "
+                         "(4-D), which every torchvision classifier has (its stem); use AdamW, SGD or Lion")
     if name in ("muadam", "muadamw", "musgd") and importlib.util.find_spec("mup") is None:
         raise UsageError(f"{where}: optimizer {kind} needs the mup package (pip install mup)")
     torch_adam = config["optimizer"].get("params", {}).get("torch_adam")
