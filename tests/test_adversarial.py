@@ -334,6 +334,7 @@ EXPORT_DAMAGE = [("model.pt", "random bytes", "is damaged or not a torch file"),
                  ("model.pt.json", "not json", "model.pt.json is unreadable"),
                  ("model.pt.json", "no classes", "expected class_names (a list of names) and image_size"),
                  ("model.pt.json", "two classes", f"has {TINY_CLASSES} outputs but its class names list 2"),
+                 ("model.pt.json", "a million pixels", "image_size 1000000: one input image alone is 11,176 GiB"),
                  ("model.safetensors", "random bytes", "is damaged or not a safetensors file")]
 
 
@@ -350,6 +351,8 @@ def test_a_damaged_export_or_sidecar_is_refused(export_of_a_run, tiny_data, caps
         path.write_text(json.dumps({**sidecar, "class_names": None}))
     elif how == "two classes":
         path.write_text(json.dumps({**sidecar, "class_names": sidecar["class_names"][:2]}))
+    elif how == "a million pixels":  # a DataLoader worker was killed for memory, then a traceback
+        path.write_text(json.dumps({**sidecar, "image_size": 10**6}))
     else:
         damage(path, how, export_of_a_run / "ran")
     model = str(export_of_a_run / ("model.safetensors" if file == "model.safetensors" else "model.pt"))

@@ -119,6 +119,9 @@ def test_compare_cli_writes_one_png(tmp_path, capsys):
     (lambda h: h["epochs"][0].update(epoch="one"), 'epochs[0].epoch is "one", not a number'),
     (lambda h: h["epochs"][2].pop("val_acc"), "epochs[2] has no val_acc"),
     (lambda h: h["epochs"][2].update(val_acc=None), "epochs[2].val_acc is null, not a number"),
+    # an axis from -1e308 to 1e308: matplotlib's LinAlgError (singular matrix)
+    (lambda h: h["epochs"][1].update(images_per_s=-1e308),
+     "epochs[1].images_per_s is -1e\\+308, beyond any figure a run records"),
     (lambda h: h.update(epochs={"a": 1}), "its epochs are not a list of records"),
     (lambda h: h.pop("epochs"), 'no "epochs" in it')])
 def test_a_history_with_values_of_the_wrong_kind_is_one_error(tmp_path, damage, message):

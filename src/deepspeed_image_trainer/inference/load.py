@@ -5,6 +5,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
+from ..cli.options import memory_gib
 from ..data.device import Normalize, decode_dataset, resize_size
 from ..data.folders import build_transform, check_preprocessing
 from ..engine.finetune import head_module
@@ -89,6 +90,10 @@ def _metadata(path):
             or not isinstance(size, int) or isinstance(size, bool) or size < 1):
         raise UsageError(f"{source}: expected class_names (a list of names) and image_size (pixels), as "
                          "export_model.py writes them; export the model again")
+    memory, image_gib = memory_gib(), 3 * size ** 2 * 4 / 2**30  # one input image, fp32 (a worker was OOM-killed)
+    if memory is not None and image_gib > memory:
+        raise UsageError(f"{source}: image_size {size}: one input image alone is {image_gib:,.0f} GiB, more than this "
+                         "machine's memory; export the model again")
     check_saved_model(metadata.get("model", MODEL_NAME), source)
     check_preprocessing(metadata.get("preprocessing"), source)
     return metadata

@@ -36,12 +36,18 @@ def load_history(path):
             if (key in REQUIRED or key == "epoch" or value is not None) and not _number(value):
                 raise UsageError(f"{path} is not a training history file (epochs[{index}].{key} is "
                                  f"{json.dumps(value)}, not a number)")
+            if _number(value) and math.isfinite(value) and abs(value) > MAX_PLOTTED:  # an axis from -1e308 to
+                raise UsageError(f"{path} is not a training history file (epochs[{index}].{key} is "  # 1e308 fails
+                                 f"{value:g}, beyond any figure a run records)")
     return history
 
 
 # What each epoch's record must hold as numbers, and may (older histories, CPU runs).
 REQUIRED = ("train_loss", "val_loss", "train_acc", "val_acc")
 OPTIONAL = ("lr", "images_per_s", "epoch_wall_s", "epoch_time_s", "peak_gpu_memory_gib", "skipped_steps")
+
+
+MAX_PLOTTED = 1e300  # matplotlib's axis limits overflow (a singular transform) on values near float's range
 
 
 def _number(value):
