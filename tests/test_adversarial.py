@@ -61,7 +61,14 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "MUON": {"optimizer": {"type": "Muon", "params": {}}},
         "WANDB": {"wandb": {"enabled": True}},
         "CSV_PROC": {"csv_monitor": {"enabled": True, "output_path": "/proc/nope", "job_name": "x"}},
-        "SEQUENCE_PARALLEL": {"sequence_parallel_size": 2}}
+        "SEQUENCE_PARALLEL": {"sequence_parallel_size": 2},
+        "ONE_CYCLE_SHORT": {"scheduler": {"type": "OneCycleLR", "params": {"max_lr": 0.01, "total_steps": 3}}},
+        "SGD_UNTESTED": {"optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "zero_allow_untested_optimizer": False,
+                         "zero_optimization": {"stage": 2}},
+        "FAST_WRITER": {"checkpoint": {"writer": {"type": "fast"}}},
+        "AUTOTP": {"tensor_parallel": {"autotp_size": 2}},
+        "FLOPS_PROC": {"flops_profiler": {"enabled": True, "profile_step": 1, "output_file": "/proc/nope/x.txt"}},
+        "CLIP_HUGE": {"gradient_clipping": 10**400}}
 
 FLAGS = [
     (["--seed", "-1"], "--seed must be in 0 .. 4294967295, got -1"),
@@ -119,6 +126,14 @@ FLAGS = [
     (["--deepspeed_config", "WANDB"], "the wandb monitor needs the wandb package: pip install wandb"),
     (["--deepspeed_config", "CSV_PROC"], "csv_monitor.output_path /proc/nope: cannot write in /proc"),
     (["--deepspeed_config", "SEQUENCE_PARALLEL"], "sequence_parallel_size is for splitting a language model's"),
+    # each passed every check and failed in every rank (OneCycleLR after its last step, mid-run)
+    (["--deepspeed_config", "ONE_CYCLE_SHORT", "--epochs", "2"], "scheduler OneCycleLR steps 3 times, and this run "
+                                                                 "takes 6 optimizer steps"),
+    (["--deepspeed_config", "SGD_UNTESTED"], "zero_allow_untested_optimizer false: DeepSpeed's ZeRO then refuses"),
+    (["--deepspeed_config", "FAST_WRITER"], "checkpoint.writer: DeepSpeed's checkpoint writers"),
+    (["--deepspeed_config", "AUTOTP"], "tensor_parallel.autotp_size: DeepSpeed's automatic tensor parallelism"),
+    (["--deepspeed_config", "FLOPS_PROC"], "flops_profiler.output_file /proc/nope: "),
+    (["--deepspeed_config", "CLIP_HUGE"], "gradient_clipping is a whole number of 401 digits, not a finite number"),
     (["--deepspeed_config", "LR_INFINITE"], "optimizer.params.lr is inf, not a finite number"),
     (["--deepspeed_config", "CLIP_NAN"], "gradient_clipping is nan, not a finite number"),
     (["--deepspeed_config", "ZERO_TYPO"], "'zero_optimisation' is not a key DeepSpeed reads (did you mean "
@@ -334,7 +349,10 @@ EXPORT_DAMAGE = [("model.pt", "random bytes", "is damaged or not a torch file"),
                  ("model.pt.json", "not json", "model.pt.json is unreadable"),
                  ("model.pt.json", "no classes", "expected class_names (a list of names) and image_size"),
                  ("model.pt.json", "two classes", f"has {TINY_CLASSES} outputs but its class names list 2"),
-                 ("model.pt.json", "a million pixels", "image_size 1000000: one input image alone is 11,176 GiB"),
+                 ("model.pt.json", "a million pixels", "image_size 1000000: one input image alone is more than this "
+                                                       "machine's"),
+                 ("model.pt.json", "10**400 pixels", "image_size a whole number of 401 digits: one input image"),
+                 ("model.pt.json", "a class twice", "class_names names a class twice"),
                  ("model.safetensors", "random bytes", "is damaged or not a safetensors file")]
 
 
@@ -353,6 +371,11 @@ def test_a_damaged_export_or_sidecar_is_refused(export_of_a_run, tiny_data, caps
         path.write_text(json.dumps({**sidecar, "class_names": sidecar["class_names"][:2]}))
     elif how == "a million pixels":  # a DataLoader worker was killed for memory, then a traceback
         path.write_text(json.dumps({**sidecar, "image_size": 10**6}))
+    elif how == "10**400 pixels":  # an OverflowError in predict
+        path.write_text(json.dumps({**sidecar, "image_size": 10**400}))
+    elif how == "a class twice":  # predict named two outputs alike; evaluate blamed the data folder
+        path.write_text(json.dumps({**sidecar, "class_names": sidecar["class_names"][:1] * 2
+                                    + sidecar["class_names"][2:]}))
     else:
         damage(path, how, export_of_a_run / "ran")
     model = str(export_of_a_run / ("model.safetensors" if file == "model.safetensors" else "model.pt"))
@@ -595,6 +618,9 @@ def test_the_tools_refuse_values_no_run_can_use(export_of_a_run, tiny_data, caps
               "is inside the checkpoint"),
              (export_model.main, [str(export_of_a_run / "last"), "--output",  # the next save of best removed it
                                   str(export_of_a_run / "best/model.pt")], "which a run replaces whole"),
+             # the next save of that checkpoint removed what was written there
+             (evaluate.main, ["--model", model, "--output_dir", str(export_of_a_run / "last")], "is inside the checkpoint"),
+             (utils.main, ["--output", str(export_of_a_run / "last/last/curves.png")], "which a run replaces whole"),
              (utils.main, ["--output", str(export_of_a_run / "curves.xyz")], "use a file name ending in .png"),
              (utils.main, ["--output", str(export_of_a_run / "a_file/curves.png")], "is not a folder")]
     (export_of_a_run / "dir.pt").mkdir()

@@ -122,6 +122,8 @@ def test_compare_cli_writes_one_png(tmp_path, capsys):
     # an axis from -1e308 to 1e308: matplotlib's LinAlgError (singular matrix)
     (lambda h: h["epochs"][1].update(images_per_s=-1e308),
      "epochs[1].images_per_s is -1e\\+308, beyond any figure a run records"),
+    (lambda h: h["epochs"][0].update(train_loss=10**400),  # an OverflowError where it is compared as a float
+     "epochs[0].train_loss is a whole number of 401 digits, beyond any figure a run records"),
     (lambda h: h.update(epochs={"a": 1}), "its epochs are not a list of records"),
     (lambda h: h.pop("epochs"), 'no "epochs" in it')])
 def test_a_history_with_values_of_the_wrong_kind_is_one_error(tmp_path, damage, message):

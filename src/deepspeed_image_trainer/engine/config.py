@@ -4,6 +4,7 @@ import difflib
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 from ..models.names import DEFAULT_MODEL
@@ -70,9 +71,12 @@ def load_base_config(path):
 
 
 def _non_finite(value, where=""):
-    """(dotted key, value) of each inf or nan in a JSON value."""
+    """(dotted key, value) of each inf or nan in a JSON value, and of each whole number no float holds (DeepSpeed
+    writes its config out as floats in every rank: OverflowError)."""
     if isinstance(value, float) and not math.isfinite(value):
         yield where, value
+    elif isinstance(value, int) and abs(value) > sys.float_info.max:
+        yield where, f"a whole number of {len(str(abs(value)))} digits"
     elif isinstance(value, dict):
         for key, item in value.items():
             yield from _non_finite(item, f"{where}.{key}" if where else str(key))
@@ -536,6 +540,21 @@ def check_run(config, args, device_type):
 
 def check_trainer_support(config, args):
     """Refuse what DeepSpeed takes but the trainer's run cannot get through."""
+    if config.get("checkpoint", {}).get("writer") is not None:
+        raise UsageError("checkpoint.writer: DeepSpeed's checkpoint writers (decoupled, fast) fail at the engine's "
+                         "start in this data-parallel run (benchmarks/checkpoint_engines.py); remove it: the trainer "
+                         "publishes each checkpoint itself")
+    if config.get("tensor_parallel", {}).get("autotp_size") not in (None, 0, 1):
+        raise UsageError("tensor_parallel.autotp_size: DeepSpeed's automatic tensor parallelism is for language "
+                         "models; an image classifier's run is data-parallel (leave the section out)")
+    untested = str(config["optimizer"].get("type", "")).lower() not in ZERO_TESTED_OPTIMIZERS
+    if config["zero_optimization"]["stage"] and untested and config.get("zero_allow_untested_optimizer") is False:
+        raise UsageError(f"zero_allow_untested_optimizer false: DeepSpeed's ZeRO then refuses optimizer "
+                         f"{config['optimizer']['type']} at its start; remove it (the trainer sets it true for "
+                         "optimizers DeepSpeed has not listed)")
+    profiler = config.get("flops_profiler", {})
+    if profiler.get("enabled") is True and profiler.get("output_file"):
+        check_writable(Path(profiler["output_file"]).parent, "flops_profiler.output_file")
     if config.get("sequence_parallel_size", 1) != 1:
         raise UsageError("sequence_parallel_size is for splitting a language model's sequence over ranks; an image "
                          "classifier's run uses 1 (leave it out)")
@@ -543,6 +562,10 @@ def check_trainer_support(config, args):
         raise UsageError("DeepCompile (compile.deepcompile with --compile) is not supported: on a GPU it trained "
                          "ZeRO-3 but its compiled model failed in validation, and it needs CUDA; pass --no-compile "
                          "or remove compile.deepcompile from the DeepSpeed config")
+
+
+# The optimizers DeepSpeed's ZeRO lists as tested (runtime/zero/utils.py, ZERO_SUPPORTED_OPTIMIZERS), by name
+ZERO_TESTED_OPTIMIZERS = ("adam", "adamw", "adagrad", "lion")
 
 
 def check_device_support(config, device_type):
@@ -559,7 +582,7 @@ DEEPSPEED_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedFP16
                       "CommsConfig": "comms_logger", "DeepSpeedCheckpointConfig": "checkpoint"}
 
 
-def check_with_deepspeed(config, path, device_type):
+def check_with_deepspeed(config, path, device_type, run_steps=None):
     """DeepSpeed's own checks of a config built on a user's --deepspeed_config (its pydantic config models,
     and the optimizer and scheduler names it accepts), so that a bad value stops before any rank starts."""
     import torch
@@ -623,7 +646,7 @@ def check_with_deepspeed(config, path, device_type):
                 raise UsageError(f"{where}: zero_optimization.{section} to nvme needs DeepSpeed's async_io op, which "
                                  "cannot be built on this machine (it needs libaio: apt install libaio-dev); offload "
                                  "to the CPU instead (device: cpu)")
-    check_scheduler(config, built_optimizer(config, where, device_type), where)
+    check_scheduler(config, built_optimizer(config, where, device_type), where, run_steps)
 
 
 # Top-level sections DeepSpeed reads that its constants module does not name.
@@ -713,10 +736,11 @@ DEEPSPEED_OPTIMIZER_CLASSES = {"adam": ("deepspeed.ops.adam", "FusedAdam"),
 STEP_COUNTS = ("total_num_steps", "warmup_num_steps", "cycle_first_step_size")
 
 
-def check_scheduler(config, optimizer, where):
+def check_scheduler(config, optimizer, where, run_steps=None):
     """Build the LR scheduler DeepSpeed's engine builds from `config` (engine._scheduler_from_config) over
     `optimizer`, a stand-in, and take a few of its steps: one without the parameters it needs, or with values
-    it cannot compute with (many are used only from the first step on), stops here."""
+    it cannot compute with (many are used only from the first step on), stops here; so does one that stops
+    stepping before the run's `run_steps` optimizer steps (torch's OneCycleLR raises at the step after its last)."""
     import inspect
     import warnings
 
@@ -741,3 +765,7 @@ def check_scheduler(config, optimizer, where):
     except Exception as err:  # noqa: BLE001 - as with the optimizer: each scheduler refuses its own way
         raise UsageError(f"{where}: scheduler {kind} cannot be built from scheduler.params ({error_line(err)})") \
             from None
+    total = getattr(built, "total_steps", None) if isinstance(built, torch.optim.lr_scheduler.OneCycleLR) else None
+    if run_steps and isinstance(total, int) and total < run_steps:
+        raise UsageError(f"{where}: scheduler {kind} steps {total} times, and this run takes {run_steps:,} optimizer "
+                         "steps (it fails at the next); give total_steps (or epochs and steps_per_epoch) for the run")

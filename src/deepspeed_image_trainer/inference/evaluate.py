@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.folders import image_folder
-from ..utils.failures import CliParser, check_counts, check_writable
+from ..utils.failures import CliParser, check_counts, check_outside_checkpoints, check_writable
 from ..utils.files import write_json_atomic
 from .load import (DECODES, decoded_log_probabilities, default_device, eval_transform, load_model,
                    predict_log_probabilities, trained_decode)
@@ -71,6 +71,7 @@ def main(argv=None):
     args = get_args_parser().parse_args(argv)
     check_counts(args, batch_size=1, num_workers=0)
     check_writable(args.output_dir, "--output_dir")
+    check_outside_checkpoints(args.output_dir, "--output_dir")
 
     device = default_device()
     model, metadata = load_model(args.model, device)

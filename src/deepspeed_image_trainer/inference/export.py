@@ -21,7 +21,7 @@ import torch
 from ..data.folders import check_preprocessing
 from ..models.build import check_saved_model, load_weights, model_for_weights
 from ..models.names import MODEL_NAME
-from ..outputs.checkpoints import EXTRA_INFO, find_checkpoint, read_info
+from ..outputs.checkpoints import find_checkpoint, read_info
 from ..utils.failures import CliParser, UsageError, check_output_file, stop_on_write_error
 from ..utils.files import fingerprint, mkstemp_as_open_would, replace_together, written_beside
 from ..utils.loading import check_checkpoint_files, load_checked
@@ -75,11 +75,6 @@ def export(checkpoint, output):
     output = Path(output)
     check_output_file(output, "--output", SUFFIXES)
     state_dict, info = consolidated_state_dict(checkpoint)
-    # a checkpoint folder is replaced whole by the run that saves it again (and this one is read by the export)
-    inside = next((folder for folder in output.resolve().parents if (folder / EXTRA_INFO).is_file()), None)
-    if inside is not None:
-        raise UsageError(f"--output {output} is inside the checkpoint {inside}, which a run replaces whole when it "
-                         "saves it again: write it elsewhere")
     # strict: the export must load as it is
     load_weights(model_for_weights(info["model"], len(info["class_names"]), info["image_size"]), state_dict,
                  info["folder"])

@@ -90,10 +90,13 @@ def _metadata(path):
             or not isinstance(size, int) or isinstance(size, bool) or size < 1):
         raise UsageError(f"{source}: expected class_names (a list of names) and image_size (pixels), as "
                          "export_model.py writes them; export the model again")
-    memory, image_gib = memory_gib(), 3 * size ** 2 * 4 / 2**30  # one input image, fp32 (a worker was OOM-killed)
-    if memory is not None and image_gib > memory:
-        raise UsageError(f"{source}: image_size {size}: one input image alone is {image_gib:,.0f} GiB, more than this "
-                         "machine's memory; export the model again")
+    if len(set(names)) < len(names):  # two outputs of one name: ambiguous predictions, a misleading data check
+        raise UsageError(f"{source}: class_names names a class twice; export the model again")
+    memory, image_bytes = memory_gib(), 3 * size ** 2 * 4  # one input image, fp32 (a worker was OOM-killed)
+    if memory is not None and image_bytes > memory * 2**30:
+        shown = f"{size}" if size < 10**12 else f"a whole number of {len(str(size))} digits"
+        raise UsageError(f"{source}: image_size {shown}: one input image alone is more than this machine's "
+                         f"{memory:,.0f} GiB of memory; export the model again")
     check_saved_model(metadata.get("model", MODEL_NAME), source)
     check_preprocessing(metadata.get("preprocessing"), source)
     return metadata

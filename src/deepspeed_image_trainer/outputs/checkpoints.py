@@ -31,13 +31,13 @@ import zipfile
 from pathlib import Path
 
 from ..engine.distributed import barrier, rank, rank_zero_only, world_size
-from ..utils.failures import UsageError, stop_on_write_error
+from ..utils.failures import CHECKPOINT_DESCRIPTION, UsageError, stop_on_write_error
 from ..utils.files import write_json_atomic
 from ..utils.loading import check_checkpoint_files
 from ..utils.text import listed
 from . import universal
 
-EXTRA_INFO = "extra_info.json"
+EXTRA_INFO = CHECKPOINT_DESCRIPTION
 LAST, BEST = "last", "best_model"
 STAGING = ".staging"
 # In the staging folder: that rank's files of the checkpoint are complete, or could not be written.

@@ -5,6 +5,7 @@
 """
 import json
 import math
+import sys
 from pathlib import Path
 
 from ..utils.failures import CliParser, UsageError, check_output_file
@@ -36,9 +37,9 @@ def load_history(path):
             if (key in REQUIRED or key == "epoch" or value is not None) and not _number(value):
                 raise UsageError(f"{path} is not a training history file (epochs[{index}].{key} is "
                                  f"{json.dumps(value)}, not a number)")
-            if _number(value) and math.isfinite(value) and abs(value) > MAX_PLOTTED:  # an axis from -1e308 to
-                raise UsageError(f"{path} is not a training history file (epochs[{index}].{key} is "  # 1e308 fails
-                                 f"{value:g}, beyond any figure a run records)")
+            if _number(value) and MAX_PLOTTED < abs(value) < math.inf:  # an axis from -1e308 to 1e308 fails,
+                raise UsageError(f"{path} is not a training history file (epochs[{index}].{key} is "  # and 10**400
+                                 f"{_shown(value)}, beyond any figure a run records)")
     return history
 
 
@@ -48,6 +49,10 @@ OPTIONAL = ("lr", "images_per_s", "epoch_wall_s", "epoch_time_s", "peak_gpu_memo
 
 
 MAX_PLOTTED = 1e300  # matplotlib's axis limits overflow (a singular transform) on values near float's range
+
+
+def _shown(value):
+    return f"{value:g}" if abs(value) <= sys.float_info.max else f"a whole number of {len(str(abs(value)))} digits"
 
 
 def _number(value):

@@ -77,13 +77,28 @@ def check_counts(args, **minimums):
 
 
 def check_output_file(path, flag, suffixes):
-    """Refuse an output file name that is a folder, has a suffix other than `suffixes`, or cannot be written."""
+    """Refuse an output file name that is a folder, has a suffix other than `suffixes`, or cannot be written, or
+    is inside a checkpoint folder."""
     path = Path(path)
     if path.suffix.lower() not in suffixes:
         raise UsageError(f"{flag} {path}: use a file name ending in " + ", ".join(suffixes))
     if path.is_dir():
         raise UsageError(f"{flag} {path} is a folder: give a file name inside it")
     check_writable(path.parent, flag)
+    check_outside_checkpoints(path.parent, flag, path)
+
+
+CHECKPOINT_DESCRIPTION = "extra_info.json"  # the file that makes a folder a checkpoint of this trainer
+
+
+def check_outside_checkpoints(folder, flag, given=None):
+    """Refuse an output in (or below) a checkpoint folder, which its run replaces whole when it saves that
+    checkpoint again: the next save removed an export, an evaluation or a plot written there."""
+    resolved = Path(folder).resolve()
+    inside = next((f for f in (resolved, *resolved.parents) if (f / CHECKPOINT_DESCRIPTION).is_file()), None)
+    if inside is not None:
+        raise UsageError(f"{flag} {given or folder} is inside the checkpoint {inside}, which a run replaces whole "
+                         "when it saves it again: write it elsewhere")
 
 
 # torch.save reports a failed write from its C++ zip writer as a RuntimeError, not an OSError.
