@@ -22,8 +22,9 @@ from deepspeed_image_trainer.inference import export as export_model
 from deepspeed_image_trainer.inference import predict
 from deepspeed_image_trainer.outputs import plots as utils
 
-from conftest import (TINY_CLASSES, TRAINED_EPOCHS, Payload, assert_usage_error_in_process, data_args, digests,
+from conftest import (TINY_CLASSES, TRAINED_EPOCHS, Payload, assert_usage_error_in_process, data_args, digests, launch,
                       spawn_ranks)
+
 
 # --- flags and DeepSpeed JSON, refused by the launcher before anything starts -------------------------------
 
@@ -497,6 +498,33 @@ def _train_in(rank, port, results, workdir, argv):
     os.chdir(workdir)
     os.environ["MASTER_PORT"] = str(port)
     results["status"] = train.main(argv)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_model_swapped_in_is_one_line(trained, tmp_path):
+    """A model-states file whose head has another class count (from another run): torch's size mismatch
+    traceback in the rank; and an edited run_started made --resume auto fail in a TypeError."""
+    workdir, first = trained("zero0")
+    for name in ("logs", "checkpoints_deepspeed"):
+        shutil.copytree(workdir / name, tmp_path / name)
+    states = tmp_path / "checkpoints_deepspeed/last/last/mp_rank_00_model_states.pt"
+    saved = torch.load(states, weights_only=False)
+    saved["module"].update({"fc.weight": torch.zeros(4, 512), "fc.bias": torch.zeros(4)})
+    torch.save(saved, states)
+    info = tmp_path / "checkpoints_deepspeed/best_model/extra_info.json"
+    info.write_text(json.dumps({**json.loads(info.read_text()), "run_started": "x"}))
+    before = digests(tmp_path)
+    result = launch(first.args[2:] + ["--epochs", str(TRAINED_EPOCHS + 1), "--resume", "auto"], tmp_path)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 2, result.stderr[-3000:]
+    assert lines[0].endswith("best_model/extra_info.json is not a checkpoint description this trainer wrote "
+                             "(run_started of the wrong kind)")
+    assert lines[1].startswith("error: cannot resume from checkpoints_deepspeed/last: its files do not fit this run's "
+                               "model and optimizer (size mismatch for fc.weight")
+    # the checkpoints and history as they were; ds_config.json is each launch's own, written before its ranks start
+    after = digests(tmp_path)
+    assert {k: v for k, v in after.items() if k != "logs/ds_config.json"} == {
+        k: v for k, v in before.items() if k != "logs/ds_config.json"}
 
 
 @pytest.mark.slow

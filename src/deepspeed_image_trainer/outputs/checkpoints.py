@@ -34,7 +34,7 @@ from ..engine.distributed import barrier, rank, rank_zero_only, world_size
 from ..utils.failures import CHECKPOINT_DESCRIPTION, UsageError, stop_on_write_error
 from ..utils.files import write_json_atomic
 from ..utils.loading import check_checkpoint_files
-from ..utils.text import listed
+from ..utils.text import error_line, listed
 from . import universal
 
 EXTRA_INFO = CHECKPOINT_DESCRIPTION
@@ -101,6 +101,7 @@ INFO_TYPES = {"class_names": lambda v: isinstance(v, list) and v and all(isinsta
               "image_size": lambda v: _whole_number(v, 1), "world_size": lambda v: _whole_number(v, 1),
               "zero_stage": lambda v: v in (0, 1, 2, 3) and _whole_number(v),
               "settings": lambda v: isinstance(v, dict) and _whole_number(v.get("train_batch_size", 1), 1),
+              "run_started": lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool),
               "pretrained": lambda v: v is None or isinstance(v, str),
               "interrupted_at": lambda v: isinstance(v, dict) and _whole_number(v.get("epoch"), 1)}
 
@@ -397,6 +398,11 @@ def check_resumable(folder, world_size, zero_stage, settings, read_shards=False)
     return info
 
 
+# What torch's load_state_dict says of a model or optimizer state that is another's
+MISFIT = ("Error(s) in loading state_dict", "different number of parameter groups",
+          "doesn't match the size of optimizer's group")
+
+
 def load(engine, folder, info, checkpoint_dir):
     """Load model, optimizer, loss scaler and LR scheduler from `folder`, whose check_resumable gave `info`;
     return the saved training state. Every file goes through the trainer's checkpoint engine, so through
@@ -414,6 +420,16 @@ def load(engine, folder, info, checkpoint_dir):
                             "last, best, epoch_N) or start a new run")
         advice.every_rank = err.every_rank
         raise advice from None
+    except (RuntimeError, ValueError) as err:
+        if not any(text in str(err) for text in MISFIT):
+            raise
+        # files of another run or model swapped in: torch's load_state_dict refuses them, alike in every rank
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]  # torch's second line says what
+        misfit = UsageError(f"cannot resume from {folder}: its files do not fit this run's model and optimizer "
+                            f"({lines[1] if len(lines) > 1 else error_line(err)}); resume from another checkpoint (--resume PATH: last, best, epoch_N) "
+                            "or start a new run")
+        misfit.every_rank = True
+        raise misfit from None
     if load_path is None or state is None:
         raise UsageError(f"cannot resume from {folder}: DeepSpeed found no checkpoint there")
     return state
