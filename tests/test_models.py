@@ -15,9 +15,9 @@ import torchvision
 from deepspeed_image_trainer.cli.options import run_cli
 from deepspeed_image_trainer.data.folders import DEFAULT_PREPROCESSING, build_transform, check_preprocessing
 from deepspeed_image_trainer.data.prepare import make_sample_dataset
-from deepspeed_image_trainer.models.build import (LayerNorm2dFP32, build_model, check_image_size, list_models,
-                                                  load_weights, model_for_weights, preprocessing, pretrained_state,
-                                                  synchronize_batch_norm)
+from deepspeed_image_trainer.models.build import (LayerNorm2dFP32, build_model, check_image_size, checked_model,
+                                                  list_models, load_weights, model_for_weights, preprocessing,
+                                                  pretrained_state, synchronize_batch_norm)
 from deepspeed_image_trainer.models.names import saved_name
 from deepspeed_image_trainer.utils.failures import UsageError
 
@@ -146,6 +146,10 @@ def test_weights_without_module_versions_load_into_mnasnet(tmp_path, monkeypatch
     torch.save(state, path)
     with pytest.raises(UsageError, match=f"--pretrained {path}: version should be set to 1 or 2 instead of 3"):
         build_model("mnasnet0_5", 3, pretrained=str(path))
+    state._metadata[""] = {"version": 1}  # MNASNet's stem before version 2: other shapes, a traceback in the rank
+    torch.save(state, path)
+    with pytest.raises(UsageError, match=r"its module versions \(_metadata\) do not fit the model \(size mismatch"):
+        checked_model("mnasnet0_5", 3, 224, 2, str(path))  # the launcher's check, on the meta device
 
 
 def test_pretrained_weights_in_torchs_legacy_format_load_in_the_launcher_and_the_ranks(tmp_path):

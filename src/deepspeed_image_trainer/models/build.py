@@ -2,6 +2,7 @@
 state_dict keys), normalisation layers that compute in fp32 under DeepSpeed's half-precision weights
 (batch norm optionally synchronised over ranks), and ImageNet weights through torchvision's weights API."""
 import collections
+import copy
 import contextlib
 import difflib
 import urllib.error
@@ -310,8 +311,9 @@ def checked_model(name, num_classes, image_size, batch_size, pretrained):
     and micro-batch it can take (check_image_size) and the --pretrained weights, downloaded here when missing.
     Returns the meta model."""
     shapes = check_image_size(name, num_classes, image_size, batch_size)
-    if pretrained:
-        pretrained_state(shapes, name, pretrained, num_classes, mmap=True)
+    if pretrained:  # loaded as a rank loads them, for the modules' own checks (into a copy: they may change it)
+        _load_state(copy.deepcopy(shapes), pretrained_state(shapes, name, pretrained, num_classes, mmap=True),
+                    pretrained)
     return shapes
 
 
@@ -455,7 +457,15 @@ def pretrained_state(model, name, choice, num_classes, mmap=False):
 
 def load_pretrained(model, name, choice, num_classes):
     """Load weights `choice` into `model` (see pretrained_state)."""
+    _load_state(model, pretrained_state(model, name, choice, num_classes), choice)
+
+
+def _load_state(model, state, choice):
     try:
-        model.load_state_dict(pretrained_state(model, name, choice, num_classes), strict=False)
+        model.load_state_dict(state, strict=False)
     except ValueError as err:  # a module's own check of its saved version (MNASNet)
         raise UsageError(f"--pretrained {choice}: {err}") from None
+    except RuntimeError as err:  # a saved version that rebuilds a module in other shapes (MNASNet's version 1)
+        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        raise UsageError(f"--pretrained {choice}: its module versions (_metadata) do not fit the model "
+                         f"({lines[1] if len(lines) > 1 else lines[0] if lines else type(err).__name__})") from None
