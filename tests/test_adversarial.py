@@ -588,6 +588,7 @@ def test_a_dry_run_refuses_what_the_run_refuses_when_no_checkpoint_is_left(train
     # trained on silently: each rank's shard holds its own part of the optimizer
     ("rank 0's copied", "zero_pp_rank_1_mp_rank_00_optim_states.pt is the same file as "
                         "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+    ("ranks swapped", "zero_pp_rank_1_mp_rank_00_optim_states.pt holds parameters that come before rank 0's"),
     # a KeyError: 'module' in DeepSpeed's load, in every rank
     ("model states a state_dict", "mp_rank_00_model_states.pt is not a DeepSpeed checkpoint file (it holds no "
                                   "'module')")])
@@ -603,6 +604,10 @@ def test_a_shard_no_rank_can_load_stops_the_launcher(trained, tmp_path, monkeypa
         damage(shard, how, tmp_path / "ran")
     elif how == "rank 0's copied":
         shutil.copy(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt", shard)
+    elif how == "ranks swapped":
+        (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").rename(tag / "swapped")
+        shard.rename(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        (tag / "swapped").rename(shard)
     else:
         torch.save(torchvision.models.resnet18().state_dict(), tag / "mp_rank_00_model_states.pt")
     before = digests(tmp_path)

@@ -87,9 +87,9 @@ def check_checkpoint_files(folder, tag):
     files = sorted(Path(folder, tag).glob("*.pt"))
     if not files:
         raise UsageError(f"{Path(folder, tag)} holds no checkpoint files (*.pt)")
-    shards = {}
+    shards, states = {}, {}
     for path in files:
-        state = load_checked(path, mmap=True)
+        state = states[path] = load_checked(path, mmap=True)
         key = next((key for suffix, key in CHECKPOINT_FILE_KEYS.items() if path.name.endswith(suffix)), None)
         if key is not None and not (isinstance(state, dict) and isinstance(state.get(key), dict)):
             raise UsageError(f"{path} is not a DeepSpeed checkpoint file (it holds no {key!r})")
@@ -98,6 +98,32 @@ def check_checkpoint_files(folder, tag):
             if same != path:
                 raise UsageError(f"{path} is the same file as {same.name}, where each rank's shard holds its own part "
                                  "of the optimizer")
+    _check_shard_order(states)
+
+
+def _check_shard_order(states):
+    """ZeRO-1/2's shards hold consecutive parts of each parameter group, rank 0's first (param_slice_mappings: the
+    parameters each holds, in the model's order, as the model-states file's param_shapes lists them): shards
+    renamed into other ranks' places (trained on silently) start out of that order."""
+    model = next((state for path, state in states.items() if path.name.endswith("model_states.pt")), None)
+    groups = model.get("param_shapes") if isinstance(model, dict) else None
+    ranked = sorted((int(found[1]), path, state["optimizer_state_dict"]) for path, state in states.items()
+                    if (found := re.match(r".*zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt$", path.name)))
+    if not isinstance(groups, list) or len(ranked) < 2:
+        return
+    for index, group in enumerate(groups):
+        order = {name: position for position, name in enumerate(group)} if isinstance(group, dict) else {}
+        firsts = []
+        for rank, path, optimizer in ranked:
+            mappings = optimizer.get("param_slice_mappings")
+            if not (isinstance(mappings, list) and len(mappings) > index and isinstance(mappings[index], dict)
+                    and mappings[index] and next(iter(mappings[index])) in order):
+                return  # not ZeRO-1/2's layout (ZeRO-3 shards, an older DeepSpeed): nothing to compare
+            firsts.append((order[next(iter(mappings[index]))], rank, path))
+        for (before, _, _), (after, rank, path) in zip(firsts, firsts[1:]):
+            if after < before:
+                raise UsageError(f"{path} holds parameters that come before rank {rank - 1}'s: the shards are not in "
+                                 "their ranks' places (renamed or copied from another checkpoint)")
 
 
 def _lines(err):
