@@ -82,8 +82,6 @@ CHECKPOINT_FILE_KEYS = {"model_states.pt": "module", "optim_states.pt": "optimiz
 def check_checkpoint_files(folder, tag):
     """Every file of a DeepSpeed checkpoint's tag folder, through load_checked (memory-mapped), holding what
     DeepSpeed reads from it; no two ranks' optimizer shards the same file (a copy trained on silently)."""
-    from .files import fingerprint
-
     files = sorted(Path(folder, tag).glob("*.pt"))
     if not files:
         raise UsageError(f"{Path(folder, tag)} holds no checkpoint files (*.pt)")
