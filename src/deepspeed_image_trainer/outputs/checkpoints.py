@@ -347,12 +347,13 @@ SETTINGS_FLAGS = {"model": "--model", "class_names": "the classes of --train_dir
 GROUPS = {False: "one parameter group", True: "head and body in parameter groups of their own"}
 
 
-def _shown(key, value):
+def _shown(key, value, other=None):
+    """A setting's value in a message, quoted where the other side is not a string (an edited "0.001")."""
     if key == "parameter_groups":
         return GROUPS[value]
     if key == "class_names":
         return f"{len(value)} classes ({listed(value, 4)})"
-    return str(value)
+    return json.dumps(value) if isinstance(value, str) and not isinstance(other, str) else str(value)
 
 
 def check_resumable(folder, world_size, zero_stage, settings, read_shards=False):
@@ -372,7 +373,7 @@ def check_resumable(folder, world_size, zero_stage, settings, read_shards=False)
                          f"{world_size}) in the middle of an epoch, by a version of the trainer that did not record "
                          "the position in samples; resume from the end of an epoch (--resume epoch_N or best), "
                          "resume with the same --num_gpus/--num_nodes, or start a new run")
-    differs = [f"{SETTINGS_FLAGS[key]} {_shown(key, saved[key])} (this run: {_shown(key, value)})"
+    differs = [f"{SETTINGS_FLAGS[key]} {_shown(key, saved[key], value)} (this run: {_shown(key, value, saved[key])})"
                for key, value in settings.items() if key in saved and saved[key] != value]
     if differs:
         raise UsageError(f"cannot resume from {folder}: it was saved with " + "; ".join(differs)

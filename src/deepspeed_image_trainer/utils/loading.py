@@ -58,6 +58,8 @@ def load_checked(path, map_location="cpu", mmap=False, deepspeed_classes=True):
         # A plain pickle (not torch.save's) makes torch warn about its protocol before it fails: one line, below.
         with torch.serialization.safe_globals(allowed), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            # torch's note that it checks a sparse tensor's indices as it loads one (refused after, in one line)
+            warnings.filterwarnings("ignore", message="Validating sparse tensor invariants")
             return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         refused = _refused_global(err)
