@@ -50,12 +50,15 @@ def umask():
 def as_open_would(path, folder=False):
     """The permissions open() or mkdir() would have given `path`: tempfile makes its files and folders private
     (0600, 0700), and the renamed results (histories, exports, cache entries) stayed so."""
-    os.chmod(path, (0o777 if folder else 0o666) & ~umask())
+    try:
+        os.chmod(path, (0o777 if folder else 0o666) & ~umask())
+    except OSError:  # a file system without permission bits: what it gives stands
+        pass
 
 
 def mkstemp_as_open_would(**kwargs):
     fd, name = tempfile.mkstemp(**kwargs)
-    os.fchmod(fd, 0o666 & ~umask())
+    as_open_would(name)
     return fd, name
 
 
