@@ -69,7 +69,12 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "FAST_WRITER": {"checkpoint": {"writer": {"type": "fast"}}},
         "AUTOTP": {"tensor_parallel": {"autotp_size": 2}},
         "FLOPS_PROC": {"flops_profiler": {"enabled": True, "profile_step": 1, "output_file": "/proc/nope/x.txt"}},
-        "CLIP_HUGE": {"gradient_clipping": 10**400}}
+        "CLIP_HUGE": {"gradient_clipping": 10**400},
+        # the same as DeepSpeed's config models read them: 0 is false, "true" is true
+        "SGD_UNTESTED_ZERO": {"optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "zero_allow_untested_optimizer": 0,
+                              "zero_optimization": {"stage": 1}},
+        "WANDB_WORD": {"wandb": {"enabled": "true"}},
+        "FLOPS_FOLDER": {"flops_profiler": {"enabled": 1, "profile_step": 1, "output_file": "."}}}
 
 FLAGS = [
     (["--seed", "-1"], "--seed must be in 0 .. 4294967295, got -1"),
@@ -133,8 +138,11 @@ FLAGS = [
     (["--deepspeed_config", "SGD_UNTESTED"], "zero_allow_untested_optimizer false: DeepSpeed's ZeRO then refuses"),
     (["--deepspeed_config", "FAST_WRITER"], "checkpoint.writer: DeepSpeed's checkpoint writers"),
     (["--deepspeed_config", "AUTOTP"], "tensor_parallel.autotp_size: DeepSpeed's automatic tensor parallelism"),
-    (["--deepspeed_config", "FLOPS_PROC"], "flops_profiler.output_file /proc/nope: "),
+    (["--deepspeed_config", "FLOPS_PROC"], "flops_profiler.output_file /proc/nope/x.txt: /proc/nope is not a folder"),
     (["--deepspeed_config", "CLIP_HUGE"], "gradient_clipping is a whole number of 401 digits, not a finite number"),
+    (["--deepspeed_config", "SGD_UNTESTED_ZERO"], "zero_allow_untested_optimizer false: DeepSpeed's ZeRO then"),
+    (["--deepspeed_config", "WANDB_WORD"], "the wandb monitor needs the wandb package"),
+    (["--deepspeed_config", "FLOPS_FOLDER"], "flops_profiler.output_file .: a folder; give a file name"),
     (["--deepspeed_config", "LR_INFINITE"], "optimizer.params.lr is inf, not a finite number"),
     (["--deepspeed_config", "CLIP_NAN"], "gradient_clipping is nan, not a finite number"),
     (["--deepspeed_config", "ZERO_TYPO"], "'zero_optimisation' is not a key DeepSpeed reads (did you mean "
@@ -354,6 +362,7 @@ EXPORT_DAMAGE = [("model.pt", "random bytes", "is damaged or not a torch file"),
                                                        "machine's"),
                  ("model.pt.json", "10**400 pixels", "image_size a whole number of 401 digits: one input image"),
                  ("model.pt.json", "a class twice", "class_names names a class twice"),
+                 ("model.pt.json", "a ratio of 400 digits", "its preprocessing is not one this trainer writes"),
                  ("model.safetensors", "random bytes", "is damaged or not a safetensors file")]
 
 
@@ -374,6 +383,8 @@ def test_a_damaged_export_or_sidecar_is_refused(export_of_a_run, tiny_data, caps
         path.write_text(json.dumps({**sidecar, "image_size": 10**6}))
     elif how == "10**400 pixels":  # an OverflowError in predict
         path.write_text(json.dumps({**sidecar, "image_size": 10**400}))
+    elif how == "a ratio of 400 digits":  # an OverflowError in the preprocessing check
+        path.write_text(json.dumps({**sidecar, "preprocessing": {**sidecar["preprocessing"], "resize_ratio": 10**400}}))
     elif how == "a class twice":  # predict named two outputs alike; evaluate blamed the data folder
         path.write_text(json.dumps({**sidecar, "class_names": sidecar["class_names"][:1] * 2
                                     + sidecar["class_names"][2:]}))

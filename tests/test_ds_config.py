@@ -242,7 +242,8 @@ def test_reference_zero3_config():
     assert "auto" not in json.dumps(config)
 
 
-@pytest.mark.parametrize("content, message", [("{not json", "not valid JSON"), ("[1, 2]", "JSON object")])
+@pytest.mark.parametrize("content, message", [("{not json", "not valid JSON"), ("[1, 2]", "JSON object"),
+                                              ('{"gradient_clipping": 1' + "0" * 5000 + "}", "not valid JSON")])
 def test_bad_base_config_is_a_usage_error(tmp_path, content, message):
     path = tmp_path / "bad.json"
     path.write_text(content)

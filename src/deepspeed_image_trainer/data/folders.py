@@ -28,9 +28,10 @@ def check_preprocessing(preprocessing, source):
     try:
         triples = [list(map(float, preprocessing[key])) for key in ("mean", "std")]
         ratio = float(preprocessing["resize_ratio"])
-        usable = (all(len(t) == 3 and all(np.isfinite(t)) for t in triples) and min(triples[1]) > 0
+        # std at least 1e-6: below it (1e-320) the division made every image "not readable"
+        usable = (all(len(t) == 3 and all(np.isfinite(t)) for t in triples) and min(triples[1]) >= 1e-6
                   and 1 <= ratio <= 2 and preprocessing["interpolation"] in INTERPOLATIONS)
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: a whole number of 400 digits
         usable = False
     if not usable:
         raise UsageError(f"{source}: its preprocessing is not one this trainer writes (mean and std of 3 "

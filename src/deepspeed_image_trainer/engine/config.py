@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..models.names import DEFAULT_MODEL
 from ..utils.failures import UsageError, check_writable
-from ..utils.text import error_line
+from ..utils.text import digits, error_line
 
 AUTO = "auto"
 # torchvision's ResNet18 without its classifier; the classifier adds 512 weights and a bias per class.
@@ -61,8 +61,8 @@ def load_base_config(path):
         config = json.loads(path.read_text())
     except OSError as err:
         raise UsageError(f"--deepspeed_config {path}: cannot read it ({err.strerror or err})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UsageError(f"--deepspeed_config {path}: not valid JSON ({err})") from None
+    except ValueError as err:  # not JSON, not UTF-8, or a whole number of more than 4300 digits
+        raise UsageError(f"--deepspeed_config {path}: not valid JSON ({error_line(err)})") from None
     if not isinstance(config, dict):
         raise UsageError(f"--deepspeed_config {path}: expected a JSON object ({{...}}), got {type(config).__name__}")
     for key, value in _non_finite(config):  # json reads 1e999 as inf, and NaN and Infinity as given
@@ -76,7 +76,7 @@ def _non_finite(value, where=""):
     if isinstance(value, float) and not math.isfinite(value):
         yield where, value
     elif isinstance(value, int) and abs(value) > sys.float_info.max:
-        yield where, f"a whole number of {len(str(abs(value)))} digits"
+        yield where, f"a whole number of {digits(value)} digits"
     elif isinstance(value, dict):
         for key, item in value.items():
             yield from _non_finite(item, f"{where}.{key}" if where else str(key))
@@ -516,16 +516,28 @@ def lr_schedule(config):
 MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}
 
 
+def _on(value):
+    """Whether DeepSpeed's config models read `value` as true (pydantic's bool: true, 1, "true", "yes", "on", ...)."""
+    return value is True or value == 1 and not isinstance(value, float) or (
+        isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "y", "on", "t"))
+
+
+def _off(value):
+    """Whether they read it as false (false, 0, "false", "no", "off", ...)."""
+    return value is False or value == 0 and not isinstance(value, float) or (
+        isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "n", "off", "f"))
+
+
 def check_monitor_support(config):
     """A monitor whose package is missing, or whose output_path cannot be written, failed in deepspeed.initialize
     in every rank."""
     for section, package in MONITOR_PACKAGES.items():
-        if config.get(section, {}).get("enabled") is True and importlib.util.find_spec(package) is None:
+        if _on(config.get(section, {}).get("enabled")) and importlib.util.find_spec(package) is None:
             raise UsageError(f"the {section} monitor needs the {package} package: pip install {package.replace('_', '-')}"
                              " (or use --csv_monitor)")
     for section in ("tensorboard", "csv_monitor"):
         monitor = config.get(section, {})
-        if monitor.get("enabled") is True and monitor.get("output_path"):
+        if _on(monitor.get("enabled")) and monitor.get("output_path"):
             check_writable(monitor["output_path"], f"{section}.output_path")
 
 
@@ -548,13 +560,17 @@ def check_trainer_support(config, args):
         raise UsageError("tensor_parallel.autotp_size: DeepSpeed's automatic tensor parallelism is for language "
                          "models; an image classifier's run is data-parallel (leave the section out)")
     untested = str(config["optimizer"].get("type", "")).lower() not in ZERO_TESTED_OPTIMIZERS
-    if config["zero_optimization"]["stage"] and untested and config.get("zero_allow_untested_optimizer") is False:
+    if config["zero_optimization"]["stage"] and untested and _off(config.get("zero_allow_untested_optimizer")):
         raise UsageError(f"zero_allow_untested_optimizer false: DeepSpeed's ZeRO then refuses optimizer "
                          f"{config['optimizer']['type']} at its start; remove it (the trainer sets it true for "
                          "optimizers DeepSpeed has not listed)")
     profiler = config.get("flops_profiler", {})
-    if profiler.get("enabled") is True and profiler.get("output_file"):
-        check_writable(Path(profiler["output_file"]).parent, "flops_profiler.output_file")
+    if _on(profiler.get("enabled")) and profiler.get("output_file"):  # DeepSpeed opens it, making no folder
+        output = Path(profiler["output_file"])
+        if output.is_dir() or not output.parent.is_dir():
+            raise UsageError(f"flops_profiler.output_file {output}: " + (
+                "a folder; give a file name" if output.is_dir() else f"{output.parent} is not a folder that exists"))
+        check_writable(output.parent, "flops_profiler.output_file")
     if config.get("sequence_parallel_size", 1) != 1:
         raise UsageError("sequence_parallel_size is for splitting a language model's sequence over ranks; an image "
                          "classifier's run uses 1 (leave it out)")

@@ -70,8 +70,8 @@ def get_args_parser():
 def main(argv=None):
     args = get_args_parser().parse_args(argv)
     check_counts(args, batch_size=1, num_workers=0)
+    check_outside_checkpoints(args.output_dir, "--output_dir")  # first: check_writable makes a file in the folder
     check_writable(args.output_dir, "--output_dir")
-    check_outside_checkpoints(args.output_dir, "--output_dir")
 
     device = default_device()
     model, metadata = load_model(args.model, device)

@@ -14,6 +14,7 @@ from ..models.names import MODEL_NAME
 from ..utils.failures import UsageError
 from ..utils.files import fingerprint
 from ..utils.loading import load_checked, tensors_by_name, unloadable_tensor
+from ..utils.text import digits
 from .export import consolidated_state_dict, sidecar_path
 
 
@@ -94,7 +95,7 @@ def _metadata(path):
         raise UsageError(f"{source}: class_names names a class twice; export the model again")
     memory, image_bytes = memory_gib(), 3 * size ** 2 * 4  # one input image, fp32 (a worker was OOM-killed)
     if memory is not None and image_bytes > memory * 2**30:
-        shown = f"{size}" if size < 10**12 else f"a whole number of {len(str(size))} digits"
+        shown = f"{size}" if size < 10**12 else f"a whole number of {digits(size)} digits"
         raise UsageError(f"{source}: image_size {shown}: one input image alone is more than this machine's "
                          f"{memory:,.0f} GiB of memory; export the model again")
     check_saved_model(metadata.get("model", MODEL_NAME), source)

@@ -6,6 +6,7 @@ import copy
 import contextlib
 import difflib
 import urllib.error
+import warnings
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -312,8 +313,10 @@ def checked_model(name, num_classes, image_size, batch_size, pretrained):
     Returns the meta model."""
     shapes = check_image_size(name, num_classes, image_size, batch_size)
     if pretrained:  # loaded as a rank loads them, for the modules' own checks (into a copy: they may change it)
-        _load_state(copy.deepcopy(shapes), pretrained_state(shapes, name, pretrained, num_classes, mmap=True),
-                    pretrained)
+        state = pretrained_state(shapes, name, pretrained, num_classes, mmap=True)
+        with warnings.catch_warnings():  # torch's, on copying into meta parameters (one per parameter)
+            warnings.simplefilter("ignore")
+            _load_state(copy.deepcopy(shapes), state, pretrained)
     return shapes
 
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ..utils.failures import CliParser, UsageError, check_output_file
+from ..utils.text import digits, error_line
 
 
 def load_history(path):
@@ -20,8 +21,8 @@ def load_history(path):
                          if path.exists() else f"history file not found: {path}")
     try:
         history = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:  # a binary file: not UTF-8
-        raise UsageError(f"{path} is not a training history file ({err})") from None
+    except ValueError as err:  # not JSON, not UTF-8 (a binary file), a whole number beyond 4300 digits
+        raise UsageError(f"{path} is not a training history file ({error_line(err)})") from None
     if not isinstance(history, dict) or "epochs" not in history:
         raise UsageError(f"{path} is not a training history file (no \"epochs\" in it)")
     epochs = history["epochs"]
@@ -40,6 +41,10 @@ def load_history(path):
             if _number(value) and MAX_PLOTTED < abs(value) < math.inf:  # an axis from -1e308 to 1e308 fails,
                 raise UsageError(f"{path} is not a training history file (epochs[{index}].{key} is "  # and 10**400
                                  f"{_shown(value)}, beyond any figure a run records)")
+    best = history.get("best")
+    best_acc = best.get("val_acc") if isinstance(best, dict) else None
+    if best_acc is not None and not (_number(best_acc) and 0 <= best_acc <= 1):  # plotted as the star
+        raise UsageError(f"{path} is not a training history file (best.val_acc is {_shown(best_acc) if _number(best_acc) else json.dumps(best_acc)}, not an accuracy)")
     return history
 
 
@@ -52,7 +57,7 @@ MAX_PLOTTED = 1e300  # matplotlib's axis limits overflow (a singular transform) 
 
 
 def _shown(value):
-    return f"{value:g}" if abs(value) <= sys.float_info.max else f"a whole number of {len(str(abs(value)))} digits"
+    return f"{value:g}" if abs(value) <= sys.float_info.max else f"a whole number of {digits(value)} digits"
 
 
 def _number(value):

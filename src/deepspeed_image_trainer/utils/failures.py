@@ -84,8 +84,8 @@ def check_output_file(path, flag, suffixes):
         raise UsageError(f"{flag} {path}: use a file name ending in " + ", ".join(suffixes))
     if path.is_dir():
         raise UsageError(f"{flag} {path} is a folder: give a file name inside it")
+    check_outside_checkpoints(path.parent, flag, path)  # first: check_writable makes a file in the folder
     check_writable(path.parent, flag)
-    check_outside_checkpoints(path.parent, flag, path)
 
 
 CHECKPOINT_DESCRIPTION = "extra_info.json"  # the file that makes a folder a checkpoint of this trainer

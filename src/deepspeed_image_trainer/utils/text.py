@@ -12,3 +12,8 @@ def listed(items, shown=SHOWN):
     items = list(items)
     more = f" and {len(items) - shown} more" if len(items) > shown else ""
     return ", ".join(map(str, items[:shown])) + more
+
+
+def digits(number):
+    """How many decimal digits a whole number has, without writing it out (str() refuses beyond 4300)."""
+    return len(str(abs(number))) if abs(number) < 10**4000 else int(abs(number).bit_length() * 0.30103) + 1
