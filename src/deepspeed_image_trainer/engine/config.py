@@ -516,28 +516,29 @@ def lr_schedule(config):
 MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}
 
 
-def _on(value):
-    """Whether DeepSpeed's config models read `value` as true (pydantic's bool: true, 1, "true", "yes", "on", ...)."""
-    return value is True or value == 1 and not isinstance(value, float) or (
-        isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "y", "on", "t"))
+def _as_read(value):
+    """`value` as DeepSpeed's config models read a boolean (pydantic: 0, "no", "off" are false; 1, "true", "on"
+    true); None for one they refuse, or that is left out."""
+    if value is None or isinstance(value, bool):
+        return value
+    from pydantic import TypeAdapter, ValidationError
 
-
-def _off(value):
-    """Whether they read it as false (false, 0, "false", "no", "off", ...)."""
-    return value is False or value == 0 and not isinstance(value, float) or (
-        isinstance(value, str) and value.strip().lower() in ("false", "0", "no", "n", "off", "f"))
+    try:
+        return TypeAdapter(bool).validate_python(value)
+    except ValidationError:
+        return None
 
 
 def check_monitor_support(config):
     """A monitor whose package is missing, or whose output_path cannot be written, failed in deepspeed.initialize
     in every rank."""
     for section, package in MONITOR_PACKAGES.items():
-        if _on(config.get(section, {}).get("enabled")) and importlib.util.find_spec(package) is None:
+        if _as_read(config.get(section, {}).get("enabled")) and importlib.util.find_spec(package) is None:
             raise UsageError(f"the {section} monitor needs the {package} package: pip install {package.replace('_', '-')}"
                              " (or use --csv_monitor)")
     for section in ("tensorboard", "csv_monitor"):
         monitor = config.get(section, {})
-        if _on(monitor.get("enabled")) and monitor.get("output_path"):
+        if _as_read(monitor.get("enabled")) and monitor.get("output_path"):
             check_writable(monitor["output_path"], f"{section}.output_path")
 
 
@@ -560,12 +561,12 @@ def check_trainer_support(config, args):
         raise UsageError("tensor_parallel.autotp_size: DeepSpeed's automatic tensor parallelism is for language "
                          "models; an image classifier's run is data-parallel (leave the section out)")
     untested = str(config["optimizer"].get("type", "")).lower() not in ZERO_TESTED_OPTIMIZERS
-    if config["zero_optimization"]["stage"] and untested and _off(config.get("zero_allow_untested_optimizer")):
+    if config["zero_optimization"]["stage"] and untested and _as_read(config.get("zero_allow_untested_optimizer")) is False:
         raise UsageError(f"zero_allow_untested_optimizer false: DeepSpeed's ZeRO then refuses optimizer "
                          f"{config['optimizer']['type']} at its start; remove it (the trainer sets it true for "
                          "optimizers DeepSpeed has not listed)")
     profiler = config.get("flops_profiler", {})
-    if _on(profiler.get("enabled")) and profiler.get("output_file"):  # DeepSpeed opens it, making no folder
+    if _as_read(profiler.get("enabled")) and profiler.get("output_file"):  # DeepSpeed opens it, making no folder
         output = Path(profiler["output_file"])
         if output.is_dir() or not output.parent.is_dir():
             raise UsageError(f"flops_profiler.output_file {output}: " + (
