@@ -313,7 +313,14 @@ class ResizedCrops:
         lengths = torch.stack([height, width], 1).long()
         shifts = self.side - torch.stack([top, left], 1).long()
         rows, columns = self.windows[mirrored, lengths, :, shifts].unbind(1)  # each (N, out, side)
-        return rows.unsqueeze(1) @ images.to(self.dtype) @ columns.transpose(1, 2).unsqueeze(1)
+        # Channels between the rows and the columns ((N, side, C, side), made by the copy into `dtype`), so that
+        # each pass is one batched product over all channels: broadcasting a window over the channels copied
+        # it for each (a fifth of the batch's time on an H100)
+        count, channels, side, out = len(images), images.shape[1], self.side, rows.shape[1]
+        pixels = images.permute(0, 2, 1, 3).to(self.dtype, memory_format=torch.contiguous_format)
+        resized = rows @ pixels.view(count, side, channels * side)  # (N, out, C * side)
+        resized = resized.view(count, out * channels, side) @ columns.transpose(1, 2)  # (N, out * C, out)
+        return resized.view(count, out, channels, out).permute(0, 2, 1, 3)
 
 
 class Normalize:
@@ -328,8 +335,9 @@ class Normalize:
         self.memory_format = batch_memory_format(device)
 
     def __call__(self, images):
-        out = torch.addcmul(self.shift, images.float(), self.scale)
-        return out.to(self.dtype, memory_format=self.memory_format)
+        # one pass: computed in float32, written in `dtype` and the memory format the model wants
+        out = torch.empty(images.shape, dtype=self.dtype, device=images.device, memory_format=self.memory_format)
+        return torch.addcmul(self.shift, images, self.scale, out=out)
 
 
 def named_device(device):
