@@ -510,9 +510,10 @@ TABLES = {
     "first-minute-gpu": lambda: first_minute("first_minute/first_minute_nvidia_h100_80gb_hbm3.json"),
     "first-minute-cpu": lambda: first_minute("first_minute_cpu.json"),
     "checkpoint-engines": checkpoint_engines,
-    "throughput-gpu": lambda: throughput("throughput_nvidia_h200.json"),
-    "throughput-models": lambda: "\n\n".join(throughput(f"throughput_{model}_nvidia_h200.json") for model in (
-        "resnet50", "vit_b_16", "convnext_tiny", "swin_v2_t", "efficientnet_b0")),
+    "throughput-gpu": lambda: throughput("throughput/throughput_nvidia_h100_80gb_hbm3.json"),
+    "throughput-models": lambda: "\n\n".join(throughput(name) for name in (
+        *(f"throughput/throughput_{model}_nvidia_h100_80gb_hbm3.json" for model in ("resnet50", "vit_b_16")),
+        *(f"throughput_{model}_nvidia_h200.json" for model in ("convnext_tiny", "swin_v2_t", "efficientnet_b0")))),
     "zero3-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{run}_nvidia_h200.json")
                                           for run in ("resnet18_b256", "vit_l_16_b32")),
     "zero12-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{run}_nvidia_h100_80gb_hbm3.json")
