@@ -1,15 +1,18 @@
 """--freeze_backbone_epochs and --backbone_lr_scale on real engines (CPU, gloo) at every ZeRO stage and with
 optimizer offload: the body does not move while frozen and does afterwards, at the scaled learning rate."""
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from deepspeed_image_trainer.data.prepare import make_sample_dataset
 from deepspeed_image_trainer.engine.finetune import (BodyLearningRate, head_module, parameter_groups,
                                                     whole_run_frozen)
+from deepspeed_image_trainer.utils.loading import check_checkpoint_files, load_checked
 
-from conftest import join_process_group, spawn_ranks, tiny_engine
+from conftest import data_args, history_of, join_process_group, spawn_ranks, tiny_engine
 
 CLASSES, SCALE = 3, 0.1
 ZERO = {"zero0": {"stage": 0}, "zero1": {"stage": 1}, "zero2-offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
@@ -44,7 +47,7 @@ def on_rank(rank, port, results):
         engine = tiny_engine(model, parameter_groups(model, CLASSES), lr=0.01, optimizer={"weight_decay": 0.05},
                              zero=zero, scheduler={"type": "WarmupLR", "params": {
                                  "warmup_min_lr": 0, "warmup_max_lr": 0.01, "warmup_num_steps": 4}})
-        body_lr = BodyLearningRate(engine.lr_scheduler, engine.optimizer, SCALE, freeze_backbone_epochs=1)
+        body_lr = BodyLearningRate(engine, SCALE, freeze_backbone_epochs=1)
         result = {}
         for epoch in (1, 2):
             body_lr.set_epoch(epoch)
@@ -93,3 +96,48 @@ def test_a_freeze_over_the_whole_run_is_said():
     for frozen in (3, 4):
         assert whole_run_frozen(SimpleNamespace(freeze_backbone_epochs=frozen, epochs=3)) == (
             f"--freeze_backbone_epochs {frozen} covers the whole run (--epochs 3): only the classifier head trains")
+
+
+STEPS_PER_EPOCH, GAMMA = 3, 0.5  # 12 images at batch 4; StepLR halves the rate at every step
+METRICS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
+
+
+def train_then_resume(rank, port, results, data, workdir):
+    """2 epochs of StepLR (a torch scheduler, from the JSON) with a scaled body, then the second again from the
+    first run's epoch_1."""
+    import gc
+
+    from deepspeed_image_trainer.cli import train
+    from deepspeed_image_trainer.engine.distributed import barrier
+
+    join_process_group(rank, port)
+    train.shut_down = barrier  # the group serves both runs: spawn_ranks leaves it at the end
+    config = workdir / "steplr.json"
+    config.write_text(json.dumps({"scheduler": {"type": "StepLR", "params": {"step_size": 1, "gamma": GAMMA}}}))
+    for run, extra in (("whole", ["--save_every", "1"]), ("resumed", ["--resume", str(workdir / "whole/c/epoch_1")])):
+        results[run] = train.main(data_args(data) + [
+            "--deepspeed_config", str(config), "--backbone_lr_scale", str(SCALE), "--epochs", "2",
+            "--batch_size", "4", "--image_size", "32", "--num_workers", "0",
+            "--checkpoint_dir", str(workdir / run / "c"), "--log_dir", str(workdir / run / "logs"), *extra])
+        gc.unfreeze()  # the trainer froze what it built; the next run needs the memory
+        gc.collect()
+
+
+@pytest.mark.slow
+def test_a_torch_scheduler_with_a_scaled_body_saves_and_resumes_at_the_same_rates(tmp_path):
+    """StepLR with --backbone_lr_scale: the first save failed to pickle the step function put on the scheduler,
+    which saves its whole __dict__; and StepLR, stepping on from the body's scaled rate, scaled it again each step."""
+    make_sample_dataset(tmp_path / "data", num_classes=CLASSES, train_per_class=4, val_per_class=2, image_size=32,
+                        seed=0)
+    assert spawn_ranks(train_then_resume, 1, tmp_path / "data", tmp_path) == {"whole": 0, "resumed": 0}
+    whole, resumed = history_of(tmp_path / "whole")["epochs"], history_of(tmp_path / "resumed")["epochs"]
+    assert whole[1]["lr"] == pytest.approx(whole[0]["lr"] * GAMMA ** STEPS_PER_EPOCH)
+    assert [{k: e[k] for k in METRICS} for e in resumed] == [{k: e[k] for k in METRICS} for e in whole]
+    for run in ("whole", "resumed"):
+        check_checkpoint_files(tmp_path / run / "c/last", "last")  # what a resume loads: tensors and plain values
+        saved = load_checked(tmp_path / run / "c/last/last/mp_rank_00_model_states.pt")
+        head, body = saved["optimizer"]["param_groups"]
+        scheduler = saved["lr_scheduler"]
+        assert scheduler["last_epoch"] == 2 * STEPS_PER_EPOCH
+        assert head["lr"] == pytest.approx(scheduler["base_lrs"][0] * GAMMA ** (2 * STEPS_PER_EPOCH))
+        assert body["lr"] == pytest.approx(head["lr"] * SCALE)

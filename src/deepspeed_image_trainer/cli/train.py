@@ -266,8 +266,8 @@ def build(args, clock):
     if scheduler != ds_config["scheduler"]:
         ds_config["scheduler"] = scheduler  # the history records the steps that run
         replace_lr_scheduler(engine, scheduler, ds_config["optimizer"]["params"]["lr"])
-    body_lr = (BodyLearningRate(engine.lr_scheduler, engine.optimizer, args.backbone_lr_scale,
-                                args.freeze_backbone_epochs) if fine_tuning(args) else None)
+    body_lr = (BodyLearningRate(engine, args.backbone_lr_scale, args.freeze_backbone_epochs)
+               if fine_tuning(args) else None)
     samples_per_micro_batch = micro_batch * world_size  # over all ranks: a position any world size can take up
 
     # The history's config: the run's record (outputs/record.py), where it ran and on what data

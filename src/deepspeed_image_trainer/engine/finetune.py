@@ -39,24 +39,26 @@ def parameter_groups(model, num_classes):
 
 
 class BodyLearningRate:
-    """Scales the body group's learning rate after each step of `scheduler` (every DeepSpeed scheduler sets
-    each group's rate afresh there; None: a fixed rate); set_epoch chooses the scale."""
+    """Scales the body group's learning rate after each step of `engine`'s scheduler, which it wraps in
+    engine.lr_scheduler (None: a fixed rate); set_epoch chooses the scale."""
 
-    def __init__(self, scheduler, optimizer, backbone_lr_scale, freeze_backbone_epochs):
-        self.optimizer, self.scale, self.frozen_epochs = optimizer, backbone_lr_scale, freeze_backbone_epochs
-        for group in optimizer.param_groups:
+    def __init__(self, engine, backbone_lr_scale, freeze_backbone_epochs):
+        self.optimizer, self.scale, self.frozen_epochs = engine.optimizer, backbone_lr_scale, freeze_backbone_epochs
+        for group in self.optimizer.param_groups:
             group.setdefault("unscaled_lr", group["lr"])
-        if scheduler is not None:
-            step = scheduler.step
+        if engine.lr_scheduler is not None:
+            engine.lr_scheduler = ScaledSteps(engine.lr_scheduler, self)
 
-            def scaled_step(*args, **kwargs):
-                result = step(*args, **kwargs)
-                for group in self.optimizer.param_groups:
-                    group["unscaled_lr"] = group["lr"]
-                self._apply()
-                return result
+    def before_step(self):
+        # torch's chainable schedulers (StepLR) go on from the rate they find: the body's scaled one compounded
+        # the scale at every step (a frozen body stayed at 0 for good).
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["unscaled_lr"]
 
-            scheduler.step = scaled_step
+    def after_step(self):
+        for group in self.optimizer.param_groups:
+            group["unscaled_lr"] = group["lr"]
+        self._apply()
 
     def _apply(self):
         for group in self.optimizer.param_groups:
@@ -70,3 +72,27 @@ class BodyLearningRate:
     def body_scale(self):
         """The body's scale this epoch: its learning rate over the head's."""
         return self.optimizer.param_groups[1]["lr_scale"]
+
+
+class ScaledSteps:
+    """A scheduler whose steps the body's scale follows; state_dict and load_state_dict are the scheduler's own.
+    A wrapper rather than a `step` replaced on the scheduler: torch's schedulers save their whole __dict__, where
+    a function cannot be pickled (nor loaded by the weights-only checks of a resume)."""
+
+    def __init__(self, scheduler, body_lr):
+        self.scheduler, self.body_lr = scheduler, body_lr
+
+    def step(self, *args, **kwargs):
+        self.body_lr.before_step()
+        result = self.scheduler.step(*args, **kwargs)
+        self.body_lr.after_step()
+        return result
+
+    def state_dict(self):
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict):
+        return self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name):  # get_last_lr, get_lr and the rest, as the scheduler has them
+        return getattr(self.scheduler, name)
