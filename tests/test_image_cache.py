@@ -15,7 +15,7 @@ from deepspeed_image_trainer.data.cache import load_or_fill
 from deepspeed_image_trainer.data.device import build_device_loaders, decode_dataset
 from deepspeed_image_trainer.data.folders import load_datasets
 
-from conftest import DEVICES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES
+from conftest import DEVICES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, data_args, history_of, launch
 
 CPU = torch.device("cpu")
 
@@ -175,3 +175,35 @@ def test_batches_from_host_memory_are_the_device_paths_and_resume_mid_epoch(tiny
     host_val = list(host_val)
     assert len(host_val) == len(resident_val) == math.ceil(TINY_VAL_IMAGES / 4)
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(host_val, resident_val))
+
+
+def not_utf8(name):
+    """`name` (bytes) as Python names such a file (its bytes kept as surrogates)."""
+    return os.fsdecode(name)
+
+
+@pytest.mark.slow
+def test_file_names_that_are_not_utf8_train_on_the_cache_tier(tiny_data, tmp_path, monkeypatch):
+    """Their paths went into the cache's key, and the data folder's into the data check's cache file name, as
+    text that UTF-8 cannot encode (surrogates): the run crashed. A strict UTF-8 stdout (a UTF-8 locale other
+    than C's) also crashed on the warning that names such a file."""
+    root = tmp_path / not_utf8(b"data\xfa")
+    try:
+        shutil.copytree(tiny_data, root)
+    except (OSError, UnicodeError):
+        pytest.skip("this file system refuses file names that are not UTF-8 (macOS's, Windows')")
+    bat = root / "train/bat"
+    shutil.copyfile(bat / "bat_0000.jpg", bat / not_utf8(b"\xff.jpg"))
+    (bat / not_utf8(b"\xfe.jpg")).write_bytes(b"not an image")
+    monkeypatch.setenv("TRAINER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("PYTHONIOENCODING", "utf-8")  # strict, where the C locale's stdout escapes surrogates
+    args = data_args(root) + ["--epochs", "1", "--batch_size", "4", "--image_size", "32", "--zero_stage", "0",
+                              "--data_on_device", "cache"]
+    result = launch(args, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"decoded {TINY_TRAIN_IMAGES + 1 + TINY_VAL_IMAGES} images" in result.stdout
+    shown = str(bat / not_utf8(b"\xfe.jpg")).encode("utf-8", "backslashreplace").decode()  # ...data\udcfa/...
+    assert f"warning: skipping 1 unreadable image(s): {shown} (not an image PIL can read)" in result.stdout.splitlines()
+    assert history_of(tmp_path)["config"]["train_images"] == TINY_TRAIN_IMAGES + 1
+    metas = [json.loads(path.read_text()) for path in (tmp_path / "cache/decoded").glob("*/meta.json")]
+    assert sorted(meta["count"] for meta in metas) == [TINY_VAL_IMAGES, TINY_TRAIN_IMAGES + 1]

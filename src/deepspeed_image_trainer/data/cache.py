@@ -67,7 +67,9 @@ def entry_key(paths, resize, crop, decoder, records=None):
         else:
             stat = os.stat(path)
             size, mtime = stat.st_size, stat.st_mtime_ns
-        digest.update(f"\0{os.path.abspath(path)}\0{size}\0{mtime}".encode())
+        # surrogatepass: a name that is not UTF-8 (its bytes kept as surrogates) gets a key of its own; a
+        # UTF-8 name gets the bytes .encode() gave, so entries filled before stay found
+        digest.update(f"\0{os.path.abspath(path)}\0{size}\0{mtime}".encode("utf-8", "surrogatepass"))
     return digest.hexdigest()[:32]
 
 

@@ -341,7 +341,8 @@ def cache_base():
 def cache_path(root):
     """Where the per-file results of the folder `root` are kept: one file per folder (its absolute path
     hashed) under cache_base()."""
-    digest = hashlib.sha256(os.path.abspath(root).encode()).hexdigest()[:16]
+    # surrogatepass: as the decoded-image cache's key (cache.entry_key), a folder whose name is not UTF-8 works
+    digest = hashlib.sha256(os.path.abspath(root).encode("utf-8", "surrogatepass")).hexdigest()[:16]
     return cache_base() / "data_check" / f"{Path(root).name or 'root'}-{digest}.json"
 
 

@@ -1,5 +1,7 @@
 """Output that outlives its reader: `launch_deepspeed.py ... | head` (or a console output redirected to a full
-disk) must not end a training run or a tool in a traceback."""
+disk) must not end a training run or a tool in a traceback, and neither must printing a file
+name that is not UTF-8."""
+import io
 import os
 import sys
 
@@ -55,5 +57,9 @@ def outlive_closed_output():
             setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
+        if isinstance(stream, io.TextIOWrapper) and stream.errors == "strict":
+            # A file name that is not UTF-8 (its bytes kept as surrogates) printed in a warning or the data
+            # check's report raised UnicodeEncodeError; written as Python writes it to stderr, \udcff, instead
+            stream.reconfigure(errors="backslashreplace")
         if stream is not None and not isinstance(stream, OutlivesReader):
             setattr(sys, name, OutlivesReader(stream))
