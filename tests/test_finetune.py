@@ -104,7 +104,8 @@ METRICS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
 
 def train_then_resume(rank, port, results, data, workdir):
     """2 epochs of StepLR (a torch scheduler, from the JSON) with a scaled body, then the second again from the
-    first run's epoch_1."""
+    first run's epoch_1; and 1 epoch of StepLR at ZeRO-2 (DeepSpeed built it over ZeRO's optimizer, which torch's
+    schedulers refuse)."""
     import gc
 
     from deepspeed_image_trainer.cli import train
@@ -114,23 +115,26 @@ def train_then_resume(rank, port, results, data, workdir):
     train.shut_down = barrier  # the group serves both runs: spawn_ranks leaves it at the end
     config = workdir / "steplr.json"
     config.write_text(json.dumps({"scheduler": {"type": "StepLR", "params": {"step_size": 1, "gamma": GAMMA}}}))
-    for run, extra in (("whole", ["--save_every", "1"]), ("resumed", ["--resume", str(workdir / "whole/c/epoch_1")])):
+    scaled = ["--backbone_lr_scale", str(SCALE), "--epochs", "2"]
+    for run, extra in (("whole", [*scaled, "--save_every", "1"]),
+                       ("resumed", [*scaled, "--resume", str(workdir / "whole/c/epoch_1")]),
+                       ("zero2", ["--zero_stage", "2", "--epochs", "1"])):
         results[run] = train.main(data_args(data) + [
-            "--deepspeed_config", str(config), "--backbone_lr_scale", str(SCALE), "--epochs", "2",
-            "--batch_size", "4", "--image_size", "32", "--num_workers", "0",
+            "--deepspeed_config", str(config), "--batch_size", "4", "--image_size", "32", "--num_workers", "0",
             "--checkpoint_dir", str(workdir / run / "c"), "--log_dir", str(workdir / run / "logs"), *extra])
         gc.unfreeze()  # the trainer froze what it built; the next run needs the memory
         gc.collect()
 
 
 @pytest.mark.slow
-def test_a_torch_scheduler_with_a_scaled_body_saves_and_resumes_at_the_same_rates(tmp_path):
+def test_a_torch_scheduler_with_a_scaled_body_saves_and_resumes_at_the_same_rates_and_runs_at_zero2(tmp_path):
     """StepLR with --backbone_lr_scale: the first save failed to pickle the step function put on the scheduler,
     which saves its whole __dict__; and StepLR, stepping on from the body's scaled rate, scaled it again each step."""
     make_sample_dataset(tmp_path / "data", num_classes=CLASSES, train_per_class=4, val_per_class=2, image_size=32,
                         seed=0)
-    assert spawn_ranks(train_then_resume, 1, tmp_path / "data", tmp_path) == {"whole": 0, "resumed": 0}
+    assert spawn_ranks(train_then_resume, 1, tmp_path / "data", tmp_path) == {"whole": 0, "resumed": 0, "zero2": 0}
     whole, resumed = history_of(tmp_path / "whole")["epochs"], history_of(tmp_path / "resumed")["epochs"]
+    assert history_of(tmp_path / "zero2")["epochs"][0]["lr"] == pytest.approx(whole[0]["lr"])
     assert whole[1]["lr"] == pytest.approx(whole[0]["lr"] * GAMMA ** STEPS_PER_EPOCH)
     assert [{k: e[k] for k in METRICS} for e in resumed] == [{k: e[k] for k in METRICS} for e in whole]
     for run in ("whole", "resumed"):

@@ -228,7 +228,8 @@ def build(args, clock):
                                       records=data_check.records, preprocessing=inputs, tier=tier, cache_root=cache)
         # Head and body in parameter groups of their own only when fine-tuning controls ask for them.
         parameters = parameter_groups(model, len(train_set.classes)) if fine_tuning(args) else model.parameters()
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameters, config=ds_config)
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameters,
+                                               **engine_scheduler(ds_config))
         if args.compile:
             engine.compile()
         clock.lap("engine")
@@ -397,3 +398,17 @@ def finish(run):
     say_finished()  # every checkpoint is published and the history written: a signal from here on stops nothing
     shut_down()  # together: a rank leaving gloo while rank 0 still writes can abort in the backend's teardown
     return 0
+
+
+def engine_scheduler(ds_config):
+    """deepspeed.initialize's config and lr_scheduler: a torch.optim.lr_scheduler class named in the config is
+    built by DeepSpeed over its own optimizer wrapper (ZeRO's, bf16's), which torch's schedulers refuse
+    ("... is not an Optimizer"): it goes in as a callable instead, which DeepSpeed calls with the torch optimizer."""
+    from deepspeed.runtime import lr_schedules
+
+    section = ds_config["scheduler"]
+    if hasattr(lr_schedules, section["type"]):
+        return {"config": ds_config}
+    scheduler = getattr(torch.optim.lr_scheduler, section["type"])
+    return {"config": {key: value for key, value in ds_config.items() if key != "scheduler"},
+            "lr_scheduler": lambda optimizer: scheduler(optimizer, **section.get("params", {}))}
