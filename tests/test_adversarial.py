@@ -57,6 +57,9 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "ZERO_TYPO": {"zero_optimisation": {"stage": 3}},
         "STAGE_TRUE": {"zero_optimization": {"stage": True}},  # equal to 1, and its checkpoints then unusable
         "ACCUM_FP32": {"data_types": {"grad_accum_dtype": "fp32"}},
+        "QUANTIZED_WEIGHTS": {"zero_optimization": {"stage": 3, "zero_quantized_weights": "true"}},
+        "RANGE_TEST_NEGATIVE": {"scheduler": {"type": "LRRangeTest", "params": {"lr_range_test_min_lr": -1}}},
+        "COSINE_SHORT": {"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 1}}},
         # what passed every check and failed in every rank: Muon's first step on a conv weight, the monitor's
         # package or folder, DeepSpeed's batch check over a sequence-parallel group
         "MUON": {"optimizer": {"type": "Muon", "params": {}}},
@@ -126,6 +129,11 @@ FLAGS = [
     (["--deepspeed_config", "DATA_TYPES_NUMBER", "--zero_stage", "1", "--bf16", "--coalesce_grad_reduction", "on"],
      "data_types in the DeepSpeed config must be a JSON object, got 5"),
     (["--deepspeed_config", "STAGE_TRUE"], "ZeRO stage must be 0, 1, 2 or 3, got true"),
+    # a CUDA op: every rank's engine start failed
+    (["--deepspeed_config", "QUANTIZED_WEIGHTS"], "zero_optimization.zero_quantized_weights needs a GPU"),
+    # trained at lr -1 to a loss of 1e15, and at lr 0 after the first step, both silently
+    (["--deepspeed_config", "RANGE_TEST_NEGATIVE"], "scheduler LRRangeTest gives the learning rate -1"),
+    (["--deepspeed_config", "COSINE_SHORT"], "scheduler WarmupCosineLR's total_num_steps is 1, and this run takes"),
     (["--deepspeed_config", "ACCUM_FP32", "--zero_stage", "0", "--bf16", "--precision_mode", "half_weights"],
      "grad_accum_dtype 'fp32' at ZeRO stage 0: DeepSpeed accumulates there in the weights' dtype only (bf16)"),
     (["--deepspeed_config", "MUON"], "DeepSpeed's Muon fails in its first step on convolution weights (4-D)"),

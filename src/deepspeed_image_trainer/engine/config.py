@@ -589,6 +589,12 @@ def check_device_support(config, device_type):
     if device_type == "cpu" and precision(config) in ("fp16", "autocast-fp16"):
         raise UsageError("fp16 needs a GPU: DeepSpeed's CPU accelerator supports bf16 only "
                          "(pass --bf16, or --no-fp16 for fp32)")
+    zero = config["zero_optimization"]
+    for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
+        # ZeRO++'s weight quantizer is a CUDA op: on the CPU the engine's start failed in every rank
+        if device_type == "cpu" and zero["stage"] == 3 and _as_read(zero.get(key)):
+            raise UsageError(f"zero_optimization.{key} needs a GPU: ZeRO++'s weight quantization is a CUDA op "
+                             "(remove it to train on the CPU)")
 
 
 # DeepSpeed's config models, by the section of the JSON each reads.
@@ -753,6 +759,10 @@ DEEPSPEED_OPTIMIZER_CLASSES = {"adam": ("deepspeed.ops.adam", "FusedAdam"),
 STEP_COUNTS = ("total_num_steps", "warmup_num_steps", "cycle_first_step_size")
 
 
+# DeepSpeed's schedulers whose rate stays 0 past their total_num_steps
+SCHEDULES_WITH_AN_END = ("WarmupCosineLR", "WarmupDecayLR")
+
+
 def check_scheduler(config, optimizer, where, run_steps=None):
     """Build the LR scheduler DeepSpeed's engine builds from `config` (engine._scheduler_from_config) over
     `optimizer`, a stand-in, and take a few of its steps: one without the parameters it needs, or with values
@@ -775,14 +785,22 @@ def check_scheduler(config, optimizer, where, run_steps=None):
     try:
         with warnings.catch_warnings():  # torch's: a scheduler stepped before its optimizer
             warnings.simplefilter("ignore")
-            built = scheduler(optimizer, **params)
+            built, rates = scheduler(optimizer, **params), []
             for _ in range(3):
                 built.step()
-                built.get_last_lr()
+                rates += built.get_last_lr()
     except Exception as err:  # noqa: BLE001 - as with the optimizer: each scheduler refuses its own way
         raise UsageError(f"{where}: scheduler {kind} cannot be built from scheduler.params ({error_line(err)})") \
             from None
+    wrong = next((rate for rate in rates if not (_number(rate) and 0 <= rate < math.inf)), None)
+    if wrong is not None:  # LRRangeTest from lr_range_test_min_lr -1 trained at lr -1 (the loss to 1e15), exit 0
+        raise UsageError(f"{where}: scheduler {kind} gives the learning rate {wrong!r} in its first steps; a rate "
+                         "is a number of 0 or more")
     total = getattr(built, "total_steps", None) if isinstance(built, torch.optim.lr_scheduler.OneCycleLR) else None
     if run_steps and isinstance(total, int) and total < run_steps:
         raise UsageError(f"{where}: scheduler {kind} steps {total} times, and this run takes {run_steps:,} optimizer "
                          "steps (it fails at the next); give total_steps (or epochs and steps_per_epoch) for the run")
+    total = params.get("total_num_steps") if kind in SCHEDULES_WITH_AN_END else None
+    if run_steps and _number(total) and total < run_steps:  # the rest of the run trained at rate 0, silently
+        raise UsageError(f"{where}: scheduler {kind}'s total_num_steps is {total}, and this run takes {run_steps:,} "
+                         "optimizer steps (the rate is 0 after its last); leave total_num_steps out to fit the run")
