@@ -60,6 +60,7 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "QUANTIZED_WEIGHTS": {"zero_optimization": {"stage": 3, "zero_quantized_weights": "true"}},
         "RANGE_TEST_NEGATIVE": {"scheduler": {"type": "LRRangeTest", "params": {"lr_range_test_min_lr": -1}}},
         "COSINE_SHORT": {"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 1}}},
+        "CSV_IN_CHECKPOINT": {"csv_monitor": {"enabled": True, "output_path": "ck/epoch_2", "job_name": "j"}},
         # what passed every check and failed in every rank: Muon's first step on a conv weight, the monitor's
         # package or folder, DeepSpeed's batch check over a sequence-parallel group
         "MUON": {"optimizer": {"type": "Muon", "params": {}}},
@@ -134,6 +135,10 @@ FLAGS = [
     # trained at lr -1 to a loss of 1e15, and at lr 0 after the first step, both silently
     (["--deepspeed_config", "RANGE_TEST_NEGATIVE"], "scheduler LRRangeTest gives the learning rate -1"),
     (["--deepspeed_config", "COSINE_SHORT"], "scheduler WarmupCosineLR's total_num_steps is 1, and this run takes"),
+    # the first save removed the monitor's folder (a traceback); the log folder passed for a damaged checkpoint
+    (["--checkpoint_dir", "ck", "--deepspeed_config", "CSV_IN_CHECKPOINT"],
+     "csv_monitor.output_path ck/epoch_2 is inside --checkpoint_dir ck's epoch_2, which the run replaces whole"),
+    (["--checkpoint_dir", "ck", "--log_dir", "ck/last"], "--log_dir ck/last is inside --checkpoint_dir ck's last"),
     (["--deepspeed_config", "ACCUM_FP32", "--zero_stage", "0", "--bf16", "--precision_mode", "half_weights"],
      "grad_accum_dtype 'fp32' at ZeRO stage 0: DeepSpeed accumulates there in the weights' dtype only (bf16)"),
     (["--deepspeed_config", "MUON"], "DeepSpeed's Muon fails in its first step on convolution weights (4-D)"),

@@ -8,6 +8,7 @@ from pathlib import Path
 from ..engine.config import build_ds_config, check_run, check_with_deepspeed, steps_per_epoch
 from ..engine.distributed import rank_zero_only
 from ..outputs.checkpoints import check_resumable, find_checkpoint, read_info, saved_precision, saved_stage
+from ..outputs import run_folders
 from ..outputs.record import resume_settings, run_record
 from ..utils.failures import UsageError
 
@@ -94,6 +95,7 @@ def preflight(args, base, *, world_size, device_type, class_names, num_train_ima
                                 num_params=num_params, resumed_stage=saved_stage(resume_from),
                                 resumed_precision=saved_precision(resume_from))
     coalesced = check_run(ds_config, args, device_type)
+    run_folders.check_output_places(args, ds_config)
     if args.deepspeed_config:
         check_with_deepspeed(ds_config, args.deepspeed_config, device_type, args.epochs * steps_per_epoch(
             num_train_images, world_size, ds_config["train_micro_batch_size_per_gpu"],

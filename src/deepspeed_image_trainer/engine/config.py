@@ -529,6 +529,11 @@ def _as_read(value):
         return None
 
 
+def monitor_enabled(section):
+    """Whether a monitor's section of the config switches it on, as DeepSpeed reads its `enabled`."""
+    return bool(_as_read(section.get("enabled")))
+
+
 def check_monitor_support(config):
     """A monitor whose package is missing, or whose output_path cannot be written, failed in deepspeed.initialize
     in every rank."""
@@ -782,6 +787,10 @@ def check_scheduler(config, optimizer, where, run_steps=None):
             raise UsageError(f"{where}: scheduler.params.{key} of {kind} must be a number, got {value!r}")
         if key in STEP_COUNTS and _number(value) and value < 1:  # a negative total decayed to 0 at once, silently
             raise UsageError(f"{where}: scheduler.params.{key} of {kind} must be at least 1 step, got {value!r}")
+    from deepspeed.utils import logger
+
+    level = logger.level
+    logger.setLevel("ERROR")  # WarmupCosineLR's: a rate asked for before the first step (its constructor does)
     try:
         with warnings.catch_warnings():  # torch's: a scheduler stepped before its optimizer
             warnings.simplefilter("ignore")
@@ -792,6 +801,8 @@ def check_scheduler(config, optimizer, where, run_steps=None):
     except Exception as err:  # noqa: BLE001 - as with the optimizer: each scheduler refuses its own way
         raise UsageError(f"{where}: scheduler {kind} cannot be built from scheduler.params ({error_line(err)})") \
             from None
+    finally:
+        logger.setLevel(level)
     wrong = next((rate for rate in rates if not (_number(rate) and 0 <= rate < math.inf)), None)
     if wrong is not None:  # LRRangeTest from lr_range_test_min_lr -1 trained at lr -1 (the loss to 1e15), exit 0
         raise UsageError(f"{where}: scheduler {kind} gives the learning rate {wrong!r} in its first steps; a rate "

@@ -19,7 +19,8 @@ import shutil
 import socket
 from pathlib import Path
 
-from ..utils.failures import UsageError
+from ..engine.config import MONITORS, monitor_enabled
+from ..utils.failures import UsageError, check_outside_checkpoints
 from .checkpoints import BEST, EXTRA_INFO, LAST, STAGING, read_info, readable
 from .history import HISTORY_FILE
 from .universal import UNIVERSAL
@@ -167,6 +168,32 @@ def _claimed_for(folder, flag, token):
     if f"run {token}" not in holder:
         raise _in_use(folder, flag, LAUNCH_LOCK_FILE)
     return True
+
+
+def _checkpoint_managed(name):
+    """Whether the sub-folder `name` of --checkpoint_dir is the run's: a checkpoint, or where a save or a
+    conversion stages one."""
+    return name in (LAST, BEST, STAGING, UNIVERSAL) or name.startswith(("epoch_", ".old-", ".ready-"))
+
+
+def check_output_places(args, config):
+    """Refuse a log or monitor folder in a checkpoint folder, this run's (existing or not) or another's: the
+    checkpoint's next save replaced it whole (the CSV monitor's run then ended in a traceback), and a log folder
+    made as --checkpoint_dir/last passed for an earlier run's damaged checkpoint."""
+    places = [(Path(args.log_dir), "--log_dir", None)]
+    for section in MONITORS:  # each writes a folder of its job's name into its output_path
+        monitor = config.get(section, {})
+        if monitor_enabled(monitor) and monitor.get("output_path"):
+            places.append((Path(monitor["output_path"]) / str(monitor.get("job_name") or "job"),
+                           f"{section}.output_path", monitor["output_path"]))
+    own = Path(args.checkpoint_dir).resolve()
+    for folder, flag, given in places:
+        resolved = folder.resolve()
+        if own in resolved.parents and _checkpoint_managed(resolved.relative_to(own).parts[0]):
+            raise UsageError(f"{flag} {given or folder} is inside --checkpoint_dir {args.checkpoint_dir}'s "
+                             f"{resolved.relative_to(own).parts[0]}, which the run replaces whole when it saves: "
+                             "write it elsewhere")
+        check_outside_checkpoints(folder, flag, given)
 
 
 def _folders(args):
