@@ -11,7 +11,8 @@ import time
 import psutil
 import pytest
 
-from conftest import ROOT, TINY_VAL_IMAGES, assert_usage_error, data_args, history_of, launch
+from conftest import (ROOT, TINY_VAL_IMAGES, assert_usage_error, data_args, history_of, join_process_group, launch,
+                      make_sample_dataset, spawn_ranks)
 
 pytestmark = pytest.mark.slow  # every test here starts training processes
 
@@ -162,3 +163,45 @@ def test_sigterm_mid_epoch_saves_and_resumes_exactly_with_the_data_on_the_device
 def test_resume_from_a_missing_path_is_a_usage_error(tiny_data, tmp_path):
     assert_usage_error(launch(train_args(tiny_data) + ["--resume", "nowhere"], tmp_path),
                        "no checkpoint at nowhere")
+
+
+def stop_then_resume(rank, port, results, data, workdir):
+    """Two ranks: a run that never stops; the same run stopped by SIGTERM mid-epoch 1 (raised in each rank at its
+    third batch, agreed at the tenth step), then resumed."""
+    import gc
+
+    from deepspeed_image_trainer.cli import train
+    from deepspeed_image_trainer.engine.distributed import barrier
+
+    join_process_group(rank, port, world_size=2)
+    train.shut_down = barrier  # the group serves every run: spawn_ranks leaves it at the end
+    train_one_epoch = train.train_one_epoch
+
+    def stopped(engine, loader, epoch, *args, **kwargs):
+        def batches():
+            for index, batch in enumerate(loader):
+                if epoch == 1 and index == 2:
+                    signal.raise_signal(signal.SIGTERM)
+                yield batch
+        return train_one_epoch(engine, batches(), epoch, *args, **kwargs)
+
+    for run, folder, extra in (("whole", "whole", []), ("stopped", "stopped", []),
+                               ("resumed", "stopped", ["--resume", "auto"])):
+        train.train_one_epoch = stopped if run == "stopped" else train_one_epoch
+        results[run, rank] = train.main(data_args(data) + [
+            "--epochs", "2", "--batch_size", "4", "--image_size", "32", "--num_workers", "0",
+            "--checkpoint_dir", str(workdir / folder / "checkpoints"), "--log_dir", str(workdir / folder / "logs"),
+            *extra])
+        gc.unfreeze()  # the trainer froze what it built; the next run needs the memory
+        gc.collect()
+
+
+def test_two_ranks_stopped_mid_epoch_resume_with_each_ranks_batch_norm_statistics(tmp_path):
+    """The stop averages the batch-norm statistics over the ranks for the checkpoint; the ranks then went on from
+    that average, where the run that never stopped went on from each rank's own (val_loss differed by rounding)."""
+    make_sample_dataset(tmp_path / "data", num_classes=3, train_per_class=32, val_per_class=2, image_size=32, seed=0)
+    statuses = spawn_ranks(stop_then_resume, 2, tmp_path / "data", tmp_path)
+    assert statuses == {(run, rank): status for run, status in (("whole", 0), ("stopped", 128 + signal.SIGTERM),
+                                                                ("resumed", 0)) for rank in (0, 1)}
+    assert history_of(tmp_path / "stopped")["epochs"][0]["epoch"] == 1
+    assert metrics(tmp_path / "stopped") == metrics(tmp_path / "whole")

@@ -22,7 +22,7 @@ from ..data.folders import build_loaders, load_datasets
 from ..engine import overrides as deepspeed_overrides
 from ..engine.config import load_base_config, precision, resolve_scheduler
 from ..engine.distributed import (agreed, all_reduce, any_rank, checked_world_size, differing, init_distributed,
-                                  local_device, patient_group, rank_zero_only, shut_down)
+                                  local_device, patient_group, rank_zero_only, restore_own_buffers, shut_down)
 from ..engine.finetune import BodyLearningRate, fine_tuning, parameter_groups, whole_run_frozen
 from ..engine.interrupt import StopOnSignal, die_with_parent_call, say_finished, stopped_at_once
 from ..engine.loop import evaluate, input_dtype, peak_gpu_memory_gib, replace_lr_scheduler, train_one_epoch
@@ -302,6 +302,7 @@ def build(args, clock):
         if warning:
             say(warning)
         start_epoch, start_step, carried = state["next_epoch"], state["next_step"], state["carried"]
+        restore_own_buffers(engine.module, (carried or {}).get("rank_buffers"))
         if "next_sample" in state:  # the same samples on any number of ranks (the global batch is the same)
             start_step = state["next_sample"] // samples_per_micro_batch
         say(f"Resumed from {resume_from}: epoch {start_epoch}"

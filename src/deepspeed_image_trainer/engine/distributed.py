@@ -255,6 +255,36 @@ def average_buffers(module):
             buffer /= dist.get_world_size()
 
 
+def every_ranks_buffers(module):
+    """Each rank's floating-point buffers (its own batch-norm running statistics, before average_buffers), on the
+    CPU, one list per rank: an interrupted epoch's checkpoint keeps them, so that a resume on as many ranks goes
+    on from each rank's own, as the run that never stopped does (going on from their average differed from it
+    by rounding, which bf16 validation made 1e-3 of the loss). None on one rank."""
+    if not _initialized() or dist.get_world_size() == 1:
+        return None
+    ranks = [[] for _ in range(dist.get_world_size())]
+    for buffer in module.buffers():
+        if buffer.is_floating_point():
+            gathered = [torch.empty_like(buffer) for _ in ranks]
+            dist.all_gather(gathered, buffer.contiguous())
+            for own, value in zip(ranks, gathered):
+                own.append(value.cpu())
+    return ranks
+
+
+def restore_own_buffers(module, saved):
+    """Put back this rank's buffers of every_ranks_buffers(), where the run has as many ranks as saved them and
+    the buffers are those (else the checkpoint's averaged ones stay)."""
+    buffers = [buffer for buffer in module.buffers() if buffer.is_floating_point()]
+    if not saved or not _initialized() or len(saved) != dist.get_world_size():
+        return
+    own = saved[dist.get_rank()]
+    if len(own) == len(buffers) and all(value.shape == buffer.shape for value, buffer in zip(own, buffers)):
+        with torch.no_grad():
+            for buffer, value in zip(buffers, own):
+                buffer.copy_(value)
+
+
 def barrier():
     if _initialized():
         dist.barrier()

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ..data.folders import batch_memory_format
-from .distributed import all_reduce, average_buffers, is_main_process
+from .distributed import all_reduce, average_buffers, every_ranks_buffers, is_main_process
 from .numerics import StepHealth
 
 INPUT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16,
@@ -174,11 +174,13 @@ def train_one_epoch(engine, loader, epoch, dtype, micro_batches, *, start_step=0
     del batches  # its DataLoader workers shut down here, inside the epoch's time rather than after it
     progress.close()
     counts = health.end_epoch(epoch, step)  # nonfinite_steps, skipped_steps
+    own_buffers = every_ranks_buffers(engine.module) if step < micro_batches else None
     average_buffers(engine.module)  # one model to validate and save, also when stopped mid-epoch
     if step < micro_batches:
         summed = totals.summed_over_ranks(engine.device)
         return {"interrupted": True, "step": step,
-                "carried": {**summed, **counts, "time_s": time.perf_counter() - start, "data_wait_s": data_wait_s}}
+                "carried": {**summed, **counts, "time_s": time.perf_counter() - start, "data_wait_s": data_wait_s,
+                            "rank_buffers": own_buffers}}
     summed = totals.summed_over_ranks(engine.device)
     elapsed = time.perf_counter() - start
     return {"loss": summed["loss"] / summed["count"], "acc": summed["correct"] / summed["count"],
