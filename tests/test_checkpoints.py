@@ -135,6 +135,10 @@ def test_another_world_size_resumes_but_not_an_old_mid_epoch_position(tmp_path):
         (folder / EXTRA_INFO).write_text(json.dumps({**info, "interrupted_at": stopped}))
         with pytest.raises(UsageError, match="not a checkpoint description this trainer wrote"):
             check_resumable(folder, 2, 3, {})
+    for tag in ("../x", "..", "a/b"):  # a tag "../x" was followed out of the checkpoint
+        (folder / EXTRA_INFO).write_text(json.dumps({**info, "tag": tag}))
+        with pytest.raises(UsageError, match="is not a folder name inside it"):
+            check_resumable(folder, 2, 3, {})
     (folder / EXTRA_INFO).write_text(json.dumps({**info, "settings": {"learning_rate": "0.001"}}))  # edited
     with pytest.raises(UsageError, match=r'--learning_rate "0.001" \(this run: 0.001\)'):  # was: 0.001 (this run: 0.001)
         check_resumable(folder, 2, 3, {"learning_rate": 0.001})

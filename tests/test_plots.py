@@ -125,6 +125,8 @@ def test_compare_cli_writes_one_png(tmp_path, capsys):
     (lambda h: h["epochs"][0].update(train_loss=10**400),  # an OverflowError where it is compared as a float
      "epochs[0].train_loss is a whole number of 401 digits, beyond any figure a run records"),
     (lambda h: h["best"].update(val_acc=10**400), "best.val_acc is a whole number of 401 digits, not an accuracy"),
+    (lambda h: h["epochs"][1].update(val_acc=1.5), "epochs[1].val_acc is 1.5, not an accuracy"),
+    (lambda h: h["epochs"][2].update(val_loss=-1e300), "epochs[2].val_loss is -1e\\+300, below 0"),
     (lambda h: h.update(epochs={"a": 1}), "its epochs are not a list of records"),
     (lambda h: h.pop("epochs"), 'no "epochs" in it')])
 def test_a_history_with_values_of_the_wrong_kind_is_one_error(tmp_path, damage, message):

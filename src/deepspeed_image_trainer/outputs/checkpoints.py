@@ -117,6 +117,9 @@ def read_info(folder):
     if not isinstance(info, dict) or not isinstance(info.get("epoch"), int) or not isinstance(info.get("tag"), str):
         raise UsageError(f"{path} is not a checkpoint description this trainer wrote (no epoch and tag): use "
                          "another checkpoint (last, best_model, epoch_N)")
+    if info["tag"] in ("", ".", "..") or any(sep in info["tag"] for sep in ("/", "\\")):  # a tag "../x" was followed
+        raise UsageError(f"{path} is not a checkpoint description this trainer wrote (its tag {info['tag']!r} is "
+                         "not a folder name inside it): use another checkpoint (last, best_model, epoch_N)")
     wrong = [key for key, right in INFO_TYPES.items() if key in info and not right(info[key])]
     metrics = info.get("metrics")
     stopped = info.get("interrupted_at")

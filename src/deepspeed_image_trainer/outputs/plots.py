@@ -41,6 +41,9 @@ def load_history(path):
             if _number(value) and MAX_PLOTTED < abs(value) < math.inf:  # an axis from -1e308 to 1e308 fails,
                 raise UsageError(f"{path} is not a training history file (epochs[{index}].{key} is "  # and 10**400
                                  f"{_shown(value)}, beyond any figure a run records)")
+            if _number(value) and (value < 0 or key.endswith("_acc") and value > 1):  # no run records these
+                raise UsageError(f"{path} is not a training history file (epochs[{index}].{key} is {_shown(value)}, "
+                                 f"{'not an accuracy' if key.endswith('_acc') else 'below 0'})")
     best = history.get("best")
     best_acc = best.get("val_acc") if isinstance(best, dict) else None
     if best_acc is not None and not (_number(best_acc) and 0 <= best_acc <= 1):  # plotted as the star
