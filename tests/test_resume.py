@@ -185,8 +185,9 @@ def stop_then_resume(rank, port, results, data, workdir):
                 yield batch
         return train_one_epoch(engine, batches(), epoch, *args, **kwargs)
 
-    for run, folder, extra in (("whole", "whole", []), ("stopped", "stopped", []),
-                               ("resumed", "stopped", ["--resume", "auto"])):
+    unsaved = ["--save_every", "0", "--save_last_every", "0"]  # the stop saves all the resume needs
+    for run, folder, extra in (("whole", "whole", unsaved), ("stopped", "stopped", unsaved),
+                               ("resumed", "stopped", [*unsaved, "--resume", "auto"])):
         train.train_one_epoch = stopped if run == "stopped" else train_one_epoch
         results[run, rank] = train.main(data_args(data) + [
             "--epochs", "2", "--batch_size", "4", "--image_size", "32", "--num_workers", "0",
