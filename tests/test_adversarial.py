@@ -82,6 +82,11 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
 
 FLAGS = [
     (["--seed", "-1"], "--seed must be in 0 .. 4294967295, got -1"),
+    (["--ra_magnitude", "31"], "--ra_magnitude must be in 0 .. 30, got 31"),
+    (["--random_erase", "nan"], "--random_erase must be in 0 .. 1, got nan"),
+    (["--auto_augment", "foo"], "argument --auto_augment: invalid choice: 'foo'"),
+    (["--auto_augment", "ta_wide", "--data_on_device", "cache"], "--auto_augment and --random_erase run in the "
+                                                                 "DataLoader tier so far: --data_on_device cache"),
     (["--seed", "4294967296"], "--seed must be in 0 .. 4294967295"),
     (["--warmup_epochs", "1e308"], "--warmup_epochs 1e+308 is longer than the run (--epochs 50)"),
     (["--batch_size", "1", "--image_size", "32"], "--batch_size 1 at --image_size 32"),

@@ -165,9 +165,12 @@ def test_resume_from_a_missing_path_is_a_usage_error(tiny_data, tmp_path):
                        "no checkpoint at nowhere")
 
 
+RECIPE = ["--auto_augment", "ta_wide", "--random_erase", "0.25"]  # each image's draws from its own seed
+
+
 def stop_then_resume(rank, port, results, data, workdir):
-    """Two ranks: a run that never stops; the same run stopped by SIGTERM mid-epoch 1 (raised in each rank at its
-    third batch, agreed at the tenth step), then resumed."""
+    """Two ranks, with the recipe's augmentation: a run that never stops; the same run stopped by SIGTERM
+    mid-epoch 1 (raised in each rank at its third batch, agreed at the tenth step), then resumed."""
     import gc
 
     from deepspeed_image_trainer.cli import train
@@ -190,7 +193,7 @@ def stop_then_resume(rank, port, results, data, workdir):
                                ("resumed", "stopped", [*unsaved, "--resume", "auto"])):
         train.train_one_epoch = stopped if run == "stopped" else train_one_epoch
         results[run, rank] = train.main(data_args(data) + [
-            "--epochs", "2", "--batch_size", "4", "--image_size", "32", "--num_workers", "0",
+            "--epochs", "2", "--batch_size", "4", "--image_size", "32", "--num_workers", "0", *RECIPE,
             "--checkpoint_dir", str(workdir / folder / "checkpoints"), "--log_dir", str(workdir / folder / "logs"),
             *extra])
         gc.unfreeze()  # the trainer froze what it built; the next run needs the memory
@@ -205,4 +208,6 @@ def test_two_ranks_stopped_mid_epoch_resume_with_each_ranks_batch_norm_statistic
     assert statuses == {(run, rank): status for run, status in (("whole", 0), ("stopped", 128 + signal.SIGTERM),
                                                                 ("resumed", 0)) for rank in (0, 1)}
     assert history_of(tmp_path / "stopped")["epochs"][0]["epoch"] == 1
+    assert history_of(tmp_path / "stopped")["config"]["training"]["augmentation"]["auto_augment"] == "ta_wide"
+    assert history_of(tmp_path / "stopped")["config"]["data_tier"] == "workers"
     assert metrics(tmp_path / "stopped") == metrics(tmp_path / "whole")

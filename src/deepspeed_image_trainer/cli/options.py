@@ -8,6 +8,7 @@ import signal
 import sys
 import traceback
 
+from ..data.recipe import AUTO_AUGMENT_POLICIES, RECIPE_RANGES, recipe_of
 from ..models.names import DEFAULT_MODEL, architecture
 from ..utils.failures import CliError, UsageError
 from ..utils.streams import outlive_closed_output
@@ -66,6 +67,17 @@ def add_training_args(parser):
     train.add_argument("--label_smoothing", type=float, default=0.0,
                        help="label smoothing of the training loss, in [0, 1); validation loss stays plain "
                             "cross-entropy")
+    recipe = parser.add_argument_group("Augmentation (torchvision's reference recipes; the DataLoader tier so far)")
+    recipe.add_argument("--auto_augment", choices=AUTO_AUGMENT_POLICIES, default=None,
+                        help="an augmentation policy per training image, after the crop and flip: RandAugment (ra), "
+                             "TrivialAugmentWide (ta_wide), AugMix (augmix) or AutoAugment's imagenet, cifar10 or "
+                             "svhn policy (torchvision's transforms.v2 classes)")
+    recipe.add_argument("--ra_magnitude", type=int, default=9, help="RandAugment's magnitude, 0-30")
+    recipe.add_argument("--ra_num_ops", type=int, default=2, help="RandAugment's operations per image, 1-14")
+    recipe.add_argument("--augmix_severity", type=int, default=3, help="AugMix's severity, 1-10")
+    recipe.add_argument("--random_erase", type=float, default=0.0, metavar="P",
+                        help="erase a random rectangle of a training image with this probability, after "
+                             "normalisation (torchvision's RandomErasing)")
     train.add_argument("--early_stopping_patience", type=int, default=0, metavar="N",
                        help="stop when val accuracy has not improved for N epochs (0: never)")
     train.add_argument("--max_nonfinite_steps", type=int, default=20, metavar="N",
@@ -196,6 +208,7 @@ def check_values(args):
     check_input_fits(args.batch_size, args.image_size, args.device_train_size)
     if not 0 <= args.label_smoothing < 1:
         raise UsageError(f"--label_smoothing must be in [0, 1), got {args.label_smoothing}")
+    check_recipe(args)
     if args.overwrite and args.resume:
         raise UsageError("--overwrite starts a new run over the old one's results, --resume continues it: "
                          "give one of them")
@@ -251,3 +264,13 @@ def run_cli(main, argv=None):
         for child in multiprocessing.active_children():
             child.kill()
     sys.exit(status)
+
+
+def check_recipe(args):
+    for name, (low, high) in RECIPE_RANGES.items():
+        value = getattr(args, name)
+        if not low <= value <= high:  # NaN too
+            raise UsageError(f"--{name} must be in {low} .. {high}, got {value}")
+    if recipe_of(args) and args.data_on_device in ("on", "cache"):
+        raise UsageError(f"--auto_augment and --random_erase run in the DataLoader tier so far: --data_on_device "
+                         f"{args.data_on_device} crops and flips only (use --data_on_device off or auto)")

@@ -19,6 +19,7 @@ from ..data.cache import OFF, cache_root, check_usable
 from ..data.check import decodes_every_file
 from ..data.device import build_device_loaders, choose_device_data, train_square_size
 from ..data.folders import build_loaders, load_datasets
+from ..data.recipe import data_mode, recipe_of
 from ..engine import overrides as deepspeed_overrides
 from ..engine.config import load_base_config, precision, resolve_scheduler
 from ..engine.distributed import (agreed, all_reduce, any_rank, checked_world_size, differing, init_distributed,
@@ -93,7 +94,7 @@ def recheck(args, inputs, classes):
     was built for. Each node's first rank decodes and keeps the results in the check's cache, which the
     node's other ranks then read: one decode per node, not one per rank at once."""
     def decoded():
-        return load_datasets(args.train_dir, args.val_dir, args.image_size, inputs, True)
+        return load_datasets(args.train_dir, args.val_dir, args.image_size, inputs, True, recipe_of(args))
 
     first = os.environ.get("LOCAL_RANK", "0") == "0"
     waiting = patient_group()  # the decode may outlast the default group's timeout
@@ -152,8 +153,8 @@ def build(args, clock):
     inputs = preprocessing(args.model, args.pretrained)  # the mean, std and resize its weights were trained with
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size, inputs,
-                                                   decodes_every_file(args.data_on_device, device_type,
-                                                                      args.cache_dir == OFF))
+                                                   decodes_every_file(data_mode(args), device_type,
+                                                                      args.cache_dir == OFF), recipe_of(args))
     weights = weights_to_load(args)
     if args.launch_token is None:  # else its launcher checked the model before any rank started
         checked_model(args.model, len(train_set.classes), args.image_size,
@@ -195,8 +196,10 @@ def build(args, clock):
                                                      torch.cuda.get_device_properties(device).total_memory)):
         say(note)
     cache = cache_root(args.cache_dir)
-    tier, why = choose_device_data(args.data_on_device, device, len(train_set), len(val_set), args.image_size,
+    tier, why = choose_device_data(data_mode(args), device, len(train_set), len(val_set), args.image_size,
                                    args.device_train_size, num_params, cache)
+    if data_mode(args) != args.data_on_device:
+        why = "auto: --auto_augment and --random_erase run in the DataLoader tier so far"
     # auto decides on each rank's own GPU and disk: ranks on other tiers would wait in other collectives
     reach = ("workers", "cache", "device")
     lowest = reach[int(all_reduce({"tier": reach.index(tier)}, device, dist.ReduceOp.MIN)["tier"])]

@@ -7,6 +7,7 @@ import torch
 from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from torchvision import transforms
+from torchvision.transforms import v2
 
 from ..utils.failures import UsageError
 from ..utils.text import listed
@@ -39,16 +40,37 @@ def check_preprocessing(preprocessing, source):
     return preprocessing
 
 
-def build_transform(image_size, train, preprocessing=None):
+def auto_augment_policy(recipe, interpolation):
+    """torchvision's transforms.v2 class for the recipe's --auto_augment (cli/options.py's recipe_of), as its
+    reference scripts build it."""
+    policy = recipe["auto_augment"]
+    if policy == "ra":
+        return v2.RandAugment(num_ops=recipe["ra_num_ops"], magnitude=recipe["ra_magnitude"],
+                              interpolation=interpolation)
+    if policy == "ta_wide":
+        return v2.TrivialAugmentWide(interpolation=interpolation)
+    if policy == "augmix":
+        return v2.AugMix(severity=recipe["augmix_severity"], interpolation=interpolation)
+    return v2.AutoAugment(v2.AutoAugmentPolicy(policy), interpolation=interpolation)
+
+
+def build_transform(image_size, train, preprocessing=None, recipe=None):
+    """The DataLoader tier's transform; `recipe` (recipe_of): training augmentation in torchvision's reference
+    order, the policy on the cropped image, random erasing on the normalised tensor."""
     pre = preprocessing or DEFAULT_PREPROCESSING
     interpolation = transforms.InterpolationMode(pre["interpolation"])
     if train:
         steps = [transforms.RandomResizedCrop(image_size, interpolation=interpolation, antialias=True),
                  transforms.RandomHorizontalFlip()]
+        if recipe and recipe["auto_augment"]:
+            steps.append(auto_augment_policy(recipe, interpolation))
     else:
         steps = [transforms.Resize(round(image_size * pre["resize_ratio"]), interpolation=interpolation,
                                    antialias=True), transforms.CenterCrop(image_size)]
-    return transforms.Compose(steps + [transforms.ToTensor(), transforms.Normalize(pre["mean"], pre["std"])])
+    steps += [transforms.ToTensor(), transforms.Normalize(pre["mean"], pre["std"])]
+    if train and recipe and recipe["random_erase"]:
+        steps.append(v2.RandomErasing(p=recipe["random_erase"]))
+    return transforms.Compose(steps)
 
 
 def to_rgb(image):
@@ -104,14 +126,14 @@ def image_folder(root, transform=None, classes=None):
     return ImageFiles(labelled_samples(check.train, classes), classes, transform), check
 
 
-def load_datasets(train_dir, val_dir, image_size, preprocessing=None, decode=True):
+def load_datasets(train_dir, val_dir, image_size, preprocessing=None, decode=True, recipe=None):
     """(train set, val set, DataCheck): the checked images (`decode`: see check.inspect_image), validation
-    labelled by the training classes' names."""
+    labelled by the training classes' names; `recipe`: the training set's augmentation (build_transform)."""
     check = check_data(train_dir, val_dir, decode)
 
     def dataset(scan, train):
         return ImageFiles(labelled_samples(scan, check.classes), check.classes,
-                          build_transform(image_size, train, preprocessing), root=scan.root)
+                          build_transform(image_size, train, preprocessing, recipe), root=scan.root)
 
     return dataset(check.train, train=True), dataset(check.val, train=False), check
 

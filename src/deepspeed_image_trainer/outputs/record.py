@@ -2,6 +2,7 @@
 (training_history.json's "config", with where the run ran and on what data), each checkpoint's
 extra_info.json takes its part of that config (checkpoint_info), and a resumed run is compared with the run
 it continues on what resume_settings picks from it (outputs/checkpoints.py's SETTINGS_FLAGS)."""
+from ..data.recipe import recipe_of
 from ..engine.config import lr_schedule, precision
 from ..engine.finetune import fine_tuning
 from ..models.names import saved_name
@@ -27,7 +28,8 @@ def run_record(args, ds_config, class_names):
                          "early_stopping_patience": args.early_stopping_patience,
                          "backbone_lr_scale": args.backbone_lr_scale,
                          "freeze_backbone_epochs": args.freeze_backbone_epochs,
-                         "parameter_groups": fine_tuning(args)},
+                         "parameter_groups": fine_tuning(args),
+                         "augmentation": recipe_of(args)},
             "deepspeed": ds_config}
 
 

@@ -1,0 +1,21 @@
+"""The training recipe's augmentation flags beyond crops and flips (--auto_augment, --random_erase), as the
+rest of the trainer reads them; folders.py builds them with torchvision's transforms.v2 classes."""
+
+# --auto_augment's policies, named as torchvision's references name them
+AUTO_AUGMENT_POLICIES = ("ra", "ta_wide", "augmix", "imagenet", "cifar10", "svhn")
+# --flag: (lowest, highest) of the augmentation's numbers (RandAugment's magnitudes are bins 0-30, of 14 ops)
+RECIPE_RANGES = {"ra_magnitude": (0, 30), "ra_num_ops": (1, 14), "augmix_severity": (1, 10), "random_erase": (0, 1)}
+
+
+def recipe_of(args):
+    """The per-image augmentation the flags ask for beyond crops and flips (folders.build_transform); None when
+    they ask for none."""
+    recipe = {"auto_augment": args.auto_augment, "ra_magnitude": args.ra_magnitude, "ra_num_ops": args.ra_num_ops,
+              "augmix_severity": args.augmix_severity, "random_erase": args.random_erase}
+    return recipe if args.auto_augment or args.random_erase else None
+
+
+def data_mode(args):
+    """--data_on_device as the run takes it: auto with --auto_augment or --random_erase is the DataLoader tier,
+    the only one that applies them so far."""
+    return "off" if args.data_on_device == "auto" and recipe_of(args) else args.data_on_device
