@@ -83,6 +83,7 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
 FLAGS = [
     (["--seed", "-1"], "--seed must be in 0 .. 4294967295, got -1"),
     (["--ra_magnitude", "31"], "--ra_magnitude must be in 0 .. 30, got 31"),
+    (["--mixup_alpha", "-1"], "--mixup_alpha must be in 0 .. 100, got -1.0"),
     (["--random_erase", "nan"], "--random_erase must be in 0 .. 1, got nan"),
     (["--auto_augment", "foo"], "argument --auto_augment: invalid choice: 'foo'"),
     (["--auto_augment", "ta_wide", "--data_on_device", "cache"], "--auto_augment and --random_erase run in the "

@@ -7,6 +7,7 @@ from torchvision import transforms
 from torchvision.transforms import v2
 
 from deepspeed_image_trainer.data.folders import DEFAULT_PREPROCESSING, build_transform
+from deepspeed_image_trainer.data.mixing import BatchMixing
 
 BILINEAR = transforms.InterpolationMode.BILINEAR
 POLICIES = {"ra": lambda: v2.RandAugment(num_ops=3, magnitude=12, interpolation=BILINEAR),
@@ -64,3 +65,38 @@ def test_random_erasing_erases_a_box_within_torchvisions_ranges():
         assert box.sum() == area  # one rectangle
         assert 0.02 * 64 * 64 * 0.9 <= area <= 0.33 * 64 * 64 * 1.1  # RandomErasing's scale (0.02, 0.33)
         assert (erased[:, box] == 0).all()  # erased to 0, after normalisation, as its default value
+
+
+def mixed(mixup_alpha, cutmix_alpha, epoch=1, step=0):
+    images = torch.rand(6, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    labels = torch.tensor([0, 1, 2, 3, 4, 0])
+    mixing = BatchMixing(mixup_alpha, cutmix_alpha, num_classes=5, seed=42, rank=0)
+    return images, labels, *mixing(images, labels, epoch, step)
+
+
+def test_mixup_and_cutmix_are_torchvisions_drawn_from_the_step():
+    for mixup_alpha, cutmix_alpha in ((0.2, 0.0), (0.0, 1.0), (0.2, 1.0)):
+        images, labels, out, targets = mixed(mixup_alpha, cutmix_alpha)
+        again = mixed(mixup_alpha, cutmix_alpha)
+        assert torch.equal(out, again[2]) and torch.equal(targets, again[3])  # the same step, the same draw
+        assert torch.allclose(targets.sum(1), torch.ones(6))
+        # the image's share is its target's share: mixup's lambda, or cutmix's area outside the pasted box
+        share = targets[torch.arange(6), labels][1:]  # the first image's partner (the last) has its class too
+        partner = images.roll(1, 0)
+        if mixup_alpha and not cutmix_alpha:
+            lam = share[0]  # one lambda for the batch
+            assert torch.allclose(share, lam.expand(5)) and torch.allclose(out, lam * images + (1 - lam) * partner,
+                                                                           atol=1e-6) and 0 < lam < 1
+        if cutmix_alpha and not mixup_alpha:
+            kept = (out == images).all(1).float().mean((1, 2))[1:]
+            assert torch.allclose(kept, share, atol=1e-6)
+    steps = {mixed(0.2, 1.0, epoch, step)[3][1, 1].item() for epoch in (1, 2) for step in range(4)}
+    assert len(steps) > 4  # each (epoch, step) its own draw
+
+
+def test_mixup_and_cutmix_of_one_seed_are_torchvisions_own():
+    images, labels, out, targets = mixed(0.2, 1.0, epoch=3, step=7)
+    reference = v2.RandomChoice([v2.MixUp(alpha=0.2, num_classes=5), v2.CutMix(alpha=1.0, num_classes=5)])
+    torch.manual_seed(hash((42, 0, 3, 7)) % 2**63)
+    expected_images, expected_targets = reference(images, labels)
+    assert torch.equal(out, expected_images) and torch.equal(targets, expected_targets)

@@ -165,7 +165,8 @@ def test_resume_from_a_missing_path_is_a_usage_error(tiny_data, tmp_path):
                        "no checkpoint at nowhere")
 
 
-RECIPE = ["--auto_augment", "ta_wide", "--random_erase", "0.25"]  # each image's draws from its own seed
+# each image's draws from its own seed, each batch's mixing from its step's
+RECIPE = ["--auto_augment", "ta_wide", "--random_erase", "0.25", "--mixup_alpha", "0.2", "--cutmix_alpha", "1.0"]
 
 
 def stop_then_resume(rank, port, results, data, workdir):
@@ -176,9 +177,12 @@ def stop_then_resume(rank, port, results, data, workdir):
     from deepspeed_image_trainer.cli import train
     from deepspeed_image_trainer.engine.distributed import barrier
 
+    from deepspeed_image_trainer.data.mixing import BatchMixing
+
     join_process_group(rank, port, world_size=2)
     train.shut_down = barrier  # the group serves every run: spawn_ranks leaves it at the end
-    train_one_epoch = train.train_one_epoch
+    train_one_epoch, mix, mixed = train.train_one_epoch, BatchMixing.__call__, []
+    BatchMixing.__call__ = lambda *args: mixed.append(args[-1]) or mix(*args)  # the steps it mixed
 
     def stopped(engine, loader, epoch, *args, **kwargs):
         def batches():
@@ -198,6 +202,7 @@ def stop_then_resume(rank, port, results, data, workdir):
             *extra])
         gc.unfreeze()  # the trainer froze what it built; the next run needs the memory
         gc.collect()
+    results["mixed", rank] = len(mixed)
 
 
 def test_two_ranks_stopped_mid_epoch_resume_with_each_ranks_batch_norm_statistics(tmp_path):
@@ -205,9 +210,12 @@ def test_two_ranks_stopped_mid_epoch_resume_with_each_ranks_batch_norm_statistic
     that average, where the run that never stopped went on from each rank's own (val_loss differed by rounding)."""
     make_sample_dataset(tmp_path / "data", num_classes=3, train_per_class=32, val_per_class=2, image_size=32, seed=0)
     statuses = spawn_ranks(stop_then_resume, 2, tmp_path / "data", tmp_path)
-    assert statuses == {(run, rank): status for run, status in (("whole", 0), ("stopped", 128 + signal.SIGTERM),
-                                                                ("resumed", 0)) for rank in (0, 1)}
+    # 12 steps an epoch: 24 for the whole run, 10 before the stop, 14 after it
+    assert statuses == {**{(run, rank): status for run, status in (("whole", 0), ("stopped", 128 + signal.SIGTERM),
+                                                                   ("resumed", 0)) for rank in (0, 1)},
+                        ("mixed", 0): 48, ("mixed", 1): 48}
     assert history_of(tmp_path / "stopped")["epochs"][0]["epoch"] == 1
-    assert history_of(tmp_path / "stopped")["config"]["training"]["augmentation"]["auto_augment"] == "ta_wide"
+    training = history_of(tmp_path / "stopped")["config"]["training"]
+    assert training["augmentation"]["auto_augment"] == "ta_wide" and training["cutmix_alpha"] == 1.0
     assert history_of(tmp_path / "stopped")["config"]["data_tier"] == "workers"
     assert metrics(tmp_path / "stopped") == metrics(tmp_path / "whole")

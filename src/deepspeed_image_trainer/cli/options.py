@@ -78,6 +78,12 @@ def add_training_args(parser):
     recipe.add_argument("--random_erase", type=float, default=0.0, metavar="P",
                         help="erase a random rectangle of a training image with this probability, after "
                              "normalisation (torchvision's RandomErasing)")
+    recipe.add_argument("--mixup_alpha", type=float, default=0.0, metavar="A",
+                        help="mix each training batch with itself shifted by one image, in a Beta(A, A) share "
+                             "(torchvision's MixUp, on every data tier); trained on the mixed labels")
+    recipe.add_argument("--cutmix_alpha", type=float, default=0.0, metavar="A",
+                        help="paste a box of the next image into each (torchvision's CutMix); with --mixup_alpha, "
+                             "one of the two per batch")
     train.add_argument("--early_stopping_patience", type=int, default=0, metavar="N",
                        help="stop when val accuracy has not improved for N epochs (0: never)")
     train.add_argument("--max_nonfinite_steps", type=int, default=20, metavar="N",

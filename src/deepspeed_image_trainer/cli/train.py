@@ -19,6 +19,7 @@ from ..data.cache import OFF, cache_root, check_usable
 from ..data.check import decodes_every_file
 from ..data.device import build_device_loaders, choose_device_data, train_square_size
 from ..data.folders import build_loaders, load_datasets
+from ..data.mixing import BatchMixing, batch_mixing
 from ..data.recipe import data_mode, recipe_of
 from ..engine import overrides as deepspeed_overrides
 from ..engine.config import load_base_config, precision, resolve_scheduler
@@ -67,6 +68,7 @@ class Run:
     start_epoch: int
     start_step: int
     carried: dict | None  # the interrupted epoch's sums, resumed mid-epoch
+    mixing: BatchMixing | None
 
     def training_state(self, next_epoch, next_step=0, carried=None):
         """What a checkpoint holds beyond DeepSpeed's state: where to go on, the history, the RNG state."""
@@ -325,7 +327,7 @@ def build(args, clock):
                dtype=dtype, train_loader=train_loader, val_loader=val_loader, micro_batches=micro_batches,
                samples_per_micro_batch=samples_per_micro_batch, body_lr=body_lr, history=history, saver=saver,
                health=health, extra_info=extra_info, world_size=world_size, start_epoch=start_epoch,
-               start_step=start_step, carried=carried)
+               start_step=start_step, carried=carried, mixing=batch_mixing(args, len(train_set.classes), rank))
 
 
 def epoch_loop(run):
@@ -342,7 +344,8 @@ def epoch_loop(run):
             loader = run.train_loader.epoch(epoch, start_batch=start_step)
             train = train_one_epoch(engine, loader, epoch, run.dtype, run.micro_batches, start_step=start_step,
                                     carried=carried, stop=stop, label_smoothing=args.label_smoothing,
-                                    health=run.health, on_first_step=run.clock.first_step, coalesced=run.coalesced)
+                                    health=run.health, on_first_step=run.clock.first_step, coalesced=run.coalesced,
+                                    mixing=run.mixing)
             if train.get("interrupted"):
                 at = {"epoch": epoch, "step": train["step"], "samples": train["step"] * run.samples_per_micro_batch}
                 saver.save(epoch - 1, {**run.extra_info, "interrupted_at": at},

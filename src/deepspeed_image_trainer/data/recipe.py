@@ -1,10 +1,12 @@
-"""The training recipe's augmentation flags beyond crops and flips (--auto_augment, --random_erase), as the
-rest of the trainer reads them; folders.py builds them with torchvision's transforms.v2 classes."""
+"""The training recipe's augmentation flags beyond crops and flips (--auto_augment, --random_erase, and the
+batch's --mixup_alpha and --cutmix_alpha), as the rest of the trainer reads them; folders.py and mixing.py
+build them with torchvision's transforms.v2 classes."""
 
 # --auto_augment's policies, named as torchvision's references name them
 AUTO_AUGMENT_POLICIES = ("ra", "ta_wide", "augmix", "imagenet", "cifar10", "svhn")
 # --flag: (lowest, highest) of the augmentation's numbers (RandAugment's magnitudes are bins 0-30, of 14 ops)
-RECIPE_RANGES = {"ra_magnitude": (0, 30), "ra_num_ops": (1, 14), "augmix_severity": (1, 10), "random_erase": (0, 1)}
+RECIPE_RANGES = {"ra_magnitude": (0, 30), "ra_num_ops": (1, 14), "augmix_severity": (1, 10), "random_erase": (0, 1),
+                 "mixup_alpha": (0, 100), "cutmix_alpha": (0, 100)}
 
 
 def recipe_of(args):

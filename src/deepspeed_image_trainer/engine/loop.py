@@ -111,7 +111,7 @@ class GradientAccumulation:
 
 
 def train_one_epoch(engine, loader, epoch, dtype, micro_batches, *, start_step=0, carried=None, stop=None,
-                    label_smoothing=0.0, health=None, on_first_step=None, coalesced=False):
+                    label_smoothing=0.0, health=None, on_first_step=None, coalesced=False, mixing=None):
     """Train micro-batches start_step .. micro_batches-1 of `loader`; return metrics summed over ranks
     (the loss is the one trained on, label smoothing included).
 
@@ -119,7 +119,8 @@ def train_one_epoch(engine, loader, epoch, dtype, micro_batches, *, start_step=0
     {"interrupted": True, "step": ..., "carried": ...} instead, for a checkpoint to carry on from.
     `health` (a numerics.StepHealth kept across epochs) counts non-finite losses and skipped fp16 steps,
     and raises Diverged when the loss stays non-finite. `on_first_step(device)` is called after the
-    epoch's first step. `coalesced`: see GradientAccumulation.
+    epoch's first step. `coalesced`: see GradientAccumulation. `mixing` (data/mixing.py's BatchMixing): mixup or
+    cutmix of each micro-batch, trained on the soft targets; the training accuracy is then the dominant label's.
     """
     engine.train()
     health = health or StepHealth(engine, max_nonfinite_steps=0)
@@ -143,8 +144,12 @@ def train_one_epoch(engine, loader, epoch, dtype, micro_batches, *, start_step=0
         if batch is None:
             break
         images, labels = to_device(*batch, engine.device, dtype)
+        targets = labels
+        if mixing is not None:
+            images, targets = mixing(images, labels, epoch, step)
+            labels = targets.argmax(dim=1)  # the dominant label, for the training accuracy
         logits = engine(images)
-        loss = F.cross_entropy(logits.float(), labels, label_smoothing=label_smoothing)
+        loss = F.cross_entropy(logits.float(), targets, label_smoothing=label_smoothing)
         lr = engine.get_lr()[0]
         health.observe(loss)
         ends_step = (step + 1) % accumulation == 0

@@ -29,7 +29,8 @@ def run_record(args, ds_config, class_names):
                          "backbone_lr_scale": args.backbone_lr_scale,
                          "freeze_backbone_epochs": args.freeze_backbone_epochs,
                          "parameter_groups": fine_tuning(args),
-                         "augmentation": recipe_of(args)},
+                         "augmentation": recipe_of(args), "mixup_alpha": args.mixup_alpha,
+                         "cutmix_alpha": args.cutmix_alpha},
             "deepspeed": ds_config}
 
 

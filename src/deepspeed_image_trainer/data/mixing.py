@@ -1,0 +1,27 @@
+"""Mixup and cutmix of a training batch (--mixup_alpha, --cutmix_alpha), with torchvision's transforms.v2 MixUp
+and CutMix, on every data tier (the batch is mixed where the step gets it). Each micro-batch draws from
+(seed, rank, epoch, step), so a resumed run mixes its batches as the uninterrupted run did."""
+import torch
+from torchvision.transforms import v2
+
+
+class BatchMixing:
+    def __init__(self, mixup_alpha, cutmix_alpha, num_classes, seed, rank):
+        mixes = [mix(alpha=alpha, num_classes=num_classes)
+                 for mix, alpha in ((v2.MixUp, mixup_alpha), (v2.CutMix, cutmix_alpha)) if alpha]
+        # both: one of the two per batch, as torchvision's reference scripts choose
+        self.mix = mixes[0] if len(mixes) == 1 else v2.RandomChoice(mixes)
+        self.seed, self.rank = seed, rank
+
+    def __call__(self, images, labels, epoch, step):
+        """(mixed images, soft targets: each row the classes' shares) of micro-batch `step` of `epoch`."""
+        with torch.random.fork_rng(devices=[]):  # the draws are made on the CPU, whatever the batch's device
+            torch.manual_seed(hash((self.seed, self.rank, epoch, step)) % 2**63)
+            return self.mix(images, labels)
+
+
+def batch_mixing(args, num_classes, rank):
+    """The run's BatchMixing, or None without --mixup_alpha and --cutmix_alpha."""
+    if not (args.mixup_alpha or args.cutmix_alpha):
+        return None
+    return BatchMixing(args.mixup_alpha, args.cutmix_alpha, num_classes, args.seed, rank)
