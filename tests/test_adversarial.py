@@ -84,6 +84,8 @@ FLAGS = [
     (["--seed", "-1"], "--seed must be in 0 .. 4294967295, got -1"),
     (["--ra_magnitude", "31"], "--ra_magnitude must be in 0 .. 30, got 31"),
     (["--mixup_alpha", "-1"], "--mixup_alpha must be in 0 .. 100, got -1.0"),
+    (["--drop_path", "1", "--model", "convnext_tiny"], "--drop_path must be in 0 .. 0.99, got 1.0"),
+    (["--drop_path", "0.1"], "--drop_path: --model resnet18 has no stochastic depth that torchvision lets set"),
     (["--random_erase", "nan"], "--random_erase must be in 0 .. 1, got nan"),
     (["--auto_augment", "foo"], "argument --auto_augment: invalid choice: 'foo'"),
     (["--auto_augment", "ta_wide", "--data_on_device", "cache"], "--auto_augment and --random_erase run in the "

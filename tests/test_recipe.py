@@ -2,6 +2,7 @@
 reference order, drawn from the per-image seed (so a resumed run draws the same)."""
 import pytest
 import torch
+import torchvision
 from PIL import Image
 from torchvision import transforms
 from torchvision.transforms import v2
@@ -100,3 +101,29 @@ def test_mixup_and_cutmix_of_one_seed_are_torchvisions_own():
     torch.manual_seed(hash((42, 0, 3, 7)) % 2**63)
     expected_images, expected_targets = reference(images, labels)
     assert torch.equal(out, expected_images) and torch.equal(targets, expected_targets)
+
+
+def test_drop_path_is_torchvisions_stochastic_depth_prob():
+    from torchvision.ops import StochasticDepth
+
+    from deepspeed_image_trainer.models.build import build_model
+
+    for name in ("efficientnet_b0", "convnext_tiny"):
+        with torch.device("meta"):
+            ours = [m.p for m in build_model(name, 5, 64, drop_path=0.3).modules() if isinstance(m, StochasticDepth)]
+            theirs = [m.p for m in torchvision.models.get_model(name, num_classes=5, stochastic_depth_prob=0.3).modules()
+                      if isinstance(m, StochasticDepth)]
+            default = [m.p for m in build_model(name, 5, 64).modules() if isinstance(m, StochasticDepth)]
+        assert ours == theirs and ours != default and max(ours) <= 0.3
+
+
+def test_a_steps_model_randomness_comes_from_its_seed():
+    from deepspeed_image_trainer.engine.rng import seed_step
+
+    dropout, x = torch.nn.Dropout(0.5), torch.ones(1000)
+    seed_step(42, 1, 3, 7)
+    first = dropout(x)
+    seed_step(42, 1, 3, 8)
+    other = dropout(x)
+    seed_step(42, 1, 3, 7)
+    assert torch.equal(dropout(x), first) and not torch.equal(other, first)

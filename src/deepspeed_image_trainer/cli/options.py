@@ -8,7 +8,7 @@ import signal
 import sys
 import traceback
 
-from ..data.recipe import AUTO_AUGMENT_POLICIES, RECIPE_RANGES, recipe_of
+from ..data.recipe import AUTO_AUGMENT_POLICIES, DROP_PATH_FAMILIES, RECIPE_RANGES, recipe_of
 from ..models.names import DEFAULT_MODEL, architecture
 from ..utils.failures import CliError, UsageError
 from ..utils.streams import outlive_closed_output
@@ -84,6 +84,10 @@ def add_training_args(parser):
     recipe.add_argument("--cutmix_alpha", type=float, default=0.0, metavar="A",
                         help="paste a box of the next image into each (torchvision's CutMix); with --mixup_alpha, "
                              "one of the two per batch")
+    recipe.add_argument("--drop_path", type=float, default=None, metavar="P",
+                        help="stochastic depth: the probability of skipping the last residual block, the earlier "
+                             "ones less (torchvision's stochastic_depth_prob; default: the model's own, 0.1-0.5); "
+                             "ConvNeXt and EfficientNet (V1, V2)")
     train.add_argument("--early_stopping_patience", type=int, default=0, metavar="N",
                        help="stop when val accuracy has not improved for N epochs (0: never)")
     train.add_argument("--max_nonfinite_steps", type=int, default=20, metavar="N",
@@ -275,8 +279,11 @@ def run_cli(main, argv=None):
 def check_recipe(args):
     for name, (low, high) in RECIPE_RANGES.items():
         value = getattr(args, name)
-        if not low <= value <= high:  # NaN too
+        if value is not None and not low <= value <= high:  # NaN too
             raise UsageError(f"--{name} must be in {low} .. {high}, got {value}")
+    if args.drop_path is not None and not architecture(args.model).startswith(DROP_PATH_FAMILIES):
+        raise UsageError(f"--drop_path: --model {args.model} has no stochastic depth that torchvision lets set; "
+                         "ConvNeXt (convnext_*) and EfficientNet (efficientnet_*, efficientnet_v2_*) have")
     if recipe_of(args) and args.data_on_device in ("on", "cache"):
         raise UsageError(f"--auto_augment and --random_erase run in the DataLoader tier so far: --data_on_device "
                          f"{args.data_on_device} crops and flips only (use --data_on_device off or auto)")

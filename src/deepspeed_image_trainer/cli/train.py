@@ -69,6 +69,7 @@ class Run:
     start_step: int
     carried: dict | None  # the interrupted epoch's sums, resumed mid-epoch
     mixing: BatchMixing | None
+    step_seed: tuple  # (seed, rank): train_one_epoch's
 
     def training_state(self, next_epoch, next_step=0, carried=None):
         """What a checkpoint holds beyond DeepSpeed's state: where to go on, the history, the RNG state."""
@@ -166,7 +167,7 @@ def build(args, clock):
 
     rank, world_size = init_distributed(on_stop=run_folders.release)  # a stop while waiting leaves no folder made
     seed_everything(args.seed)
-    model = build_model(args.model, len(train_set.classes), args.image_size, weights)
+    model = build_model(args.model, len(train_set.classes), args.image_size, weights, args.drop_path)
     model_name = saved_name(args.model)
     num_params = sum(p.numel() for p in model.parameters())
     checked = agreed(lambda: preflight(args, base_config, world_size=world_size, device_type=device_type,
@@ -327,7 +328,8 @@ def build(args, clock):
                dtype=dtype, train_loader=train_loader, val_loader=val_loader, micro_batches=micro_batches,
                samples_per_micro_batch=samples_per_micro_batch, body_lr=body_lr, history=history, saver=saver,
                health=health, extra_info=extra_info, world_size=world_size, start_epoch=start_epoch,
-               start_step=start_step, carried=carried, mixing=batch_mixing(args, len(train_set.classes), rank))
+               start_step=start_step, carried=carried, mixing=batch_mixing(args, len(train_set.classes), rank),
+               step_seed=(args.seed, rank))
 
 
 def epoch_loop(run):
@@ -345,7 +347,7 @@ def epoch_loop(run):
             train = train_one_epoch(engine, loader, epoch, run.dtype, run.micro_batches, start_step=start_step,
                                     carried=carried, stop=stop, label_smoothing=args.label_smoothing,
                                     health=run.health, on_first_step=run.clock.first_step, coalesced=run.coalesced,
-                                    mixing=run.mixing)
+                                    mixing=run.mixing, step_seed=run.step_seed)
             if train.get("interrupted"):
                 at = {"epoch": epoch, "step": train["step"], "samples": train["step"] * run.samples_per_micro_batch}
                 saver.save(epoch - 1, {**run.extra_info, "interrupted_at": at},

@@ -11,6 +11,7 @@ from tqdm import tqdm
 from ..data.folders import batch_memory_format
 from .distributed import all_reduce, average_buffers, every_ranks_buffers, is_main_process
 from .numerics import StepHealth
+from .rng import seed_step
 
 INPUT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16,
                 "autocast-fp16": torch.float16, "autocast-bf16": torch.bfloat16}
@@ -111,7 +112,8 @@ class GradientAccumulation:
 
 
 def train_one_epoch(engine, loader, epoch, dtype, micro_batches, *, start_step=0, carried=None, stop=None,
-                    label_smoothing=0.0, health=None, on_first_step=None, coalesced=False, mixing=None):
+                    label_smoothing=0.0, health=None, on_first_step=None, coalesced=False, mixing=None,
+                    step_seed=None):
     """Train micro-batches start_step .. micro_batches-1 of `loader`; return metrics summed over ranks
     (the loss is the one trained on, label smoothing included).
 
@@ -121,6 +123,7 @@ def train_one_epoch(engine, loader, epoch, dtype, micro_batches, *, start_step=0
     and raises Diverged when the loss stays non-finite. `on_first_step(device)` is called after the
     epoch's first step. `coalesced`: see GradientAccumulation. `mixing` (data/mixing.py's BatchMixing): mixup or
     cutmix of each micro-batch, trained on the soft targets; the training accuracy is then the dominant label's.
+    `step_seed` (seed, rank): each micro-batch's model randomness seeded from it (rng.seed_step).
     """
     engine.train()
     health = health or StepHealth(engine, max_nonfinite_steps=0)
@@ -145,6 +148,8 @@ def train_one_epoch(engine, loader, epoch, dtype, micro_batches, *, start_step=0
             break
         images, labels = to_device(*batch, engine.device, dtype)
         targets = labels
+        if step_seed is not None:
+            seed_step(*step_seed, epoch, step)
         if mixing is not None:
             images, targets = mixing(images, labels, epoch, step)
             labels = targets.argmax(dim=1)  # the dominant label, for the training accuracy

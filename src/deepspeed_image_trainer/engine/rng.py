@@ -11,6 +11,13 @@ def seed_everything(seed):
     torch.manual_seed(seed)
 
 
+def seed_step(seed, rank, epoch, step):
+    """Seed torch's generators (the CPU's and every GPU's) for one micro-batch, so that what the model draws
+    (dropout, drop path) depends on (seed, rank, epoch, step) alone: a resumed run draws what the run that
+    never stopped did."""
+    torch.manual_seed(hash((seed, rank, epoch, step)) % 2**63)
+
+
 def rng_state():
     """Only tensors and plain Python values, so a checkpoint holding it still loads with
     torch.load's default weights_only=True."""

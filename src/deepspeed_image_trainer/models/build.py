@@ -228,16 +228,18 @@ def construction_args(name, image_size):
     return {}
 
 
-def build_model(name, num_classes, image_size=224, pretrained=None):
+def build_model(name, num_classes, image_size=224, pretrained=None, drop_path=None):
     """The model `name` (a torchvision classifier) with `num_classes` outputs and fp32 normalisation layers;
-    `pretrained`: None, a weights name of the model (DEFAULT, IMAGENET1K_V1, ...) or a state_dict file."""
+    `pretrained`: None, a weights name of the model (DEFAULT, IMAGENET1K_V1, ...) or a state_dict file;
+    `drop_path`: its stochastic_depth_prob (None: the builder's default; the options check which take it)."""
     name = architecture(name)
     check_model_name(name)
     if name == DEFAULT_MODEL:
         model = ResNet18Animals90(num_classes=num_classes)
     else:
         model = torchvision.models.get_model(name, weights=None, num_classes=num_classes,
-                                             **construction_args(name, image_size))
+                                             **construction_args(name, image_size),
+                                             **({} if drop_path is None else {"stochastic_depth_prob": drop_path}))
         fp32_norms(model)
         for module in model.modules():
             if hasattr(module, "cpb_mlp"):  # Swin V2: an fp32 coordinate table goes through half-precision weights

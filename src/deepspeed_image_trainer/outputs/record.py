@@ -30,7 +30,7 @@ def run_record(args, ds_config, class_names):
                          "freeze_backbone_epochs": args.freeze_backbone_epochs,
                          "parameter_groups": fine_tuning(args),
                          "augmentation": recipe_of(args), "mixup_alpha": args.mixup_alpha,
-                         "cutmix_alpha": args.cutmix_alpha},
+                         "cutmix_alpha": args.cutmix_alpha, "drop_path": args.drop_path},
             "deepspeed": ds_config}
 
 
