@@ -147,6 +147,8 @@ FLAGS = [
     (["--checkpoint_dir", "ck", "--deepspeed_config", "CSV_IN_CHECKPOINT"],
      "csv_monitor.output_path ck/epoch_2 is inside --checkpoint_dir ck's epoch_2, which the run replaces whole"),
     (["--checkpoint_dir", "ck", "--log_dir", "ck/last"], "--log_dir ck/last is inside --checkpoint_dir ck's last"),
+    (["--checkpoint_dir", "ck", "--cache_dir", "ck/best_model/c"], "--cache_dir ck/best_model/c is inside "
+                                                                    "--checkpoint_dir ck's best_model"),
     (["--deepspeed_config", "ACCUM_FP32", "--zero_stage", "0", "--bf16", "--precision_mode", "half_weights"],
      "grad_accum_dtype 'fp32' at ZeRO stage 0: DeepSpeed accumulates there in the weights' dtype only (bf16)"),
     (["--deepspeed_config", "MUON"], "DeepSpeed's Muon fails in its first step on convolution weights (4-D)"),

@@ -182,6 +182,20 @@ def test_a_plain_pickle_as_weights_is_refused_in_one_line_and_never_run(tmp_path
     assert not (tmp_path / "ran").exists()
 
 
+def test_a_torchscript_archive_as_weights_is_refused_in_one_line(tmp_path):
+    """torch.load warned that it looks like TorchScript (two lines) before its weights_only error."""
+    import warnings
+
+    path = tmp_path / "scripted.pt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit's deprecation
+        torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UsageError, match=r"scripted.pt is a TorchScript archive \(torch.jit.save\), not a "):
+            build_model("resnet18", 3, pretrained=str(path))
+
+
 def test_pretrained_without_the_file_or_the_network_names_both(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_HOME", str(tmp_path))
 

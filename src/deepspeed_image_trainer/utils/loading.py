@@ -49,11 +49,24 @@ def _cpu_named():
         os.environ.pop(name, None)
 
 
+def _torchscript(path):
+    """Whether `path` is a TorchScript archive: a torch zip file with the constants.pkl that torch.jit.save
+    writes (torch.load's own test)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("/constants.pkl") for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
+
+
 def load_checked(path, map_location="cpu", mmap=False, deepspeed_classes=True):
     """torch.load(path) of tensors and plain values only (and DeepSpeed's checkpoint classes); a file that is
     damaged, not a torch file, or names other Python objects stops with a UsageError naming it."""
     allowed = deepspeed_checkpoint_classes() if deepspeed_classes else []
     mmap = mmap and zipfile.is_zipfile(path)  # torch's legacy format (before 1.6) cannot be memory-mapped
+    if _torchscript(path):  # torch.load warned (two lines) and named its weights_only default's history
+        raise UsageError(f"{path} is a TorchScript archive (torch.jit.save), not a state_dict: save the model's "
+                         "state_dict (torch.save(model.state_dict(), path)) and give that")
     try:
         # A plain pickle (not torch.save's) makes torch warn about its protocol before it fails: one line, below.
         with torch.serialization.safe_globals(allowed), warnings.catch_warnings():
