@@ -61,6 +61,9 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "RANGE_TEST_NEGATIVE": {"scheduler": {"type": "LRRangeTest", "params": {"lr_range_test_min_lr": -1}}},
         "COSINE_SHORT": {"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 1}}},
         "CSV_IN_CHECKPOINT": {"csv_monitor": {"enabled": True, "output_path": "ck/epoch_2", "job_name": "j"}},
+        "STEPLR_NEGATIVE": {"scheduler": {"type": "StepLR", "params": {"step_size": 4, "gamma": -1}}},
+        "POLY_NEGATIVE_POWER": {"scheduler": {"type": "PolynomialLR", "params": {"total_iters": 5, "power": -1}}},
+        "PREDIVIDE": {"gradient_predivide_factor": 2.0},
         # what passed every check and failed in every rank: Muon's first step on a conv weight, the monitor's
         # package or folder, DeepSpeed's batch check over a sequence-parallel group
         "MUON": {"optimizer": {"type": "Muon", "params": {}}},
@@ -147,6 +150,12 @@ FLAGS = [
     (["--checkpoint_dir", "ck", "--deepspeed_config", "CSV_IN_CHECKPOINT"],
      "csv_monitor.output_path ck/epoch_2 is inside --checkpoint_dir ck's epoch_2, which the run replaces whole"),
     (["--checkpoint_dir", "ck", "--log_dir", "ck/last"], "--log_dir ck/last is inside --checkpoint_dir ck's last"),
+    # later in the run: a negative rate trained on (exit 0), a division by zero ended epoch 2 in a traceback
+    (["--deepspeed_config", "STEPLR_NEGATIVE"], "scheduler StepLR gives the learning rate -0.001 at optimizer step 4"),
+    (["--deepspeed_config", "POLY_NEGATIVE_POWER"], "scheduler PolynomialLR fails at optimizer step 5 of this run "
+                                                    "(ZeroDivisionError"),
+    (["--deepspeed_config", "PREDIVIDE", "--zero_stage", "2"], "gradient_predivide_factor other than 1 and "
+                                                               "prescale_gradients: DeepSpeed's ZeRO-2 refuses"),
     (["--checkpoint_dir", "ck", "--cache_dir", "ck/best_model/c"], "--cache_dir ck/best_model/c is inside "
                                                                     "--checkpoint_dir ck's best_model"),
     (["--deepspeed_config", "ACCUM_FP32", "--zero_stage", "0", "--bf16", "--precision_mode", "half_weights"],
@@ -380,6 +389,7 @@ EXPORT_DAMAGE = [("model.pt", "random bytes", "is damaged or not a torch file"),
                  ("model.pt", "meta tensors", "is a meta-device tensor, which holds no values"),
                  ("model.pt.json", "not json", "model.pt.json is unreadable"),
                  ("model.pt.json", "no classes", "expected class_names (a list of names) and image_size"),
+                 ("model.pt.json", "an empty class name", "expected class_names (a list of names) and image_size"),
                  ("model.pt.json", "two classes", f"has {TINY_CLASSES} outputs but its class names list 2"),
                  ("model.pt.json", "a million pixels", "image_size 1000000: one input image alone is more than this "
                                                        "machine's"),
@@ -400,6 +410,8 @@ def test_a_damaged_export_or_sidecar_is_refused(export_of_a_run, tiny_data, caps
         path.write_text("{'class_names': ")
     elif how == "no classes":
         path.write_text(json.dumps({**sidecar, "class_names": None}))
+    elif how == "an empty class name":  # predict printed a nameless class; evaluate blamed the data folder
+        path.write_text(json.dumps({**sidecar, "class_names": ["", *sidecar["class_names"][1:]]}))
     elif how == "two classes":
         path.write_text(json.dumps({**sidecar, "class_names": sidecar["class_names"][:2]}))
     elif how == "a million pixels":  # a DataLoader worker was killed for memory, then a traceback

@@ -147,3 +147,15 @@ def test_a_history_path_that_is_a_folder_or_binary_says_so(tmp_path):
     (tmp_path / "model.pt").write_bytes(b"PK\x03\x04\x80\xff" * 20)  # an export given by mistake
     with pytest.raises(UsageError, match="model.pt is not a training history file .*can't decode byte"):
         main(["--history", str(tmp_path / "model.pt"), "--output", str(tmp_path / "curves.png")])
+
+
+def test_names_that_are_not_utf8_are_drawn(tmp_path):
+    """matplotlib refuses text with surrogates (a file or folder name's bytes that are not UTF-8): a legend label
+    and a confusion matrix's class names ended in a TypeError."""
+    from deepspeed_image_trainer.inference.evaluate import plot_confusion
+
+    path = tmp_path / "training_history.json"
+    path.write_text(json.dumps(synthetic_history(2, best_epoch=1)))
+    main(["--history", str(path), "--labels", "a\udcffb", "--output", str(tmp_path / "curves.png")])
+    plot_confusion([[1, 0], [0, 1]], ["b\udce4t", "cat"], tmp_path / "confusion.png")
+    assert all((tmp_path / name).read_bytes()[:4] == b"\x89PNG" for name in ("curves.png", "confusion.png"))

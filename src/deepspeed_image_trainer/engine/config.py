@@ -570,6 +570,13 @@ def check_trainer_support(config, args):
         raise UsageError(f"zero_allow_untested_optimizer false: DeepSpeed's ZeRO then refuses optimizer "
                          f"{config['optimizer']['type']} at its start; remove it (the trainer sets it true for "
                          "optimizers DeepSpeed has not listed)")
+    zero = config["zero_optimization"]
+    predivide = config.get("gradient_predivide_factor", 1.0)
+    if zero["stage"] == 2 and _as_read(zero.get("reduce_scatter", True)) is not False and (
+            _number(predivide) and predivide != 1 or _as_read(config.get("prescale_gradients"))):
+        raise UsageError("gradient_predivide_factor other than 1 and prescale_gradients: DeepSpeed's ZeRO-2 refuses "
+                         "them at its start with reduce_scatter, its default; remove them, or set "
+                         "zero_optimization.reduce_scatter false")
     profiler = config.get("flops_profiler", {})
     if _as_read(profiler.get("enabled")) and profiler.get("output_file"):  # DeepSpeed opens it, making no folder
         output = Path(profiler["output_file"])
@@ -803,10 +810,7 @@ def check_scheduler(config, optimizer, where, run_steps=None):
             from None
     finally:
         logger.setLevel(level)
-    wrong = next((rate for rate in rates if not (_number(rate) and 0 <= rate < math.inf)), None)
-    if wrong is not None:  # LRRangeTest from lr_range_test_min_lr -1 trained at lr -1 (the loss to 1e15), exit 0
-        raise UsageError(f"{where}: scheduler {kind} gives the learning rate {wrong!r} in its first steps; a rate "
-                         "is a number of 0 or more")
+    _check_rates(rates, kind, where)
     total = getattr(built, "total_steps", None) if isinstance(built, torch.optim.lr_scheduler.OneCycleLR) else None
     if run_steps and isinstance(total, int) and total < run_steps:
         raise UsageError(f"{where}: scheduler {kind} steps {total} times, and this run takes {run_steps:,} optimizer "
@@ -815,3 +819,29 @@ def check_scheduler(config, optimizer, where, run_steps=None):
     if run_steps and _number(total) and total < run_steps:  # the rest of the run trained at rate 0, silently
         raise UsageError(f"{where}: scheduler {kind}'s total_num_steps is {total}, and this run takes {run_steps:,} "
                          "optimizer steps (the rate is 0 after its last); leave total_num_steps out to fit the run")
+    # The rest of the run (up to CHECKED_STEPS): StepLR's gamma -1 went negative at its fourth step, DeepSpeed's
+    # OneCycle with decay_lr_rate -0.5 divided by zero in epoch 2
+    step = 3
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for step in range(4, min(run_steps or 0, CHECKED_STEPS) + 1):
+                built.step()
+                _check_rates(built.get_last_lr(), kind, where, step)
+    except UsageError:
+        raise
+    except Exception as err:  # noqa: BLE001 - arithmetic in the scheduler's own code
+        raise UsageError(f"{where}: scheduler {kind} fails at optimizer step {step:,} of this run "
+                         f"({type(err).__name__}: {error_line(err)})") from None
+
+
+CHECKED_STEPS = 100_000  # a scheduler's steps tried before the run (about a second)
+
+
+def _check_rates(rates, kind, where, step=None):
+    """Refuse a rate that is negative or not a finite number (the first steps' when `step` is None)."""
+    wrong = next((rate for rate in rates if not (_number(rate) and 0 <= rate < math.inf)), None)
+    if wrong is not None:  # LRRangeTest from lr_range_test_min_lr -1 trained at lr -1 (the loss to 1e15), exit 0
+        when = "in its first steps" if step is None else f"at optimizer step {step:,} of this run"
+        raise UsageError(f"{where}: scheduler {kind} gives the learning rate {wrong!r} {when}; a rate is a number "
+                         "of 0 or more")

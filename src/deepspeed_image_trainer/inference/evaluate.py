@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from ..data.folders import image_folder
 from ..utils.failures import CliParser, check_counts, check_outside_checkpoints, check_writable
 from ..utils.files import write_json_atomic
+from ..utils.text import drawable
 from .load import (DECODES, decoded_log_probabilities, default_device, eval_transform, load_model,
                    predict_log_probabilities, trained_decode)
 
@@ -44,8 +45,9 @@ def plot_confusion(confusion, class_names, output):
     size = min(4 + n * 0.18, 24)
     fig, ax = plt.subplots(figsize=(size, size), constrained_layout=True)
     image = ax.imshow(confusion, cmap="Blues")
-    ax.set_xticks(range(n), class_names, rotation=90, fontsize=max(4, 10 - n // 15))
-    ax.set_yticks(range(n), class_names, fontsize=max(4, 10 - n // 15))
+    names = [drawable(name) for name in class_names]
+    ax.set_xticks(range(n), names, rotation=90, fontsize=max(4, 10 - n // 15))
+    ax.set_yticks(range(n), names, fontsize=max(4, 10 - n // 15))
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     fig.colorbar(image, ax=ax, shrink=0.6)

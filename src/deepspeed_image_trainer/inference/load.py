@@ -87,7 +87,7 @@ def _metadata(path):
         raise UsageError(f"--model {path}: class names not found (expected {sidecar} from export_model.py)")
     names = metadata.get("class_names") if isinstance(metadata, dict) else None
     size = metadata.get("image_size") if isinstance(metadata, dict) else None
-    if (not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names)
+    if (not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names)
             or not isinstance(size, int) or isinstance(size, bool) or size < 1):
         raise UsageError(f"{source}: expected class_names (a list of names) and image_size (pixels), as "
                          "export_model.py writes them; export the model again")

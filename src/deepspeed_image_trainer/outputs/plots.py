@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ..utils.failures import CliParser, UsageError, check_output_file
-from ..utils.text import digits, error_line
+from ..utils.text import digits, drawable, error_line
 
 
 def load_history(path):
@@ -109,7 +109,7 @@ def curves_figure(histories, labels=None):
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    labels = list(labels) if labels else [None] * len(histories)
+    labels = [label and drawable(label) for label in labels] if labels else [None] * len(histories)
     panels = [panel for panel in PANELS if panel[0] in ("loss", "acc", "lr") or _recorded(histories, panel[0])]
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)

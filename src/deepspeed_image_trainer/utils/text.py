@@ -14,6 +14,12 @@ def listed(items, shown=SHOWN):
     return ", ".join(map(str, items[:shown])) + more
 
 
+def drawable(text):
+    """`text` as a figure can draw it: a name that is not UTF-8 (its bytes kept as surrogates, which matplotlib
+    refuses) with those bytes written as escapes, \\udcff, as Python's stderr writes them."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def digits(number):
     """How many decimal digits a whole number has, without writing it out (str() refuses beyond 4300)."""
     return len(str(abs(number))) if abs(number) < 10**4000 else int(abs(number).bit_length() * 0.30103) + 1
