@@ -67,17 +67,17 @@ def add_training_args(parser):
     train.add_argument("--label_smoothing", type=float, default=0.0,
                        help="label smoothing of the training loss, in [0, 1); validation loss stays plain "
                             "cross-entropy")
-    recipe = parser.add_argument_group("Augmentation (torchvision's reference recipes; the DataLoader tier so far)")
+    recipe = parser.add_argument_group("Augmentation (torchvision's reference recipes)")
     recipe.add_argument("--auto_augment", choices=AUTO_AUGMENT_POLICIES, default=None,
-                        help="an augmentation policy per training image, after the crop and flip: RandAugment (ra), "
-                             "TrivialAugmentWide (ta_wide), AugMix (augmix) or AutoAugment's imagenet, cifar10 or "
-                             "svhn policy (torchvision's transforms.v2 classes)")
+                        help="an augmentation policy per training image (the DataLoader tier so far), after the crop "
+                             "and flip: RandAugment (ra), TrivialAugmentWide (ta_wide), AugMix (augmix) or "
+                             "AutoAugment's imagenet, cifar10 or svhn policy (torchvision's transforms.v2 classes)")
     recipe.add_argument("--ra_magnitude", type=int, default=9, help="RandAugment's magnitude, 0-30")
     recipe.add_argument("--ra_num_ops", type=int, default=2, help="RandAugment's operations per image, 1-14")
     recipe.add_argument("--augmix_severity", type=int, default=3, help="AugMix's severity, 1-10")
     recipe.add_argument("--random_erase", type=float, default=0.0, metavar="P",
                         help="erase a random rectangle of a training image with this probability, after "
-                             "normalisation (torchvision's RandomErasing)")
+                             "normalisation (torchvision's RandomErasing; the DataLoader tier so far)")
     recipe.add_argument("--mixup_alpha", type=float, default=0.0, metavar="A",
                         help="mix each training batch with itself shifted by one image, in a Beta(A, A) share "
                              "(torchvision's MixUp, on every data tier); trained on the mixed labels")
