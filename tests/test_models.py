@@ -369,7 +369,7 @@ def test_every_family_trains_exports_evaluates_and_predicts_at_zero_2_and_3(tmp_
             assert result["code"] == 0 and history["config"]["model"] == saved_name(name), (name, stage)
             assert history["config"]["zero_stage"] == stage and result["sidecar"]["model"] == saved_name(name)
             # It learnt (not chance's loss), so an export of other weights could not match the loss below.
-            assert abs(last["val_loss"] - math.log(TINY_CLASSES)) > 1e-3, (name, stage)
+            assert abs(last["val_loss"] - math.log(TINY_CLASSES)) > 1e-4, (name, stage)
             # The export is the model the trainer validated: the same loss and accuracy on the same images.
             assert report["loss"] == pytest.approx(last["val_loss"], rel=1e-5), (name, stage)
             assert report["top1"] == pytest.approx(last["val_acc"]), (name, stage)

@@ -8,7 +8,7 @@ import signal
 import sys
 import traceback
 
-from ..data.recipe import AUTO_AUGMENT_POLICIES, DROP_PATH_FAMILIES, RECIPE_RANGES, recipe_of
+from ..data.recipe import AUTO_AUGMENT_POLICIES, DROP_PATH_FAMILIES, RECIPE_DEFAULTS, RECIPE_RANGES, recipe_of
 from ..models.names import DEFAULT_MODEL, architecture
 from ..utils.failures import CliError, UsageError
 from ..utils.streams import outlive_closed_output
@@ -72,10 +72,13 @@ def add_training_args(parser):
                         help="an augmentation policy per training image (the DataLoader tier so far), after the crop "
                              "and flip: RandAugment (ra), TrivialAugmentWide (ta_wide), AugMix (augmix) or "
                              "AutoAugment's imagenet, cifar10 or svhn policy (torchvision's transforms.v2 classes)")
-    recipe.add_argument("--ra_magnitude", type=int, default=9, help="RandAugment's magnitude, 0-30")
-    recipe.add_argument("--ra_num_ops", type=int, default=2, help="RandAugment's operations per image, 1-14")
-    recipe.add_argument("--augmix_severity", type=int, default=3, help="AugMix's severity, 1-10")
-    recipe.add_argument("--random_erase", type=float, default=0.0, metavar="P",
+    recipe.add_argument("--ra_magnitude", type=int, default=RECIPE_DEFAULTS["ra_magnitude"],
+                        help="RandAugment's magnitude, 0-30")
+    recipe.add_argument("--ra_num_ops", type=int, default=RECIPE_DEFAULTS["ra_num_ops"],
+                        help="RandAugment's operations per image, 1-14")
+    recipe.add_argument("--augmix_severity", type=int, default=RECIPE_DEFAULTS["augmix_severity"],
+                        help="AugMix's severity, 1-10")
+    recipe.add_argument("--random_erase", type=float, default=RECIPE_DEFAULTS["random_erase"], metavar="P",
                         help="erase a random rectangle of a training image with this probability, after "
                              "normalisation (torchvision's RandomErasing; the DataLoader tier so far)")
     recipe.add_argument("--mixup_alpha", type=float, default=0.0, metavar="A",

@@ -9,6 +9,8 @@ RECIPE_RANGES = {"ra_magnitude": (0, 30), "ra_num_ops": (1, 14), "augmix_severit
                  "mixup_alpha": (0, 100), "cutmix_alpha": (0, 100), "drop_path": (0, 0.99)}
 
 
+# The per-image flags and their defaults (cli/options.py's)
+RECIPE_DEFAULTS = {"auto_augment": None, "ra_magnitude": 9, "ra_num_ops": 2, "augmix_severity": 3, "random_erase": 0.0}
 # The models whose torchvision builder takes stochastic_depth_prob (--drop_path): ConvNeXt, EfficientNet V1 and V2
 DROP_PATH_FAMILIES = ("convnext_", "efficientnet_")
 
@@ -16,9 +18,8 @@ DROP_PATH_FAMILIES = ("convnext_", "efficientnet_")
 def recipe_of(args):
     """The per-image augmentation the flags ask for beyond crops and flips (folders.build_transform); None when
     they ask for none."""
-    recipe = {"auto_augment": args.auto_augment, "ra_magnitude": args.ra_magnitude, "ra_num_ops": args.ra_num_ops,
-              "augmix_severity": args.augmix_severity, "random_erase": args.random_erase}
-    return recipe if args.auto_augment or args.random_erase else None
+    recipe = {key: getattr(args, key, default) for key, default in RECIPE_DEFAULTS.items()}  # scripts' own args too
+    return recipe if recipe["auto_augment"] or recipe["random_erase"] else None
 
 
 def data_mode(args):
