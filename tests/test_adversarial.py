@@ -87,6 +87,7 @@ FLAGS = [
     (["--seed", "-1"], "--seed must be in 0 .. 4294967295, got -1"),
     (["--ra_magnitude", "31"], "--ra_magnitude must be in 0 .. 30, got 31"),
     (["--mixup_alpha", "-1"], "--mixup_alpha must be in 0 .. 100, got -1.0"),
+    (["--cutmix_alpha", "1e-300"], "--cutmix_alpha must be 0 (off) or at least 1e-6, got 1e-300"),
     (["--drop_path", "1", "--model", "convnext_tiny"], "--drop_path must be in 0 .. 0.99, got 1.0"),
     (["--drop_path", "0.1"], "--drop_path: --model resnet18 has no stochastic depth that torchvision lets set"),
     (["--random_erase", "nan"], "--random_erase must be in 0 .. 1, got nan"),
@@ -390,6 +391,7 @@ EXPORT_DAMAGE = [("model.pt", "random bytes", "is damaged or not a torch file"),
                  ("model.pt.json", "not json", "model.pt.json is unreadable"),
                  ("model.pt.json", "no classes", "expected class_names (a list of names) and image_size"),
                  ("model.pt.json", "an empty class name", "expected class_names (a list of names) and image_size"),
+                 ("model.pt.json", "a lone surrogate", "expected class_names (a list of names) and image_size"),
                  ("model.pt.json", "two classes", f"has {TINY_CLASSES} outputs but its class names list 2"),
                  ("model.pt.json", "a million pixels", "image_size 1000000: one input image alone is more than this "
                                                        "machine's"),
@@ -412,6 +414,8 @@ def test_a_damaged_export_or_sidecar_is_refused(export_of_a_run, tiny_data, caps
         path.write_text(json.dumps({**sidecar, "class_names": None}))
     elif how == "an empty class name":  # predict printed a nameless class; evaluate blamed the data folder
         path.write_text(json.dumps({**sidecar, "class_names": ["", *sidecar["class_names"][1:]]}))
+    elif how == "a lone surrogate":  # no file name decodes to it: predict's print failed in a traceback
+        path.write_text(json.dumps({**sidecar, "class_names": ["\ud800", *sidecar["class_names"][1:]]}))
     elif how == "two classes":
         path.write_text(json.dumps({**sidecar, "class_names": sidecar["class_names"][:2]}))
     elif how == "a million pixels":  # a DataLoader worker was killed for memory, then a traceback

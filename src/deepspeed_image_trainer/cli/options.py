@@ -284,6 +284,9 @@ def check_recipe(args):
         value = getattr(args, name)
         if value is not None and not low <= value <= high:  # NaN too
             raise UsageError(f"--{name} must be in {low} .. {high}, got {value}")
+    for name in ("mixup_alpha", "cutmix_alpha"):  # torchvision keeps alpha in float32: 1e-300 became 0, then failed
+        if 0 < getattr(args, name) < 1e-6:
+            raise UsageError(f"--{name} must be 0 (off) or at least 1e-6, got {getattr(args, name)}")
     if args.drop_path is not None and not architecture(args.model).startswith(DROP_PATH_FAMILIES):
         raise UsageError(f"--drop_path: --model {args.model} has no stochastic depth that torchvision lets set; "
                          "ConvNeXt (convnext_*) and EfficientNet (efficientnet_*, efficientnet_v2_*) have")

@@ -18,6 +18,16 @@ from ..utils.text import digits
 from .export import consolidated_state_dict, sidecar_path
 
 
+def _a_file_name(name):
+    """Whether `name` could be a class folder's: no NUL, and text a file system gives (a lone surrogate such as
+    \\ud800, which no name decodes to, failed to print); not empty."""
+    try:
+        name.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return False
+    return bool(name) and "\0" not in name
+
+
 def load_model(path, device):
     """(model in eval mode on `device`, metadata with class_names and image_size) from an exported
     .pt/.safetensors file (with its .json sidecar) or a checkpoint folder."""
@@ -87,7 +97,7 @@ def _metadata(path):
         raise UsageError(f"--model {path}: class names not found (expected {sidecar} from export_model.py)")
     names = metadata.get("class_names") if isinstance(metadata, dict) else None
     size = metadata.get("image_size") if isinstance(metadata, dict) else None
-    if (not isinstance(names, list) or not names or not all(isinstance(n, str) and n for n in names)
+    if (not isinstance(names, list) or not names or not all(isinstance(n, str) and _a_file_name(n) for n in names)
             or not isinstance(size, int) or isinstance(size, bool) or size < 1):
         raise UsageError(f"{source}: expected class_names (a list of names) and image_size (pixels), as "
                          "export_model.py writes them; export the model again")
