@@ -325,17 +325,7 @@ def run_and_forward_signals(command, launched_at):
 def _run_and_forward_signals(command, launched_at, marker):
     env = {**os.environ, LAUNCHED_AT_ENV: repr(launched_at), SPAWNED_AT_ENV: repr(time.time()),
            **({FINISHED_ENV: marker} if marker else {})}
-    child = subprocess.Popen(outliving_closed_output(command), start_new_session=True, env=env,
-                             preexec_fn=die_with_parent_call(os.getpid()))
-    received, spawned, last = [], threading.Event(), [0.0]
-
-    def watch():  # DeepSpeed's launcher imports for seconds before it spawns the training processes
-        while child.poll() is None and not spawned.is_set():
-            if has_children(child.pid):
-                spawned.set()
-            time.sleep(0.2)
-
-    threading.Thread(target=watch, daemon=True).start()
+    received, spawned, last, children = [], threading.Event(), [0.0], []
 
     def forward(signum, frame):
         # `timeout` sends its signal to this process and again to its own process group, this one included:
@@ -345,16 +335,33 @@ def _run_and_forward_signals(command, launched_at, marker):
             return
         last[0] = now
         received.append(signum)
+        if not children:  # before the child exists: sent to it once it does
+            return
         if len(received) == 1:
-            if has_children(child.pid):
+            if has_children(children[0].pid):
                 spawned.set()
             if spawned.is_set() and not finished(marker):
                 print("Stopping: once training has started, it saves a checkpoint at its current step (again to "
                       "kill it now)", file=sys.stderr, flush=True)
-        signal_group(child.pid, signal.SIGTERM if len(received) == 1 else signal.SIGKILL)
+        signal_group(children[0].pid, signal.SIGTERM if len(received) == 1 else signal.SIGKILL)
 
+    # The handlers before the child: a Ctrl-C between the two ended this process in a KeyboardInterrupt traceback
+    # and left the child, a session of its own, running.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, forward)
+    child = subprocess.Popen(outliving_closed_output(command), start_new_session=True, env=env,
+                             preexec_fn=die_with_parent_call(os.getpid()))
+    children.append(child)
+    if received:
+        signal_group(child.pid, signal.SIGTERM if len(received) == 1 else signal.SIGKILL)
+
+    def watch():  # DeepSpeed's launcher imports for seconds before it spawns the training processes
+        while child.poll() is None and not spawned.is_set():
+            if has_children(child.pid):
+                spawned.set()
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, daemon=True).start()
     status = child.wait()
     status = 128 - status if status < 0 else status  # killed by a signal: the shell's convention
     # The error lines below start with a newline: a killed rank's progress bar leaves its line unfinished.
