@@ -538,12 +538,12 @@ def check_monitor_support(config):
     """A monitor whose package is missing, or whose output_path cannot be written, failed in deepspeed.initialize
     in every rank."""
     for section, package in MONITOR_PACKAGES.items():
-        if _as_read(config.get(section, {}).get("enabled")) and importlib.util.find_spec(package) is None:
+        if monitor_enabled(config.get(section, {})) and importlib.util.find_spec(package) is None:
             raise UsageError(f"the {section} monitor needs the {package} package: pip install {package.replace('_', '-')}"
                              " (or use --csv_monitor)")
-    for section in ("tensorboard", "csv_monitor"):
+    for section in MONITORS:
         monitor = config.get(section, {})
-        if _as_read(monitor.get("enabled")) and monitor.get("output_path"):
+        if monitor_enabled(monitor) and monitor.get("output_path"):
             check_writable(monitor["output_path"], f"{section}.output_path")
 
 
