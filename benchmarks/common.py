@@ -163,9 +163,16 @@ def reset_peak_memory(device):
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def trainer_case(flags, args, device, profile=None):
+# What a training epoch adds to the step (trainer_case's `parts`): the device data path's crops of resident uint8
+# squares, the stop agreement between ranks, the non-finite-loss check, the per-micro-batch seeding
+EPOCH_PARTS = ("crops", "stop", "health", "seed")
+
+
+def trainer_case(flags, args, device, profile=None, parts=()):
     """The trainer's model, config and train_one_epoch on one synthetic batch, repeated; then, with a
-    cProfile.Profile `profile`, the same steps again under it (not in the figures)."""
+    cProfile.Profile `profile`, the same steps again under it (not in the figures). `parts` (of EPOCH_PARTS):
+    what the trainer's epochs add, each as the trainer sets it up; "crops" feeds batches that DeviceTrainLoader
+    cuts from random 256 px squares (as many as the steps take) instead of the one batch."""
     import deepspeed
 
     from deepspeed_image_trainer.cli import train as train_deepspeed
@@ -176,10 +183,12 @@ def trainer_case(flags, args, device, profile=None):
     from deepspeed_image_trainer.models.build import build_model, synchronize_batch_norm
     from deepspeed_image_trainer.cli.options import parse_args
     from deepspeed_image_trainer.engine.loop import input_dtype, train_one_epoch
+    from deepspeed_image_trainer.engine.interrupt import StopOnSignal
+    from deepspeed_image_trainer.engine.numerics import StepHealth
 
     argv = ["--model", args.model, "--batch_size", str(args.batch_size), "--image_size", str(args.image_size), *flags]
     train_args = parse_args(train_deepspeed.get_args_parser, argv)
-    _, world_size = init_distributed()
+    rank, world_size = init_distributed()
     device = torch.device(device.type, torch.cuda.current_device()) if device.type == "cuda" else device
     torch.backends.cudnn.benchmark = True
     images_per_epoch = args.batch_size * world_size * (args.warmup_steps + args.steps)
@@ -194,14 +203,33 @@ def trainer_case(flags, args, device, profile=None):
         engine.compile()
     dtype = input_dtype(precision(config))
     batch = synthetic_batch(args, device, dtype)
-    coalesced = coalesces_grad_reduction(train_args.coalesce_grad_reduction, config)
-    train_one_epoch(engine, [batch] * args.warmup_steps, 0, dtype, args.warmup_steps, coalesced=coalesced)
+    loader = (lambda epoch, steps: [batch] * steps) if "crops" not in parts else crops_loader(
+        args, device, dtype, rank, world_size)
+    options = {"coalesced": coalesces_grad_reduction(train_args.coalesce_grad_reduction, config),
+               "stop": StopOnSignal(device, world_size) if "stop" in parts else None,
+               "health": StepHealth(engine, train_args.max_nonfinite_steps) if "health" in parts else None,
+               "step_seed": (train_args.seed, rank) if "seed" in parts else None}
+    train_one_epoch(engine, loader(0, args.warmup_steps), 0, dtype, args.warmup_steps, **options)
     reset_peak_memory(device)
-    metrics = train_one_epoch(engine, [batch] * args.steps, 1, dtype, args.steps, coalesced=coalesced)
+    metrics = train_one_epoch(engine, loader(1, args.steps), 1, dtype, args.steps, **options)
     if profile is not None:
-        profile.runcall(train_one_epoch, engine, [batch] * args.steps, 2, dtype, args.steps, coalesced=coalesced)
+        profile.runcall(train_one_epoch, engine, loader(2, args.steps), 2, dtype, args.steps, **options)
     return {"images_per_s": metrics["images_per_s"], "precision": precision(config),
             "peak_gpu_memory_gib": peak_memory(device), "zero_optimization": config["zero_optimization"]}
+
+
+def crops_loader(args, device, dtype, rank, world_size):
+    """epoch, steps -> the batches of DeviceTrainLoader over random resident 256 px uint8 squares, enough for the
+    longest epoch of trainer_case on every rank (each rank holds them all, as on the data-on-GPU tier)."""
+    from deepspeed_image_trainer.data.device import DeviceTrainLoader
+
+    count = world_size * args.batch_size * max(args.steps, args.warmup_steps)
+    generator = torch.Generator(device).manual_seed(0)
+    squares = torch.randint(0, 256, (count, 3, 256, 256), dtype=torch.uint8, device=device, generator=generator)
+    labels = torch.randint(0, args.num_classes, (count,), device=device, generator=generator)
+    train = DeviceTrainLoader(squares, labels, micro_batch_size=args.batch_size, image_size=args.image_size,
+                              rank=rank, world_size=world_size, seed=0, dtype=dtype, device=device)
+    return lambda epoch, steps: train.epoch(epoch)
 
 
 def run_case_of(script, kind, name, args):
