@@ -429,6 +429,32 @@ def scaling(names, kind="real"):
     return "\n\n".join(parts)
 
 
+def epoch_parts(names):
+    """epoch_parts.py on 1 and N GPUs: the step, then what each of the epoch's parts adds to it, in ms a step."""
+    results = [load(name) for name in names]
+    columns, rows = [], {}
+    for result in results:
+        settings, measured = result["settings"], result["results"]
+        gpus = settings["num_gpus"]
+        reference = measured.pop(next(iter(measured)))  # the plain loop (DDP on several GPUs) comes first
+
+        def ms(r):
+            return 1000 * settings["batch_size"] * gpus / r["images_per_s"]
+
+        columns += [f"{gpus} GPU{'s' if gpus > 1 else ''}: ms a step", "added",
+                    "of the plain loop" if gpus == 1 else "of DDP"]
+        rows.setdefault("plain PyTorch (DDP on several GPUs)", []).extend([f"{ms(reference):.2f}", "", "1"])
+        for label, r in measured.items():
+            of_reference = r["images_per_s"] / reference["images_per_s"]
+            rows.setdefault(label, []).extend(
+                [f"{ms(r):.2f}", f"{ms(r) - ms(measured['step']):+.2f}", f"**{of_reference:.2f}**"])
+    settings = results[0]["settings"]
+    return "\n".join(source(result, name) for result, name in zip(results, names)) + (
+        f"\n{settings['model']}, micro-batch {settings['batch_size']} per GPU, {settings['image_size']} px, "
+        f"ZeRO-{settings['zero_stage']} bf16, {settings['steps']} timed steps:\n\n") + table(
+        ["measurement", *columns], [[label, *cells] for label, cells in rows.items()])
+
+
 def scaling_sync_bn(name):
     """scaling.py --only sync_bn: --sync_bn beside DDP with torch's SyncBatchNorm, and what syncing costs."""
     result = load(name)
@@ -521,6 +547,8 @@ TABLES = {
     "deepspeed-overrides": lambda: throughput("throughput_nvidia_h100_80gb_hbm3.json"),
     "scaling-epochs": lambda: scaling([f"scaling_{model}nvidia_h100_80gb_hbm3_x2.json"
                                        for model in ("", "resnet50_", "vit_b_16_")]),
+    "epoch-parts": lambda: epoch_parts([f"epoch_parts/epoch_parts_resnet18_zero2_nvidia_h200_x{n}.json"
+                                        for n in (1, 2)]),
     "scaling-steps": lambda: scaling([f"scaling_{model}nvidia_h200_x2.json" for model in ("", "vit_b_16_")],
                                      kind="synthetic"),
     "zero3-vit-b-16": lambda: zero3_settings("zero3_vit_b_16/zero3_settings_vit_b_16_b256_nvidia_h100_80gb_hbm3.json"),
