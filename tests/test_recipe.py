@@ -117,6 +117,31 @@ def test_drop_path_is_torchvisions_stochastic_depth_prob():
         assert ours == theirs and ours != default and max(ours) <= 0.3
 
 
+def test_drop_path_of_swin_and_maxvit_is_their_builders_stochastic_depth_prob():
+    """Their public builders fix stochastic_depth_prob; the private ones they call take it, as the reference."""
+    from torchvision.models import maxvit, swin_transformer
+    from torchvision.ops import StochasticDepth
+
+    from deepspeed_image_trainer.models.build import build_model
+
+    swin_t = {"patch_size": [4, 4], "embed_dim": 96, "depths": [2, 2, 6, 2], "num_heads": [3, 6, 12, 24]}
+    references = {
+        "swin_t": lambda p: swin_transformer._swin_transformer(**swin_t, window_size=[7, 7], stochastic_depth_prob=p,
+                                                               weights=None, progress=False, num_classes=5),
+        "swin_v2_t": lambda p: swin_transformer._swin_transformer(
+            **swin_t, window_size=[8, 8], stochastic_depth_prob=p, weights=None, progress=False, num_classes=5,
+            block=swin_transformer.SwinTransformerBlockV2, downsample_layer=swin_transformer.PatchMergingV2),
+        "maxvit_t": lambda p: maxvit._maxvit(stem_channels=64, block_channels=[64, 128, 256, 512],
+                                             block_layers=[2, 2, 5, 2], head_dim=32, stochastic_depth_prob=p,
+                                             partition_size=7, weights=None, progress=False, num_classes=5,
+                                             input_size=(224, 224))}
+    for name, reference in references.items():
+        with torch.device("meta"):
+            ours = [m.p for m in build_model(name, 5, 224, drop_path=0.35).modules() if isinstance(m, StochasticDepth)]
+            theirs = [m.p for m in reference(0.35).modules() if isinstance(m, StochasticDepth)]
+        assert ours == pytest.approx(theirs, rel=1e-12, abs=1e-15) and max(ours) == pytest.approx(0.35), name
+
+
 def test_a_steps_model_randomness_comes_from_its_seed():
     from deepspeed_image_trainer.engine.rng import seed_step
 

@@ -90,7 +90,7 @@ def add_training_args(parser):
     recipe.add_argument("--drop_path", type=float, default=None, metavar="P",
                         help="stochastic depth: the probability of skipping the last residual block, the earlier "
                              "ones less (torchvision's stochastic_depth_prob; default: the model's own, 0.1-0.5); "
-                             "ConvNeXt and EfficientNet (V1, V2)")
+                             "ConvNeXt, EfficientNet (V1, V2), Swin (V1, V2), MaxViT")
     train.add_argument("--early_stopping_patience", type=int, default=0, metavar="N",
                        help="stop when val accuracy has not improved for N epochs (0: never)")
     train.add_argument("--max_nonfinite_steps", type=int, default=20, metavar="N",
@@ -289,7 +289,8 @@ def check_recipe(args):
             raise UsageError(f"--{name} must be 0 (off) or at least 1e-6, got {getattr(args, name)}")
     if args.drop_path is not None and not architecture(args.model).startswith(DROP_PATH_FAMILIES):
         raise UsageError(f"--drop_path: --model {args.model} has no stochastic depth that torchvision lets set; "
-                         "ConvNeXt (convnext_*) and EfficientNet (efficientnet_*, efficientnet_v2_*) have")
+                         "ConvNeXt (convnext_*), EfficientNet (efficientnet_*, efficientnet_v2_*), Swin (swin_*) and "
+                         "MaxViT (maxvit_t) have")
     if recipe_of(args) and args.data_on_device in ("on", "cache"):
         raise UsageError(f"--auto_augment and --random_erase run in the DataLoader tier so far: --data_on_device "
                          f"{args.data_on_device} crops and flips only (use --data_on_device off or auto)")

@@ -11,8 +11,8 @@ RECIPE_RANGES = {"ra_magnitude": (0, 30), "ra_num_ops": (1, 14), "augmix_severit
 
 # The per-image flags and their defaults (cli/options.py's)
 RECIPE_DEFAULTS = {"auto_augment": None, "ra_magnitude": 9, "ra_num_ops": 2, "augmix_severity": 3, "random_erase": 0.0}
-# The models whose torchvision builder takes stochastic_depth_prob (--drop_path): ConvNeXt, EfficientNet V1 and V2
-DROP_PATH_FAMILIES = ("convnext_", "efficientnet_")
+# The models with torchvision's stochastic_depth_prob (--drop_path): ConvNeXt, EfficientNet V1 and V2, Swin, MaxViT
+DROP_PATH_FAMILIES = ("convnext_", "efficientnet_", "swin_", "maxvit_")
 
 
 def recipe_of(args):

@@ -228,6 +228,10 @@ def construction_args(name, image_size):
     return {}
 
 
+# Their builders set stochastic_depth_prob themselves (passing it too is a TypeError): build_model scales the blocks'
+SCALED_DROP_PATH = ("swin_", "maxvit_")
+
+
 def build_model(name, num_classes, image_size=224, pretrained=None, drop_path=None):
     """The model `name` (a torchvision classifier) with `num_classes` outputs and fp32 normalisation layers;
     `pretrained`: None, a weights name of the model (DEFAULT, IMAGENET1K_V1, ...) or a state_dict file;
@@ -237,9 +241,12 @@ def build_model(name, num_classes, image_size=224, pretrained=None, drop_path=No
     if name == DEFAULT_MODEL:
         model = ResNet18Animals90(num_classes=num_classes)
     else:
+        passed = drop_path is not None and not name.startswith(SCALED_DROP_PATH)
         model = torchvision.models.get_model(name, weights=None, num_classes=num_classes,
                                              **construction_args(name, image_size),
-                                             **({} if drop_path is None else {"stochastic_depth_prob": drop_path}))
+                                             **({"stochastic_depth_prob": drop_path} if passed else {}))
+        if drop_path is not None and not passed:
+            scale_drop_path(model, drop_path)
         fp32_norms(model)
         for module in model.modules():
             if hasattr(module, "cpb_mlp"):  # Swin V2: an fp32 coordinate table goes through half-precision weights
@@ -247,6 +254,16 @@ def build_model(name, num_classes, image_size=224, pretrained=None, drop_path=No
     if pretrained:
         load_pretrained(model, name, pretrained, num_classes)
     return model
+
+
+def scale_drop_path(model, drop_path):
+    """Swin's and MaxViT's blocks' stochastic depth as their builders give it for stochastic_depth_prob
+    `drop_path`: each block's probability is that times a fraction rising to 1 at the last block, so the built
+    ones are scaled from the builder's own value (the last block's)."""
+    blocks = [module for module in model.modules() if isinstance(module, torchvision.ops.StochasticDepth)]
+    built = max(block.p for block in blocks)
+    for block in blocks:
+        block.p = block.p * drop_path / built
 
 
 def _in_weights_dtype(module, inputs):
