@@ -86,6 +86,7 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
 FLAGS = [
     (["--seed", "-1"], "--seed must be in 0 .. 4294967295, got -1"),
     (["--ra_magnitude", "31"], "--ra_magnitude must be in 0 .. 30, got 31"),
+    (["--ra_reps", "0"], "--ra_reps must be in 1 .. 16, got 0"),
     (["--mixup_alpha", "-1"], "--mixup_alpha must be in 0 .. 100, got -1.0"),
     (["--cutmix_alpha", "1e-300"], "--cutmix_alpha must be 0 (off) or at least 1e-6, got 1e-300"),
     (["--drop_path", "1", "--model", "convnext_tiny"], "--drop_path must be in 0 .. 0.99, got 1.0"),

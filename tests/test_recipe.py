@@ -142,6 +142,53 @@ def test_drop_path_of_swin_and_maxvit_is_their_builders_stochastic_depth_prob():
         assert ours == pytest.approx(theirs, rel=1e-12, abs=1e-15) and max(ours) == pytest.approx(0.35), name
 
 
+def test_repeated_augmentation_deals_each_images_repeats_to_the_ranks_as_torchvisions_rasampler():
+    """torchvision's references/classification RASampler, less its rounding of the epoch to 256 images a rank:
+    the same keys, and each repeat augmented anew where a plain epoch's image keeps its draw."""
+    from deepspeed_image_trainer.data.folders import EpochSampler, KeyedAugmentation
+
+    dataset = list(range(22))
+    for world_size, repetitions in ((1, 3), (2, 3), (3, 2), (2, 4)):
+        plain = EpochSampler(dataset, num_replicas=world_size, rank=0, shuffle=True, seed=7, drop_last=True)
+        samplers = [EpochSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=7, drop_last=True,
+                                 repetitions=repetitions) for rank in range(world_size)]
+        for epoch in (0, 1):
+            for sampler in samplers:
+                sampler.set_epoch(epoch)
+            order = torch.randperm(22, generator=torch.Generator().manual_seed(7 + epoch)).tolist()
+            repeated = [index for index in order for _ in range(repetitions)]
+            for rank, sampler in enumerate(samplers):
+                keys = list(sampler)
+                assert len(keys) == len(plain) and sampler.images() == repeated[rank:len(plain) * world_size:world_size]
+                assert [repeat for _, repeat in keys] == [place % repetitions for place in
+                                                          range(rank, len(plain) * world_size, world_size)]
+                sampler.start = 3  # a resume mid-epoch goes on from its place
+                assert list(sampler) == keys[3:]
+                sampler.start = 0
+
+    class Draws:  # an augmentation that is one draw from torch's stream
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, index):
+            return torch.rand(1)
+
+    augmented = KeyedAugmentation(Draws(), seed=1)
+    assert torch.equal(augmented[2], augmented[2]) and torch.equal(augmented[2, 0], augmented[2, 0])
+    assert not torch.equal(augmented[2, 0], augmented[2, 1])
+
+
+def test_repeated_augmentation_on_the_device_tiers_crops_each_repeat_anew():
+    from deepspeed_image_trainer.data.device import DeviceTrainLoader
+
+    squares = torch.randint(0, 256, (12, 3, 20, 20), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    loader = DeviceTrainLoader(squares, torch.arange(12) % 3, micro_batch_size=6, image_size=16, rank=0, world_size=1,
+                               seed=5, dtype=torch.float32, repetitions=3)
+    (first, first_boxes), (second, _) = loader.epoch_boxes(1)
+    assert first.tolist() == [first[0].item()] * 3 + [first[3].item()] * 3 and len(set(second.tolist())) == 2
+    assert len({tuple(box) for box in first_boxes[:3].tolist()}) == 3  # one image, three crops
+
+
 def test_a_steps_model_randomness_comes_from_its_seed():
     from deepspeed_image_trainer.engine.rng import seed_step
 

@@ -166,7 +166,8 @@ def test_resume_from_a_missing_path_is_a_usage_error(tiny_data, tmp_path):
 
 
 # each image's draws from its own seed, each batch's mixing from its step's
-RECIPE = ["--auto_augment", "ta_wide", "--random_erase", "0.25", "--mixup_alpha", "0.2", "--cutmix_alpha", "1.0"]
+RECIPE = ["--auto_augment", "ta_wide", "--random_erase", "0.25", "--mixup_alpha", "0.2", "--cutmix_alpha", "1.0",
+          "--ra_reps", "3"]
 
 
 def stop_then_resume(rank, port, results, data, workdir):
@@ -217,5 +218,6 @@ def test_two_ranks_stopped_mid_epoch_resume_with_each_ranks_batch_norm_statistic
     assert history_of(tmp_path / "stopped")["epochs"][0]["epoch"] == 1
     training = history_of(tmp_path / "stopped")["config"]["training"]
     assert training["augmentation"]["auto_augment"] == "ta_wide" and training["cutmix_alpha"] == 1.0
+    assert training["ra_reps"] == 3
     assert history_of(tmp_path / "stopped")["config"]["data_tier"] == "workers"
     assert metrics(tmp_path / "stopped") == metrics(tmp_path / "whole")

@@ -81,6 +81,10 @@ def add_training_args(parser):
     recipe.add_argument("--random_erase", type=float, default=RECIPE_DEFAULTS["random_erase"], metavar="P",
                         help="erase a random rectangle of a training image with this probability, after "
                              "normalisation (torchvision's RandomErasing; the DataLoader tier so far)")
+    recipe.add_argument("--ra_reps", type=int, default=1, metavar="N",
+                        help="repeated augmentation (torchvision's RASampler, DeiT's): each image N times in an epoch, "
+                             "each time augmented anew, the repeats on different ranks; the epoch keeps its length, "
+                             "so it sees 1/N of the images (every data tier; 1: off)")
     recipe.add_argument("--mixup_alpha", type=float, default=0.0, metavar="A",
                         help="mix each training batch with itself shifted by one image, in a Beta(A, A) share "
                              "(torchvision's MixUp, on every data tier); trained on the mixed labels")

@@ -231,7 +231,8 @@ def build(args, clock):
             decoding = decoder.submit(build_device_loaders, train_set, val_set, micro_batch_size=micro_batch,
                                       image_size=args.image_size, rank=rank, world_size=world_size, seed=args.seed,
                                       device=device, dtype=dtype, train_size=args.device_train_size,
-                                      records=data_check.records, preprocessing=inputs, tier=tier, cache_root=cache)
+                                      records=data_check.records, preprocessing=inputs, tier=tier, cache_root=cache,
+                                      repetitions=args.ra_reps)
         # Head and body in parameter groups of their own only when fine-tuning controls ask for them.
         parameters = parameter_groups(model, len(train_set.classes)) if fine_tuning(args) else model.parameters()
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameters,
@@ -252,7 +253,8 @@ def build(args, clock):
                     say(f"warning: no image of {len(emptied)} class(es) decodes: {listed(emptied)}")
         else:
             train_loader, val_loader = build_loaders(train_set, val_set, micro_batch, args.num_workers, rank,
-                                                     world_size, args.seed, pin_memory=device_type == "cuda")
+                                                     world_size, args.seed, pin_memory=device_type == "cuda",
+                                                     repetitions=args.ra_reps)
             say(f"Data from {args.num_workers} DataLoader worker(s) per rank ({why})")
     clock.lap("data")
     # Ranks with other images (nodes whose copies of the folder differ) would run epochs of other lengths and

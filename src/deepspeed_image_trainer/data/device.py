@@ -351,14 +351,15 @@ class DeviceTrainLoader:
     in a thread and copied over."""
 
     def __init__(self, images, labels, *, micro_batch_size, image_size, rank, world_size, seed, dtype,
-                 preprocessing=None, device=None, host=False, indices=None):
+                 preprocessing=None, device=None, host=False, indices=None, repetitions=1):
         self.images, self.labels = images, labels
         # the images it draws from (default all): those that decoded
         self.indices = torch.arange(len(labels)) if indices is None else torch.as_tensor(indices)
         self.device = named_device(device or images.device)
         self.host = host or images.device != self.device
+        # each repeat of an image (repeated augmentation) gets its own crop: crops are drawn per place in the epoch
         self.sampler = EpochSampler(range(len(self.indices)), num_replicas=world_size, rank=rank, shuffle=True,
-                                    seed=seed, drop_last=True)
+                                    seed=seed, drop_last=True, repetitions=repetitions)
         self.seed, self.rank, self.micro_batch_size, self.image_size = seed, rank, micro_batch_size, image_size
         self.batches_per_epoch = self.sampler.num_samples // micro_batch_size
         self.normalize = Normalize(self.device, dtype, preprocessing)
@@ -370,7 +371,7 @@ class DeviceTrainLoader:
         width, flip of each image's crop, all drawn at the epoch's start from (seed, rank, epoch)."""
         self.sampler.set_epoch(epoch)
         self.sampler.start = 0
-        order = self.indices[torch.tensor(list(self.sampler), dtype=torch.long)]
+        order = self.indices[torch.tensor(self.sampler.images(), dtype=torch.long)]
         generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.rank, epoch))
         boxes = torch.stack(random_resized_crops(len(order), self.images.shape[-1], generator), dim=1).long()
         order, boxes = order.to(self.images.device), boxes.to(self.device)
@@ -504,10 +505,12 @@ class DeviceValLoader:
 
 
 def build_device_loaders(train_set, val_set, *, micro_batch_size, image_size, rank, world_size, seed, device, dtype,
-                         train_size=None, records=None, preprocessing=None, tier="device", cache_root=None):
+                         train_size=None, records=None, preprocessing=None, tier="device", cache_root=None,
+                         repetitions=1):
     """Both ImageFolders decoded, or read from the decoded-image cache under `cache_root` (None: no cache),
     as training squares of `train_size` pixels (default the validation resize; `records`: the data check's,
-    see decode_chunk), kept on `device` (tier "device") or in host memory (tier "cache"); returns
+    see decode_chunk), kept on `device` (tier "device") or in host memory (tier "cache"); `repetitions`: repeated
+    augmentation's (folders.EpochSampler); returns
     (train_loader, val_loader, a line saying what was decoded or read and how long it took, {path: why} of
     the files left out because they do not decode)."""
     start = time.perf_counter()
@@ -530,7 +533,7 @@ def build_device_loaders(train_set, val_set, *, micro_batch_size, image_size, ra
     shared = dict(micro_batch_size=micro_batch_size, rank=rank, world_size=world_size, dtype=dtype,
                   preprocessing=preprocessing, device=device, host=tier == "cache")
     train_loader = DeviceTrainLoader(train_images, train_labels, image_size=image_size, seed=seed, indices=train_kept,
-                                     **shared)
+                                     repetitions=repetitions, **shared)
     val_loader = DeviceValLoader(val_images, val_labels, indices=val_kept, **shared)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

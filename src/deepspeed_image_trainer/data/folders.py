@@ -156,14 +156,31 @@ def ignore_stop_signals(worker_id):
 
 
 class EpochSampler(DistributedSampler):
-    """DistributedSampler whose epoch can start part-way through, for a run resumed mid-epoch."""
+    """DistributedSampler whose epoch can start part-way through, for a run resumed mid-epoch.
 
-    def __init__(self, *args, **kwargs):
+    With `repetitions` N > 1, repeated augmentation (DeiT's and torchvision's RASampler): the epoch's shuffled
+    images each N times in a row, dealt over the ranks so that an image's repeats go to different ranks, cut to
+    the epoch's usual length (so it sees 1/N of the images); the keys are then (image, repeat) pairs, for each
+    repeat to draw its own augmentation."""
+
+    def __init__(self, *args, repetitions=1, **kwargs):
         super().__init__(*args, **kwargs)
-        self.start = 0
+        self.start, self.repetitions = 0, repetitions
 
     def __iter__(self):
-        return iter(list(super().__iter__())[self.start:])
+        return iter(self.keys()[self.start:])
+
+    def keys(self):
+        """This rank's keys of the whole epoch: image indices, or (image, repeat) pairs."""
+        if self.repetitions == 1:
+            return list(super().__iter__())
+        order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        repeated = [(index, repeat) for index in order.tolist() for repeat in range(self.repetitions)]
+        return repeated[:self.num_samples * self.num_replicas][self.rank::self.num_replicas]
+
+    def images(self):
+        """The image index of each of this rank's keys from `start` on."""
+        return [key[0] if isinstance(key, tuple) else key for key in self]
 
     def __len__(self):
         return self.num_samples - self.start
@@ -180,9 +197,11 @@ class KeyedAugmentation(Dataset):
     def __len__(self):
         return len(self.dataset)
 
-    def __getitem__(self, index):
+    def __getitem__(self, key):
+        """`key`: an image index, or an (index, repeat) pair of repeated augmentation (EpochSampler)."""
+        index = key[0] if isinstance(key, tuple) else key
         with torch.random.fork_rng(devices=[]):  # the process's own stream (num_workers 0) goes on untouched
-            torch.manual_seed(hash((self.seed, self.epoch, index)) % 2**63)
+            torch.manual_seed(hash((self.seed, self.epoch, *(key if isinstance(key, tuple) else (key,)))) % 2**63)
             return self.dataset[index]
 
 
@@ -191,9 +210,9 @@ class TrainLoader:
     each image's augmentation from (seed, epoch, image), so a resumed run sees what an uninterrupted one
     would have seen."""
 
-    def __init__(self, dataset, micro_batch_size, num_workers, rank, world_size, seed, pin_memory):
+    def __init__(self, dataset, micro_batch_size, num_workers, rank, world_size, seed, pin_memory, repetitions=1):
         self.sampler = EpochSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                    seed=seed, drop_last=True)
+                                    seed=seed, drop_last=True, repetitions=repetitions)
         self.dataset = KeyedAugmentation(dataset, seed)
         self.micro_batch_size = micro_batch_size
         # Workers restart every epoch, each with the dataset as it is then: its epoch set below. The loader's
@@ -210,13 +229,15 @@ class TrainLoader:
         return self.loader
 
 
-def build_loaders(train_set, val_set, micro_batch_size, num_workers, rank, world_size, seed, pin_memory):
-    """Training loader (see TrainLoader) and validation loader.
+def build_loaders(train_set, val_set, micro_batch_size, num_workers, rank, world_size, seed, pin_memory,
+                  repetitions=1):
+    """Training loader (see TrainLoader; `repetitions`: EpochSampler's) and validation loader.
 
     Validation shards are disjoint and unpadded (rank r takes images r, r + world_size, ...), so
     metrics summed over ranks count every image exactly once.
     """
-    train_loader = TrainLoader(train_set, micro_batch_size, num_workers, rank, world_size, seed, pin_memory)
+    train_loader = TrainLoader(train_set, micro_batch_size, num_workers, rank, world_size, seed, pin_memory,
+                               repetitions)
     val_shard = Subset(val_set, range(rank, len(val_set), world_size))
     val_loader = DataLoader(val_shard, batch_size=micro_batch_size, shuffle=False, num_workers=num_workers,
                             pin_memory=pin_memory, persistent_workers=num_workers > 0,

@@ -6,7 +6,8 @@ build them with torchvision's transforms.v2 classes."""
 AUTO_AUGMENT_POLICIES = ("ra", "ta_wide", "augmix", "imagenet", "cifar10", "svhn")
 # --flag: (lowest, highest) of the augmentation's numbers (RandAugment's magnitudes are bins 0-30, of 14 ops)
 RECIPE_RANGES = {"ra_magnitude": (0, 30), "ra_num_ops": (1, 14), "augmix_severity": (1, 10), "random_erase": (0, 1),
-                 "mixup_alpha": (0, 100), "cutmix_alpha": (0, 100), "drop_path": (0, 0.99)}
+                 "mixup_alpha": (0, 100), "cutmix_alpha": (0, 100), "drop_path": (0, 0.99),
+                 "ra_reps": (1, 16)}
 
 
 # The per-image flags and their defaults (cli/options.py's)

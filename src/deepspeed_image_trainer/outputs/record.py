@@ -29,7 +29,7 @@ def run_record(args, ds_config, class_names):
                          "backbone_lr_scale": args.backbone_lr_scale,
                          "freeze_backbone_epochs": args.freeze_backbone_epochs,
                          "parameter_groups": fine_tuning(args),
-                         "augmentation": recipe_of(args), "mixup_alpha": args.mixup_alpha,
+                         "augmentation": recipe_of(args), "ra_reps": args.ra_reps, "mixup_alpha": args.mixup_alpha,
                          "cutmix_alpha": args.cutmix_alpha, "drop_path": args.drop_path},
             "deepspeed": ds_config}
 
