@@ -80,22 +80,25 @@ def test_validation_images_match_the_dataloader_path(tiny_data, preprocessing):
     assert (images - expected).abs().mean() < 0.02
 
 
-def fake_loader(rank=0, world_size=1):
+def fake_loader(rank=0, world_size=1, **recipe):
     generator = torch.Generator().manual_seed(1)
     images = torch.randint(0, 256, (40, 3, 18, 18), dtype=torch.uint8, generator=generator)
     return DeviceTrainLoader(images, torch.arange(40) % 4, micro_batch_size=4, image_size=16, rank=rank,
-                             world_size=world_size, seed=7, dtype=torch.float32)
+                             world_size=world_size, seed=7, dtype=torch.float32, **recipe)
 
 
-def test_an_epoch_resumed_mid_way_gets_the_same_batches():
-    loader = fake_loader()
+@pytest.mark.parametrize("recipe", [{}, {"random_erase": 0.5, "repetitions": 2}])
+def test_an_epoch_resumed_mid_way_gets_the_same_batches(recipe):
+    loader = fake_loader(**recipe)
     whole = list(loader.epoch(3))
     assert len(whole) == loader.batches_per_epoch == 10
     assert whole[0][0].shape == (4, 3, 16, 16)
-    resumed = list(fake_loader().epoch(3, start_batch=6))
+    resumed = list(fake_loader(**recipe).epoch(3, start_batch=6))
     assert len(resumed) == 4
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(whole[6:], resumed))
     assert not torch.equal(whole[0][0], next(iter(loader.epoch(4)))[0])
+    zeros = sum(int((images == 0).all(dim=1).sum()) for images, _ in whole)  # erased pixels, in every channel
+    assert (zeros > 0) == bool(recipe)
 
 
 def test_the_dataloader_tier_augments_each_image_the_same_with_any_workers_and_from_any_batch(tiny_data):

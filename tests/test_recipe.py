@@ -178,6 +178,34 @@ def test_repeated_augmentation_deals_each_images_repeats_to_the_ranks_as_torchvi
     assert not torch.equal(augmented[2, 0], augmented[2, 1])
 
 
+def test_the_device_tiers_erase_as_torchvisions_random_erasing():
+    """Each image's box is the one torchvision's erase gets; the boxes are drawn as its make_params draws them
+    (compared over many images: how many it erases, and the erased share of the image)."""
+    from torchvision.transforms.v2 import functional as TF
+
+    from deepspeed_image_trainer.data.device import erase, random_erasing_boxes
+
+    count, p = 4000, 0.5
+    boxes = random_erasing_boxes(count, 24, 20, p, torch.Generator().manual_seed(0))
+    images = torch.randn(6, 3, 24, 20, generator=torch.Generator().manual_seed(1))
+    erased = erase(images.clone(), boxes[:6])
+    for image, box, ours in zip(images, boxes[:6].tolist(), erased):
+        assert torch.equal(ours, TF.erase(image, *box, v=torch.zeros(3, 1, 1)))
+    assert torch.equal(erase(images.clone(), torch.zeros(6, 4, dtype=torch.long)), images)  # no box: untouched
+
+    torch.manual_seed(2)
+    reference = v2.RandomErasing(p=p)
+    theirs = [reference.make_params([torch.zeros(3, 24, 20)]) if torch.rand(1) < p else None for _ in range(count)]
+    theirs = [params["h"] * params["w"] if params and params["v"] is not None else 0 for params in theirs]
+    ours = (boxes[:, 2] * boxes[:, 3]).tolist()
+    def erased_share(areas):
+        return sum(area > 0 for area in areas) / count
+
+    assert abs(erased_share(ours) - erased_share(theirs)) < 0.03
+    assert abs(sum(ours) - sum(theirs)) < 0.1 * sum(theirs)  # the mean erased area
+    assert all(0 <= top and top + h <= 24 and 0 <= left and left + w <= 20 for top, left, h, w in boxes.tolist())
+
+
 def test_repeated_augmentation_on_the_device_tiers_crops_each_repeat_anew():
     from deepspeed_image_trainer.data.device import DeviceTrainLoader
 

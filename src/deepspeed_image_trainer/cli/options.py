@@ -8,7 +8,7 @@ import signal
 import sys
 import traceback
 
-from ..data.recipe import AUTO_AUGMENT_POLICIES, DROP_PATH_FAMILIES, RECIPE_DEFAULTS, RECIPE_RANGES, recipe_of
+from ..data.recipe import AUTO_AUGMENT_POLICIES, DROP_PATH_FAMILIES, RECIPE_DEFAULTS, RECIPE_RANGES
 from ..models.names import DEFAULT_MODEL, architecture
 from ..utils.failures import CliError, UsageError
 from ..utils.streams import outlive_closed_output
@@ -80,7 +80,7 @@ def add_training_args(parser):
                         help="AugMix's severity, 1-10")
     recipe.add_argument("--random_erase", type=float, default=RECIPE_DEFAULTS["random_erase"], metavar="P",
                         help="erase a random rectangle of a training image with this probability, after "
-                             "normalisation (torchvision's RandomErasing; the DataLoader tier so far)")
+                             "normalisation (torchvision's RandomErasing; every data tier)")
     recipe.add_argument("--ra_reps", type=int, default=1, metavar="N",
                         help="repeated augmentation (torchvision's RASampler, DeiT's): each image N times in an epoch, "
                              "each time augmented anew, the repeats on different ranks; the epoch keeps its length, "
@@ -295,6 +295,6 @@ def check_recipe(args):
         raise UsageError(f"--drop_path: --model {args.model} has no stochastic depth that torchvision lets set; "
                          "ConvNeXt (convnext_*), EfficientNet (efficientnet_*, efficientnet_v2_*), Swin (swin_*) and "
                          "MaxViT (maxvit_t) have")
-    if recipe_of(args) and args.data_on_device in ("on", "cache"):
-        raise UsageError(f"--auto_augment and --random_erase run in the DataLoader tier so far: --data_on_device "
-                         f"{args.data_on_device} crops and flips only (use --data_on_device off or auto)")
+    if args.auto_augment and args.data_on_device in ("on", "cache"):
+        raise UsageError(f"--auto_augment runs in the DataLoader tier so far: --data_on_device {args.data_on_device} "
+                         "does not apply it (use --data_on_device off or auto)")

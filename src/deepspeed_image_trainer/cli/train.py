@@ -202,7 +202,7 @@ def build(args, clock):
     tier, why = choose_device_data(data_mode(args), device, len(train_set), len(val_set), args.image_size,
                                    args.device_train_size, num_params, cache)
     if data_mode(args) != args.data_on_device:
-        why = "auto: --auto_augment and --random_erase run in the DataLoader tier so far"
+        why = "auto: --auto_augment runs in the DataLoader tier so far"
     # auto decides on each rank's own GPU and disk: ranks on other tiers would wait in other collectives
     reach = ("workers", "cache", "device")
     lowest = reach[int(all_reduce({"tier": reach.index(tier)}, device, dist.ReduceOp.MIN)["tier"])]
@@ -232,7 +232,7 @@ def build(args, clock):
                                       image_size=args.image_size, rank=rank, world_size=world_size, seed=args.seed,
                                       device=device, dtype=dtype, train_size=args.device_train_size,
                                       records=data_check.records, preprocessing=inputs, tier=tier, cache_root=cache,
-                                      repetitions=args.ra_reps)
+                                      repetitions=args.ra_reps, random_erase=args.random_erase)
         # Head and body in parameter groups of their own only when fine-tuning controls ask for them.
         parameters = parameter_groups(model, len(train_set.classes)) if fine_tuning(args) else model.parameters()
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameters,
@@ -254,7 +254,7 @@ def build(args, clock):
         else:
             train_loader, val_loader = build_loaders(train_set, val_set, micro_batch, args.num_workers, rank,
                                                      world_size, args.seed, pin_memory=device_type == "cuda",
-                                                     repetitions=args.ra_reps)
+                                                     repetitions=args.ra_reps, random_erase=args.random_erase)
             say(f"Data from {args.num_workers} DataLoader worker(s) per rank ({why})")
     clock.lap("data")
     # Ranks with other images (nodes whose copies of the folder differ) would run epochs of other lengths and

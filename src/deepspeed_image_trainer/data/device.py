@@ -41,6 +41,8 @@ DECODE_CHUNK = 256  # images decoded per nvJPEG call: bounds the memory the deco
 CROP_SCALE = (0.08, 1.0)
 CROP_RATIO = (3 / 4, 4 / 3)
 CROP_TRIES = 10  # as torchvision's RandomResizedCrop
+ERASE_SCALE, ERASE_RATIO, ERASE_TRIES = (0.02, 0.33), (0.3, 3.3), 10  # torchvision's RandomErasing's defaults
+ERASE_STREAM = 1  # keys the erasing's generator apart from the crops' (same seed, rank and epoch)
 FREE_MEMORY_SHARE = 0.25  # auto mode uses the GPU for data when it needs at most this share of free memory
 MODEL_STATE_BYTES_PER_PARAMETER = 16  # fp32 weights, gradients and AdamW's two moments
 # The reading thread takes the GIL between its ops, which a Python-heavy step (ZeRO-2's gradient hooks) holds
@@ -275,6 +277,35 @@ def random_resized_crops(count, side, generator):
     return top, left, height, width, flip
 
 
+def random_erasing_boxes(count, height, width, p, generator):
+    """torchvision's RandomErasing (value 0) for `count` images of height x width, vectorised: its coin of
+    probability `p`, then the first of its tries whose box fits. Returns (count, 4) long: top, left, height,
+    width of each image's box, height and width 0 where it erases nothing."""
+    erased = torch.rand(count, generator=generator, dtype=torch.float64) < p
+    area = height * width * torch.empty(count, ERASE_TRIES, dtype=torch.float64).uniform_(*ERASE_SCALE,
+                                                                                          generator=generator)
+    ratio = torch.empty(count, ERASE_TRIES, dtype=torch.float64).uniform_(
+        math.log(ERASE_RATIO[0]), math.log(ERASE_RATIO[1]), generator=generator).exp()
+    box_height, box_width = (area * ratio).sqrt().round(), (area / ratio).sqrt().round()
+    fits = (box_height < height) & (box_width < width)
+    first = fits.int().argmax(dim=1, keepdim=True)
+    found = erased & fits.any(dim=1)
+    box_height = torch.where(found, box_height.gather(1, first).squeeze(1), 0)
+    box_width = torch.where(found, box_width.gather(1, first).squeeze(1), 0)
+    top = (torch.rand(count, generator=generator, dtype=torch.float64) * (height - box_height + 1)).floor()
+    left = (torch.rand(count, generator=generator, dtype=torch.float64) * (width - box_width + 1)).floor()
+    return torch.stack([top, left, box_height, box_width], dim=1).long()
+
+
+def erase(images, boxes):
+    """Each image of the batch with its box of `boxes` (random_erasing_boxes) set to 0, as torchvision's erase."""
+    top, left, height, width = (column.view(-1, 1, 1, 1) for column in boxes.unbind(1))
+    rows = torch.arange(images.shape[-2], device=images.device).view(1, 1, -1, 1)
+    columns = torch.arange(images.shape[-1], device=images.device).view(1, 1, 1, -1)
+    inside = (rows >= top) & (rows < top + height) & (columns >= left) & (columns < left + width)
+    return images.masked_fill_(inside, 0)
+
+
 def resize_weights(lengths, side, out_size):
     """torchvision's antialiased bilinear resize of the window [0, length) of a `side`-pixel axis to `out_size`
     pixels, as an (out_size, side) matrix per length: PIL's triangle filter, widened by the shrink factor
@@ -351,7 +382,7 @@ class DeviceTrainLoader:
     in a thread and copied over."""
 
     def __init__(self, images, labels, *, micro_batch_size, image_size, rank, world_size, seed, dtype,
-                 preprocessing=None, device=None, host=False, indices=None, repetitions=1):
+                 preprocessing=None, device=None, host=False, indices=None, repetitions=1, random_erase=0.0):
         self.images, self.labels = images, labels
         # the images it draws from (default all): those that decoded
         self.indices = torch.arange(len(labels)) if indices is None else torch.as_tensor(indices)
@@ -361,6 +392,7 @@ class DeviceTrainLoader:
         self.sampler = EpochSampler(range(len(self.indices)), num_replicas=world_size, rank=rank, shuffle=True,
                                     seed=seed, drop_last=True, repetitions=repetitions)
         self.seed, self.rank, self.micro_batch_size, self.image_size = seed, rank, micro_batch_size, image_size
+        self.random_erase = random_erase  # erasing's probability (torchvision's RandomErasing, after normalising)
         self.batches_per_epoch = self.sampler.num_samples // micro_batch_size
         self.normalize = Normalize(self.device, dtype, preprocessing)
         self.crops = ResizedCrops(images.shape[-1], image_size, self.device,
@@ -368,12 +400,17 @@ class DeviceTrainLoader:
 
     def epoch_boxes(self, epoch, start_batch=0):
         """(indices, boxes) of the epoch's batches from `start_batch` on; boxes (B, 5): top, left, height,
-        width, flip of each image's crop, all drawn at the epoch's start from (seed, rank, epoch)."""
+        width, flip of each image's crop, all drawn at the epoch's start from (seed, rank, epoch); with
+        random erasing (B, 9), each image's erased box after them (random_erasing_boxes)."""
         self.sampler.set_epoch(epoch)
         self.sampler.start = 0
         order = self.indices[torch.tensor(self.sampler.images(), dtype=torch.long)]
         generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.rank, epoch))
         boxes = torch.stack(random_resized_crops(len(order), self.images.shape[-1], generator), dim=1).long()
+        if self.random_erase:
+            erasing = torch.Generator().manual_seed(hash((self.seed, self.rank, epoch, ERASE_STREAM)) % 2**63)
+            boxes = torch.cat([boxes, random_erasing_boxes(len(order), self.image_size, self.image_size,
+                                                           self.random_erase, erasing)], dim=1)
         order, boxes = order.to(self.images.device), boxes.to(self.device)
         return ((order[start:start + self.micro_batch_size], boxes[start:start + self.micro_batch_size])
                 for start in range(start_batch * self.micro_batch_size,
@@ -386,7 +423,8 @@ class DeviceTrainLoader:
         return (self.batch(self.images[indices], self.labels[indices], boxes) for indices, boxes in batches)
 
     def batch(self, images, labels, boxes):
-        return self.normalize(self.crops(images, *boxes.unbind(1))), labels
+        batch = self.normalize(self.crops(images, *boxes[:, :5].unbind(1)))
+        return (erase(batch, boxes[:, 5:]) if self.random_erase else batch), labels
 
     def _gathered_ahead(self, batches):
         """Host batches: each batch's images and labels gathered from the mapped file and sent to the device a
@@ -506,11 +544,11 @@ class DeviceValLoader:
 
 def build_device_loaders(train_set, val_set, *, micro_batch_size, image_size, rank, world_size, seed, device, dtype,
                          train_size=None, records=None, preprocessing=None, tier="device", cache_root=None,
-                         repetitions=1):
+                         repetitions=1, random_erase=0.0):
     """Both ImageFolders decoded, or read from the decoded-image cache under `cache_root` (None: no cache),
     as training squares of `train_size` pixels (default the validation resize; `records`: the data check's,
     see decode_chunk), kept on `device` (tier "device") or in host memory (tier "cache"); `repetitions`: repeated
-    augmentation's (folders.EpochSampler); returns
+    augmentation's (folders.EpochSampler), `random_erase`: erasing's probability (DeviceTrainLoader); returns
     (train_loader, val_loader, a line saying what was decoded or read and how long it took, {path: why} of
     the files left out because they do not decode)."""
     start = time.perf_counter()
@@ -533,7 +571,7 @@ def build_device_loaders(train_set, val_set, *, micro_batch_size, image_size, ra
     shared = dict(micro_batch_size=micro_batch_size, rank=rank, world_size=world_size, dtype=dtype,
                   preprocessing=preprocessing, device=device, host=tier == "cache")
     train_loader = DeviceTrainLoader(train_images, train_labels, image_size=image_size, seed=seed, indices=train_kept,
-                                     repetitions=repetitions, **shared)
+                                     repetitions=repetitions, random_erase=random_erase, **shared)
     val_loader = DeviceValLoader(val_images, val_labels, indices=val_kept, **shared)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
