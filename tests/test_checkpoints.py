@@ -2,6 +2,7 @@
 import argparse
 import json
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -64,6 +65,28 @@ def test_resume_auto_picks_the_newest_and_prefers_last_on_a_tie(tmp_path):
     assert find_checkpoint("auto", tmp_path) == tmp_path / "epoch_2"
     fake_checkpoint(tmp_path / "last", 2, "last")
     assert find_checkpoint("auto", tmp_path) == tmp_path / "last"
+
+
+def test_resume_auto_after_a_rewind_continues_the_checkpoint_saved_last(tmp_path):
+    """A run rewound with --resume epoch_1 keeps its run_started: the abandoned branch's epoch_3 outranked the
+    new branch's `last`, saved after it in epoch 3, and the next --resume auto mixed the two branches."""
+    from deepspeed_image_trainer.outputs.checkpoints import CheckpointSaver
+
+    class Engine:  # DeepSpeed's save_checkpoint, as far as the saver sees it
+        def save_checkpoint(self, save_dir, tag, client_state):
+            fake_checkpoint(Path(save_dir), 0, tag, zero_stage=0)
+
+    info = {"world_size": 1, "zero_stage": 0, "run_started": 100.0}
+    first = CheckpointSaver(Engine(), tmp_path, save_every=1, keep_last=0, background=False)
+    for epoch in (1, 2, 3):
+        first.save(epoch, info, {})
+    fake_checkpoint(tmp_path / "epoch_9", 9, "epoch_9")  # from before saved_at was recorded: older than any with it
+    rewound = CheckpointSaver(Engine(), tmp_path, save_every=1, keep_last=0, background=False)
+    rewound.save(2, info, {})
+    assert find_checkpoint("auto", tmp_path) == tmp_path / "last"  # at the same save as epoch_2
+    rewound.save(2, {**info, "interrupted_at": {"epoch": 3, "step": 1}}, {}, interrupted=True)
+    assert find_checkpoint("auto", tmp_path) == tmp_path / "last"
+    assert json.loads((tmp_path / "last" / EXTRA_INFO).read_text())["interrupted_at"]["epoch"] == 3
 
 
 def test_a_run_resumed_from_another_folder_brings_the_best_checkpoint_its_history_names(tmp_path):

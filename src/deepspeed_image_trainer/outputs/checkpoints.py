@@ -24,6 +24,7 @@ its next save or at the end, and leaves the published checkpoints as they were; 
 launcher (like torchrun) then ends the other ranks, which would otherwise wait in the next barrier for good.
 """
 import json
+import math
 import os
 import shutil
 import time
@@ -102,6 +103,7 @@ INFO_TYPES = {"class_names": lambda v: isinstance(v, list) and v and all(isinsta
               "zero_stage": lambda v: v in (0, 1, 2, 3) and _whole_number(v),
               "settings": lambda v: isinstance(v, dict) and _whole_number(v.get("train_batch_size", 1), 1),
               "run_started": lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool),
+              "saved_at": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
               "pretrained": lambda v: v is None or isinstance(v, str),
               "interrupted_at": lambda v: isinstance(v, dict) and _whole_number(v.get("epoch"), 1)}
 
@@ -208,7 +210,8 @@ class CheckpointSaver:
         with stop_on_write_error("checkpoint", "--checkpoint_dir"):
             self.engine.save_checkpoint(str(staging), tag="staged", client_state=state)
             self.after(self._mark, staging, WRITTEN)
-            self.after(self._publish_staged, staging, names, {**info, "epoch": epoch})
+            # saved_at orders --resume auto's candidates: a resume keeps run_started, and may rewind the epoch
+            self.after(self._publish_staged, staging, names, {**info, "epoch": epoch, "saved_at": time.time()})
             if self.earlier:  # rank 0's: in this thread, not the writer's, while no monitor writes a row
                 self.wait()
                 for what in self.earlier:
@@ -280,7 +283,7 @@ def _cut_short(path):
 
 
 def find_checkpoint(resume, checkpoint_dir, skipped=None):
-    """The folder to resume from: for "auto", the newest whole one under checkpoint_dir (None when there is
+    """The folder to resume from: for "auto", the whole one under checkpoint_dir saved last (None when there is
     none), adding those it passed over to `skipped` as (folder, why: a damaged extra_info.json, files missing or
     cut short);
     otherwise a checkpoint folder, its tag folder, or a name under checkpoint_dir (last, best, epoch_N)."""
@@ -309,10 +312,12 @@ def find_checkpoint(resume, checkpoint_dir, skipped=None):
             skipped += passed_over
         if not found:
             return None
-        # The newest run's (an --overwrite run cut before it removed the earlier run's epoch_N), then its newest
-        # epoch; at the same epoch `last`, which may hold a mid-epoch interruption.
-        return max(found, key=lambda f: (read_info(f).get("run_started") or 0, read_info(f)["epoch"],
-                                         f.name.endswith(LAST)))
+        # The one saved last, whatever its epoch (after --resume epoch_N, not the abandoned branch's later epoch_M);
+        # among those from before saved_at was recorded, the newest run's (an --overwrite run cut before it removed
+        # the earlier run's epoch_N), then its newest epoch; at the same save or epoch `last`, which may hold a
+        # mid-epoch interruption.
+        return max(found, key=lambda f: (read_info(f).get("saved_at", 0), read_info(f).get("run_started") or 0,
+                                         read_info(f)["epoch"], f.name.endswith(LAST)))
     path = Path(resume)
     candidates = [path, path.parent, checkpoint_dir / resume, checkpoint_dir / {"best": BEST}.get(resume, resume)]
     for candidate in candidates:
