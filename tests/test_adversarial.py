@@ -243,6 +243,17 @@ def test_the_launcher_refuses_what_no_run_can_use(tiny_data, tmp_path, monkeypat
     assert not (tmp_path / "ran").exists() and not (tmp_path / "logs").exists()
 
 
+def test_a_cache_folder_from_the_environment_inside_a_checkpoint_is_refused(tiny_data, tmp_path, monkeypatch, capsys):
+    """$TRAINER_CACHE_DIR in --checkpoint_dir/last: the launcher wrote the data check's cache there, its rank then
+    took it for an earlier run's damaged checkpoint (with --overwrite, the save deleted both caches)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRAINER_CACHE_DIR", str(tmp_path / "ck/last"))
+    argv = data_args(tiny_data) + ["--checkpoint_dir", "ck", "--dry_run"]
+    assert_usage_error_in_process(launch_deepspeed.main, argv, capsys,
+                                  f"$TRAINER_CACHE_DIR {tmp_path / 'ck/last'} is inside --checkpoint_dir ck's last")
+    assert not any(tmp_path.iterdir())
+
+
 def test_sync_bn_lets_each_rank_take_one_image(tiny_data, tmp_path, monkeypatch, capsys):
     """--sync_bn normalises over every rank's micro-batch: two ranks of one image each give it two values."""
     monkeypatch.chdir(tmp_path)

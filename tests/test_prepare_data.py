@@ -88,6 +88,19 @@ def test_cli_errors_are_one_line_with_status_2(tmp_path, monkeypatch, capsys, ar
     assert_usage_error_in_process(main, argv, capsys, message)
 
 
+def test_the_check_refuses_a_cache_folder_inside_a_checkpoint(tmp_path, monkeypatch, capsys):
+    """Its results went with that checkpoint's next save."""
+    from deepspeed_image_trainer.data.prepare import main
+
+    make_sample_dataset(tmp_path / "d", 3, 1, 1, 32, seed=0)
+    (tmp_path / "ck/last").mkdir(parents=True)
+    (tmp_path / "ck/last/extra_info.json").write_text("{}")
+    monkeypatch.setenv("TRAINER_CACHE_DIR", str(tmp_path / "ck/last/cache"))
+    assert_usage_error_in_process(main, ["--check", str(tmp_path / "d")], capsys,
+                                  f"$TRAINER_CACHE_DIR {tmp_path / 'ck/last/cache'} is inside the checkpoint")
+    assert not (tmp_path / "ck/last/cache").exists()
+
+
 @pytest.mark.slow
 def test_cli_errors_on_the_command_line(tmp_path):
     assert_usage_error(run([sys.executable, str(ROOT / "src/prepare_data.py"), "split", "does-not-exist"], tmp_path),

@@ -338,6 +338,12 @@ def cache_base():
     return Path(os.environ.get(CACHE_DIR_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / APP)
 
 
+def cache_place():
+    """(cache_base(), what chose it): as a refusal names it (run_folders.check_output_places)."""
+    chosen = f"${CACHE_DIR_ENV}" if os.environ.get(CACHE_DIR_ENV) else f"the cache folder (${CACHE_DIR_ENV} unset)"
+    return cache_base(), chosen
+
+
 def cache_path(root):
     """Where the per-file results of the folder `root` are kept: one file per folder (its absolute path
     hashed) under cache_base()."""

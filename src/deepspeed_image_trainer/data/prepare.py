@@ -13,8 +13,8 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from ..utils.failures import CliParser, UsageError
-from .check import check_folders
+from ..utils.failures import CliParser, UsageError, check_outside_checkpoints
+from .check import cache_place, check_folders
 
 # The 90 class folders of the Animals-90 dataset; the sample dataset borrows them as class names.
 ANIMALS_90 = (
@@ -150,6 +150,7 @@ def check_dataset(folder):
     folder = Path(folder)
     if not folder.is_dir():
         raise UsageError(f"image folder not found: {folder}")
+    check_outside_checkpoints(*cache_place())  # where the check keeps its results: a save there removed them
     if (folder / "train").is_dir():
         check = check_folders(folder / "train", folder / "val")
     else:

@@ -20,6 +20,7 @@ import socket
 from pathlib import Path
 
 from ..data.cache import OFF
+from ..data.check import cache_place
 from ..engine.config import MONITORS, monitor_enabled
 from ..utils.failures import UsageError, check_outside_checkpoints
 from .checkpoints import BEST, EXTRA_INFO, LAST, STAGING, read_info, readable
@@ -178,12 +179,13 @@ def _checkpoint_managed(name):
 
 
 def check_output_places(args, config):
-    """Refuse a log, monitor or decoded-image cache folder in a checkpoint folder, this run's (existing or not)
-    or another's: the checkpoint's next save replaced it whole (the CSV monitor's run then ended in a traceback,
-    the cache was gone at every run's save), and a log folder made as --checkpoint_dir/last passed for an
-    earlier run's damaged checkpoint."""
-    places = [(Path(args.log_dir), "--log_dir", None)]
-    if getattr(args, "cache_dir", None) not in (None, OFF):  # the cache went with the save: decoded every run
+    """Refuse a log, monitor or cache folder (--cache_dir, or $TRAINER_CACHE_DIR, which holds the data check's
+    cache and the default decoded one) in a checkpoint folder, this run's (existing or not) or another's: the
+    checkpoint's next save replaced it whole (the CSV monitor's run then ended in a traceback, the cache was gone
+    at every run's save), and a log folder made as --checkpoint_dir/last passed for an earlier run's damaged
+    checkpoint (the data check's cache file written there did too)."""
+    places = [(Path(args.log_dir), "--log_dir", None), (*cache_place(), None)]
+    if getattr(args, "cache_dir", None) not in (None, OFF):
         places.append((Path(args.cache_dir), "--cache_dir", None))
     for section in MONITORS:  # each writes a folder of its job's name into its output_path
         monitor = config.get(section, {})
