@@ -5,6 +5,8 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -203,6 +205,27 @@ def launch(args, cwd, timeout=600, **popen):
 
 def data_args(data_root):
     return ["--train_dir", str(data_root / "train"), "--val_dir", str(data_root / "val")]
+
+
+def unblock_later(fifo, seconds=10):
+    """End the reads of the FIFO `fifo` that would wait for a writer for good, from `seconds` on for as long again:
+    a test of code that must not open it fails when it does, instead of hanging. Returns an Event, set once a
+    read was ended."""
+    ended = threading.Event()
+
+    def unblock():
+        time.sleep(seconds)
+        for _ in range(seconds * 10):
+            try:
+                writer = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # opens only while a reader waits
+                ended.set()
+                os.close(writer)  # the reader sees the end of the file
+            except OSError:  # no reader now (ENXIO), or the FIFO has gone
+                pass
+            time.sleep(0.1)
+
+    threading.Thread(target=unblock, daemon=True).start()
+    return ended
 
 
 def assert_usage_error_in_process(main, argv, capsys, message):

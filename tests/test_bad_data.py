@@ -1,6 +1,7 @@
 """Bad input data: every kind of bad file is skipped or converted and reported, unusable datasets stop with status 2."""
 import argparse
 import json
+import os
 import shutil
 import sys
 
@@ -19,7 +20,8 @@ from deepspeed_image_trainer.data.prepare import main as prepare_data_main
 from deepspeed_image_trainer.data.prepare import make_sample_dataset
 from deepspeed_image_trainer.utils.failures import UsageError
 
-from conftest import DEVICES, ROOT, assert_usage_error_in_process, data_args, history_of, launch, run
+from conftest import (DEVICES, ROOT, assert_usage_error_in_process, data_args, history_of, launch, run,
+                      unblock_later)
 
 CPU = torch.device("cpu")
 # file name -> why it cannot be read
@@ -184,6 +186,23 @@ def test_the_cache_spares_unchanged_files_a_second_decode(bad_data, tmp_path, mo
     edited = json.loads(cache.read_text())
     cache.write_text(json.dumps({**edited, "files": {path: 7 for path in edited["files"]}}))
     assert check_folders(root).inspected == len(first.train.records)
+
+
+def test_a_fifo_in_place_of_the_checks_cache_is_a_warning_and_replaced(tiny_data, tmp_path, monkeypatch, capsys):
+    """Reading it waited for a writer for good: the launcher, the training script and --check all hung."""
+    monkeypatch.setenv("TRAINER_CACHE_DIR", str(tmp_path / "cache"))
+    root = tmp_path / "data"
+    shutil.copytree(tiny_data / "val", root)
+    cache = cache_path(root)
+    cache.parent.mkdir(parents=True)
+    os.mkfifo(cache)
+    read = unblock_later(cache)
+    check = check_folders(root)
+    assert not read.is_set()
+    assert capsys.readouterr().err == (f"warning: cannot read the data check's cache {cache} (not a regular file: a "
+                                       "FIFO, a device, a socket or a folder); every image is inspected again\n")
+    check.save_cache()  # through a file of its own, renamed over the FIFO
+    assert cache.is_file() and check_folders(root).inspected == 0 and not capsys.readouterr().err
 
 
 def test_a_check_of_headers_only_decodes_nothing_and_leaves_a_full_check_to_decode(bad_data, tmp_path, monkeypatch):

@@ -7,16 +7,17 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from deepspeed_image_trainer.data.cache import load_or_fill
+from deepspeed_image_trainer.data.cache import entry_key, load_or_fill
 from deepspeed_image_trainer.data.check import cache_path
 from deepspeed_image_trainer.data.device import build_device_loaders, decode_dataset
 from deepspeed_image_trainer.data.folders import load_datasets
 
-from conftest import DEVICES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, data_args, launch
+from conftest import DEVICES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, data_args, launch, unblock_later
 
 CPU = torch.device("cpu")
 
@@ -145,6 +146,26 @@ def test_a_damaged_entry_beside_the_one_filled_is_left_alone(tmp_path):
     (tmp_path / "other/meta.json").write_text("[1, 2]")  # valid JSON, not an entry's description
     _remove_replaced(tmp_path, "mine", {"resize": 4, "crop": 4, "decoder": "cpu"}, tmp_path / "train")
     assert (tmp_path / "other/meta.json").exists()
+
+
+def test_a_fifo_as_an_entrys_description_is_never_read(tmp_path):
+    """Reading one, the entry's own or another's beside it, waited for a writer for good."""
+    paths = [str(tmp_path / f"{i}.jpg") for i in range(2)]
+    for path in paths:
+        Path(path).write_bytes(b"x")
+    entry = tmp_path / "cache" / entry_key(paths, 4, 4, "cpu")
+    read = []
+    for folder in (entry, tmp_path / "cache/other"):
+        folder.mkdir(parents=True)
+        os.mkfifo(folder / "meta.json")
+        read.append(unblock_later(folder / "meta.json"))
+
+    def fill(f):
+        f.write(bytes(2 * 3 * 4 * 4))
+
+    images, _, filled = load_or_fill(paths, 4, 4, "cpu", tmp_path / "cache", fill, source=tmp_path)
+    assert not any(ended.is_set() for ended in read)
+    assert filled and images.shape == (2, 3, 4, 4) and (entry / "meta.json").is_file()
 
 
 @pytest.mark.skipif(os.name != "posix", reason="runs take turns on an fcntl lock")

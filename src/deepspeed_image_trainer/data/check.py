@@ -29,7 +29,7 @@ from pathlib import Path
 from PIL import Image, UnidentifiedImageError
 
 from ..utils.failures import UsageError
-from ..utils.files import write_json_atomic
+from ..utils.files import regular_text, write_json_atomic
 from ..utils.text import error_line, listed
 
 CACHE_VERSION = 2
@@ -355,12 +355,19 @@ def cache_path(root):
 def load_cache(root):
     """The per-file records of an earlier check of `root`, or {} when there is none (or it is unreadable
     or outdated)."""
+    saved = cache_path(root)
     try:
-        cache = json.loads(cache_path(root).read_text())
+        cache = json.loads(regular_text(saved))
         files = cache["files"] if cache.get("version") == CACHE_VERSION else {}
         # a record that is not one (an edited or foreign file) is inspected again, as a file not in the cache is
         return {path: record for path, record in files.items() if isinstance(record, dict)}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (FileNotFoundError, NotADirectoryError):  # none yet; a cache folder that is a file: save_cache says so
+        return {}
+    except OSError as err:  # a FIFO in its place, no permission: save_cache puts this check's results there
+        print(f"warning: cannot read the data check's cache {saved} ({err.strerror or err}); every image is "
+              "inspected again", file=sys.stderr)
+        return {}
+    except (ValueError, KeyError, TypeError, AttributeError):
         return {}
 
 

@@ -1,4 +1,5 @@
 """Files that readers see whole or not at all: written to a temporary name beside them, then renamed."""
+import errno
 import hashlib
 import json
 import os
@@ -22,6 +23,14 @@ def write_atomic(path, data):
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def regular_text(path):
+    """The text of the file `path`; an OSError, as for a missing one, when it is not a regular file: reading a FIFO
+    would wait for a writer for good."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise OSError(errno.EINVAL, "not a regular file: a FIFO, a device, a socket or a folder", str(path))
+    return Path(path).read_text()
 
 
 def fingerprint(path, edge=2**20):
