@@ -696,6 +696,16 @@ def test_resuming_from_a_truncated_checkpoint_stops_with_a_hint(trained, tiny_da
 
 # --- the command-line tools' own flags ---------------------------------------------------------------------
 
+@pytest.mark.parametrize("inside", ["val", "val/bat", "train/../val/bat/more"])
+def test_evaluate_refuses_an_output_folder_in_the_images_it_evaluates(tiny_data, capsys, inside):
+    """Its confusion_matrix.png in val/bat was an image of a bat to the next evaluation."""
+    before = digests(tiny_data)
+    assert_usage_error_in_process(evaluate.main, ["--model", "model.pt", "--data_dir", str(tiny_data / "val"),
+                                                  "--output_dir", str(tiny_data / inside)], capsys,
+                                  f"--output_dir {tiny_data / inside} is inside --data_dir {tiny_data / 'val'}")
+    assert digests(tiny_data) == before and not (tiny_data / "val/bat/more").exists()
+
+
 @pytest.mark.slow
 def test_the_tools_refuse_values_no_run_can_use(export_of_a_run, tiny_data, capsys):
     model = str(export_of_a_run / "model.pt")

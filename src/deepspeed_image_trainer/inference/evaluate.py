@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.folders import image_folder
-from ..utils.failures import CliParser, check_counts, check_outside_checkpoints, check_writable
+from ..utils.failures import CliParser, UsageError, check_counts, check_outside_checkpoints, check_writable
 from ..utils.files import write_json_atomic
 from ..utils.text import drawable
 from .load import (DECODES, decoded_log_probabilities, default_device, eval_transform, load_model,
@@ -72,6 +72,10 @@ def get_args_parser():
 def main(argv=None):
     args = get_args_parser().parse_args(argv)
     check_counts(args, batch_size=1, num_workers=0)
+    output_dir, data_dir = Path(args.output_dir).resolve(), Path(args.data_dir).resolve()
+    if data_dir == output_dir or data_dir in output_dir.parents:  # the next evaluation read its png as an image
+        raise UsageError(f"--output_dir {args.output_dir} is inside --data_dir {args.data_dir}, the images it "
+                         "evaluates: write it elsewhere")
     check_outside_checkpoints(args.output_dir, "--output_dir")  # first: check_writable makes a file in the folder
     check_writable(args.output_dir, "--output_dir")
 
