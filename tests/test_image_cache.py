@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -166,6 +167,29 @@ def test_a_fifo_as_an_entrys_description_is_never_read(tmp_path):
     images, _, filled = load_or_fill(paths, 4, 4, "cpu", tmp_path / "cache", fill, source=tmp_path)
     assert not any(ended.is_set() for ended in read)
     assert filled and images.shape == (2, 3, 4, 4) and (entry / "meta.json").is_file()
+
+
+@pytest.mark.skipif(os.name != "posix", reason="runs take turns on an fcntl lock")
+def test_a_fifo_as_an_entrys_lock_is_an_error_not_a_wait(tmp_path):
+    """Opened for writing, it waited for a reader for good; an OSError is the cache's warning and no cache."""
+    paths = [str(tmp_path / f"{i}.jpg") for i in range(2)]
+    for path in paths:
+        Path(path).write_bytes(b"x")
+    (tmp_path / "cache").mkdir()
+    lock = tmp_path / "cache" / f".{entry_key(paths, 4, 4, 'cpu')}.lock"
+    os.mkfifo(lock)
+    raised = []
+
+    def fill_entry():
+        try:
+            load_or_fill(paths, 4, 4, "cpu", tmp_path / "cache", lambda f: {}, source=tmp_path)
+        except OSError as err:
+            raised.append(str(err))
+
+    filling = threading.Thread(target=fill_entry, daemon=True)  # left waiting, if it waits, when the test fails
+    filling.start()
+    filling.join(10)
+    assert not filling.is_alive() and "not a regular file" in raised[0]
 
 
 @pytest.mark.skipif(os.name != "posix", reason="runs take turns on an fcntl lock")

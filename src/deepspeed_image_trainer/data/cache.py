@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..utils.failures import UsageError, check_writable
-from ..utils.files import as_open_would, fingerprint, regular_text, write_json_atomic
+from ..utils.files import as_open_would, check_regular, fingerprint, regular_text, write_json_atomic
 
 VERSION = 1
 IMAGES_FILE, META_FILE = "images.u8", "meta.json"
@@ -103,6 +103,7 @@ def _lock(path):
     except ImportError:  # no fcntl (Windows): the rename below still keeps entries whole
         yield
         return
+    check_regular(path)
     with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released by the OS if this process dies
         try:

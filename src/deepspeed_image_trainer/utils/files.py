@@ -25,11 +25,16 @@ def write_atomic(path, data):
         raise
 
 
-def regular_text(path):
-    """The text of the file `path`; an OSError, as for a missing one, when it is not a regular file: reading a FIFO
-    would wait for a writer for good."""
+def check_regular(path):
+    """An OSError, as for a file that cannot be opened, when `path` exists and is not a regular file: opening a
+    FIFO waits for its other end for good."""
     if os.path.exists(path) and not os.path.isfile(path):
         raise OSError(errno.EINVAL, "not a regular file: a FIFO, a device, a socket or a folder", str(path))
+
+
+def regular_text(path):
+    """The text of the file `path`; an OSError when it is not a regular file (check_regular)."""
+    check_regular(path)
     return Path(path).read_text()
 
 
