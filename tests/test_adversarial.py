@@ -71,6 +71,7 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "CSV_PROC": {"csv_monitor": {"enabled": True, "output_path": "/proc/nope", "job_name": "x"}},
         "SEQUENCE_PARALLEL": {"sequence_parallel_size": 2},
         "ONE_CYCLE_SHORT": {"scheduler": {"type": "OneCycleLR", "params": {"max_lr": 0.01, "total_steps": 3}}},
+        "CYCLIC_ONE_GROUP": {"scheduler": {"type": "CyclicLR", "params": {"base_lr": [0.001], "max_lr": [0.01]}}},
         "SGD_UNTESTED": {"optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "zero_allow_untested_optimizer": False,
                          "zero_optimization": {"stage": 2}},
         "FAST_WRITER": {"checkpoint": {"writer": {"type": "fast"}}},
@@ -169,6 +170,10 @@ FLAGS = [
     # each passed every check and failed in every rank (OneCycleLR after its last step, mid-run)
     (["--deepspeed_config", "ONE_CYCLE_SHORT", "--epochs", "2"], "scheduler OneCycleLR steps 3 times, and this run "
                                                                  "takes 6 optimizer steps"),
+    # checked on a one-group stand-in: fine-tuning's head and body groups failed it in every rank
+    (["--deepspeed_config", "CYCLIC_ONE_GROUP", "--freeze_backbone_epochs", "1"], "scheduler CyclicLR cannot be "
+     "built from scheduler.params (base_lr must have the same length as optimizer.param_groups. base_lr has 1 "
+     "values, param_groups has 2.)"),
     (["--deepspeed_config", "SGD_UNTESTED"], "zero_allow_untested_optimizer false: DeepSpeed's ZeRO then refuses"),
     (["--deepspeed_config", "FAST_WRITER"], "checkpoint.writer: DeepSpeed's checkpoint writers"),
     (["--deepspeed_config", "AUTOTP"], "tensor_parallel.autotp_size: DeepSpeed's automatic tensor parallelism"),
@@ -260,6 +265,16 @@ def test_sync_bn_lets_each_rank_take_one_image(tiny_data, tmp_path, monkeypatch,
     assert launch_deepspeed.main(data_args(tiny_data) + ["--batch_size", "1", "--image_size", "32", "--sync_bn",
                                                          "--num_gpus", "2", "--dry_run"]) == 0
     assert json.loads(capsys.readouterr().out.split("\n}")[0] + "}")["train_micro_batch_size_per_gpu"] == 1
+
+
+def test_a_scheduler_with_a_value_for_each_of_fine_tunings_parameter_groups_passes(tiny_data, tmp_path, monkeypatch):
+    """Head and body (--backbone_lr_scale) are two groups: the launcher's check refused the two values that
+    the run's scheduler needs ("param_groups has 1")."""
+    (tmp_path / "one_cycle.json").write_text(json.dumps({"scheduler": {"type": "OneCycleLR", "params": {
+        "max_lr": [0.01, 0.001], "total_steps": 1000}}}))
+    monkeypatch.chdir(tmp_path)
+    assert launch_deepspeed.main(data_args(tiny_data) + ["--deepspeed_config", "one_cycle.json",
+                                                         "--backbone_lr_scale", "0.5", "--dry_run"]) == 0
 
 
 def test_the_readme_dry_run_works_without_a_dataset(tmp_path, monkeypatch, capsys):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..engine.config import build_ds_config, check_run, check_with_deepspeed, steps_per_epoch
 from ..engine.distributed import rank_zero_only
+from ..engine.finetune import fine_tuning
 from ..outputs.checkpoints import check_resumable, find_checkpoint, read_info, saved_precision, saved_stage
 from ..outputs import run_folders
 from ..outputs.record import resume_settings, run_record
@@ -99,7 +100,7 @@ def preflight(args, base, *, world_size, device_type, class_names, num_train_ima
     if args.deepspeed_config:
         check_with_deepspeed(ds_config, args.deepspeed_config, device_type, args.epochs * steps_per_epoch(
             num_train_images, world_size, ds_config["train_micro_batch_size_per_gpu"],
-            ds_config["gradient_accumulation_steps"]))
+            ds_config["gradient_accumulation_steps"]), parameter_groups=2 if fine_tuning(args) else 1)  # head, body
     record = run_record(args, ds_config, class_names)
     resumed_info = (check_resumable(resume_from, world_size, record["zero_stage"], resume_settings(record),
                                     read_shards) if resume_from is not None else None)

@@ -617,9 +617,10 @@ DEEPSPEED_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedFP16
                       "CommsConfig": "comms_logger", "DeepSpeedCheckpointConfig": "checkpoint"}
 
 
-def check_with_deepspeed(config, path, device_type, run_steps=None):
+def check_with_deepspeed(config, path, device_type, run_steps=None, parameter_groups=1):
     """DeepSpeed's own checks of a config built on a user's --deepspeed_config (its pydantic config models,
-    and the optimizer and scheduler names it accepts), so that a bad value stops before any rank starts."""
+    and the optimizer and scheduler names it accepts), so that a bad value stops before any rank starts;
+    `parameter_groups`: the run's optimizer's (a scheduler's per-group lists must have as many values)."""
     import torch
     from deepspeed.runtime import lr_schedules
     from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS, DeepSpeedConfig, DtypeEnum
@@ -681,7 +682,7 @@ def check_with_deepspeed(config, path, device_type, run_steps=None):
                 raise UsageError(f"{where}: zero_optimization.{section} to nvme needs DeepSpeed's async_io op, which "
                                  "cannot be built on this machine (it needs libaio: apt install libaio-dev); offload "
                                  "to the CPU instead (device: cpu)")
-    check_scheduler(config, built_optimizer(config, where, device_type), where, run_steps)
+    check_scheduler(config, built_optimizer(config, where, device_type, parameter_groups), where, run_steps)
 
 
 # Top-level sections DeepSpeed reads that its constants module does not name.
@@ -708,11 +709,12 @@ def _number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def built_optimizer(config, where, device_type):
-    """The optimizer DeepSpeed's engine builds from `config` (engine._configure_basic_optimizer), on a
-    one-parameter stand-in, so that parameters it cannot take stop here: torch's optimizers are built; DeepSpeed's
-    compiled ones (FusedAdam, CPUAdam, Lamb, Lion, CPU Adagrad), whose op compiles on first use, are checked
-    against their constructor's signature. Returns a torch optimizer for the scheduler's check."""
+def built_optimizer(config, where, device_type, parameter_groups=1):
+    """The optimizer DeepSpeed's engine builds from `config` (engine._configure_basic_optimizer), on a stand-in
+    of one parameter in each of `parameter_groups` groups, so that parameters it cannot take stop here: torch's
+    optimizers are built; DeepSpeed's compiled ones (FusedAdam, CPUAdam, Lamb, Lion, CPU Adagrad), whose op
+    compiles on first use, are checked against their constructor's signature. Returns a torch optimizer for the
+    scheduler's check."""
     import importlib.util
     import inspect
 
@@ -721,7 +723,7 @@ def built_optimizer(config, where, device_type):
     kind = config["optimizer"]["type"]
     params = {key: value for key, value in config["optimizer"].get("params", {}).items()
               if key not in ("torch_adam", "adam_w_mode", "fp32_optimizer_states")}  # DeepSpeed takes these out
-    stand_in = [torch.nn.Parameter(torch.zeros(1))]
+    stand_in = [{"params": [torch.nn.Parameter(torch.zeros(1))]} for _ in range(parameter_groups)]
     offloaded = _offloads(config["zero_optimization"], "offload_optimizer")
     name = kind.lower()
     if name == "muon":  # DeepSpeed 0.19.8 orthogonalises every weight of 2 or more dimensions as a matrix
