@@ -226,6 +226,32 @@ def test_the_training_script_refuses_a_rank_environment_before_it_checks_anythin
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("extra, message", [(["--epochs", "0"], "error: --epochs must be at least 1\n"),
+                                            (["--train_dir", "nope"], "error: image folder not found: nope\n"),
+                                            (["--epochs", "x"], "error: argument --epochs: invalid int value: 'x' "
+                                                                "(--help lists the flags)\n")],
+                         ids=["--epochs 0", "--train_dir nope", "--epochs x"])
+def test_a_refusal_before_the_ranks_can_talk_is_reported_by_each_nodes_first_rank_alone(tiny_data, tmp_path,
+                                                                                        monkeypatch, capsys, extra,
+                                                                                        message):
+    """`deepspeed --num_gpus 2 src/train_deepspeed.py --epochs 0` printed its error line once per rank: the ranks
+    read the same flags and folders alike, and cannot yet tell each other. A node's first rank (RANK 2 on the
+    second) still says it: that node may lack a folder the first has."""
+    from deepspeed_image_trainer.cli import train
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train, "die_with_parent_call", lambda pid: lambda: None)  # not this test process
+    for key, value in {"WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    for rank, local_rank, said in (("1", "1", ""), ("2", "0", message)):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        with pytest.raises(SystemExit) as exited:
+            run_cli(train.main, data_args(tiny_data) + extra)
+        assert exited.value.code == 2 and capsys.readouterr().err == said
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("extra, message", FLAGS, ids=[" ".join(extra) for extra, _ in FLAGS])
 def test_the_launcher_refuses_what_no_run_can_use(tiny_data, tmp_path, monkeypatch, capsys, extra, message):
     for name, config in JSON.items():

@@ -10,7 +10,7 @@ import traceback
 
 from ..data.recipe import AUTO_AUGMENT_POLICIES, DROP_PATH_FAMILIES, RECIPE_DEFAULTS, RECIPE_RANGES
 from ..models.names import DEFAULT_MODEL, architecture
-from ..utils.failures import CliError, UsageError
+from ..utils.failures import CliError, UsageError, first_rank_of_node
 from ..utils.streams import outlive_closed_output
 
 
@@ -261,7 +261,8 @@ def run_cli(main, argv=None):
         return main(argv)
     except CliError as err:
         message, status = f"error: {err}", err.exit_status
-        quiet = err.every_rank and os.environ.get("RANK", "0") != "0"
+        quiet = (err.every_rank and os.environ.get("RANK", "0") != "0"
+                 or err.every_local_rank and not first_rank_of_node())
     except Exception as err:  # a bug: its traceback, printed here so that the frames can go before the exit
         message, status, quiet = traceback.format_exc().rstrip(), 1, False
         if isinstance(err, RuntimeError) and any(text in str(err) for text in PEER_LOST) \

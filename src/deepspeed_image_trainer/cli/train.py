@@ -23,8 +23,9 @@ from ..data.mixing import BatchMixing, batch_mixing
 from ..data.recipe import data_mode, recipe_of
 from ..engine import overrides as deepspeed_overrides
 from ..engine.config import load_base_config, precision, resolve_scheduler
-from ..engine.distributed import (agreed, all_reduce, any_rank, checked_world_size, differing, init_distributed,
-                                  local_device, patient_group, rank_zero_only, restore_own_buffers, shut_down)
+from ..engine.distributed import (agreed, alike_on_each_node, all_reduce, any_rank, checked_world_size, differing,
+                                  init_distributed, local_device, patient_group, rank_zero_only, restore_own_buffers,
+                                  shut_down)
 from ..engine.finetune import BodyLearningRate, fine_tuning, parameter_groups, whole_run_frozen
 from ..engine.interrupt import StopOnSignal, die_with_parent_call, say_finished, stopped_at_once
 from ..engine.loop import evaluate, input_dtype, peak_gpu_memory_gib, replace_lr_scheduler, train_one_epoch
@@ -133,7 +134,8 @@ def train(argv, process_started):
     clock.lap("imports")
     if "LOCAL_RANK" in os.environ:  # started by a launcher: stop (and save) when it dies
         die_with_parent_call(os.getppid())()
-    args = parse_args(get_args_parser, argv)
+    with alike_on_each_node():
+        args = parse_args(get_args_parser, argv)
     with stopped_at_once(on_stop=run_folders.release):
         run = build(args, clock)
     if run is None:  # nothing to train
@@ -146,22 +148,23 @@ def train(argv, process_started):
 def build(args, clock):
     """Preflight, the folders taken, the model, the engine, the data and the outputs: a Run ready to train (None
     when the checkpoint it resumes ends at --epochs: nothing to train)."""
-    deepspeed_overrides.enabled()  # refuses a bad TRAINER_DEEPSPEED_OVERRIDES before any folder is made
-    ranks = checked_world_size()  # and a bad WORLD_SIZE, RANK or MASTER_PORT
-    check_writable(args.checkpoint_dir, "--checkpoint_dir")
-    check_writable(args.log_dir, "--log_dir")
-    check_usable(args)
-    base_config = load_base_config(args.deepspeed_config)
-    take_saved_weights_name(args)
-    inputs = preprocessing(args.model, args.pretrained)  # the mean, std and resize its weights were trained with
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size, inputs,
-                                                   decodes_every_file(data_mode(args), device_type,
-                                                                      args.cache_dir == OFF), recipe_of(args))
-    weights = weights_to_load(args)
-    if args.launch_token is None:  # else its launcher checked the model before any rank started
-        checked_model(args.model, len(train_set.classes), args.image_size,
-                      norm_batch_size(args.batch_size, args.sync_bn, ranks), weights)
+    ranks = checked_world_size()  # a bad WORLD_SIZE, RANK or MASTER_PORT (a rank's own)
+    with alike_on_each_node():
+        deepspeed_overrides.enabled()  # refuses a bad TRAINER_DEEPSPEED_OVERRIDES before any folder is made
+        check_writable(args.checkpoint_dir, "--checkpoint_dir")
+        check_writable(args.log_dir, "--log_dir")
+        check_usable(args)
+        base_config = load_base_config(args.deepspeed_config)
+        take_saved_weights_name(args)
+        inputs = preprocessing(args.model, args.pretrained)  # the mean, std and resize its weights were trained with
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+        train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size, inputs,
+                                                       decodes_every_file(data_mode(args), device_type,
+                                                                          args.cache_dir == OFF), recipe_of(args))
+        weights = weights_to_load(args)
+        if args.launch_token is None:  # else its launcher checked the model before any rank started
+            checked_model(args.model, len(train_set.classes), args.image_size,
+                          norm_batch_size(args.batch_size, args.sync_bn, ranks), weights)
     if os.environ.get("RANK", "0") == "0":
         run_folders.take(args)  # before any rank looks for a checkpoint: tidying may rename one
 

@@ -326,6 +326,18 @@ def agreed(fn):
     return result
 
 
+@contextlib.contextmanager
+def alike_on_each_node():
+    """For checks before the process group exists, which a rank cannot tell the others of: a UsageError raised
+    inside comes from what every rank of a node reads alike, so the node's first rank alone reports it (one
+    line, not one per rank); the ranks of another node, which may lack a folder, report their own."""
+    try:
+        yield
+    except UsageError as err:
+        err.every_local_rank = True
+        raise
+
+
 def from_rank_zero(value):
     """Rank 0's `value` (pickled: this process's own objects only) on every rank; every rank calls this."""
     if not _initialized() or dist.get_world_size() == 1:

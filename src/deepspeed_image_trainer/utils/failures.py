@@ -19,6 +19,9 @@ class CliError(Exception):
     (reported by options.run_cli)."""
     exit_status = 1
     every_rank = False  # True: every rank raises it at the same point, and rank 0 alone reports it
+    # True: raised before the ranks can talk, from what a node's ranks all read alike (flags, environment, files):
+    # the node's first rank alone reports it
+    every_local_rank = False
 
 
 class UsageError(CliError):
@@ -45,12 +48,18 @@ DIVERGED_ADVICE = ("The run stopped without saving: the checkpoints and history 
                    "with a lower --learning_rate or --bf16 rather than --fp16 (--max_nonfinite_steps 0 never stops)")
 
 
+def first_rank_of_node():
+    """Whether this process is its node's first rank (LOCAL_RANK 0), or not one of a launcher's ranks."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
 class CliParser(argparse.ArgumentParser):
     """argparse's parser whose refusals (an unknown flag, a value of the wrong type) are one `error:` line and exit
     status 2, as every other refusal is, rather than the usage text."""
 
     def error(self, message):
-        self.exit(2, f"error: {message} (--help lists the flags)\n")
+        # a node's ranks parse the same flags: its first rank alone says so (CliError.every_local_rank)
+        self.exit(2, f"error: {message} (--help lists the flags)\n" if first_rank_of_node() else None)
 
 
 def check_writable(folder, flag):
