@@ -51,8 +51,8 @@ from deepspeed_image_trainer.data.folders import batch_memory_format
 from deepspeed_image_trainer.engine import distributed
 from deepspeed_image_trainer.engine import overrides as deepspeed_overrides
 from deepspeed_image_trainer.engine.config import build_ds_config, coalesces_grad_reduction, precision
-from deepspeed_image_trainer.engine.distributed import (exit_now, init_distributed, rank_zero_only, run_on_free_port,
-                                                        shut_down)
+from deepspeed_image_trainer.engine.distributed import (alike_on_each_node, checked_world_size, exit_now,
+                                                        init_distributed, rank_zero_only, run_on_free_port, shut_down)
 from deepspeed_image_trainer.engine.loop import GradientAccumulation, input_dtype
 from deepspeed_image_trainer.models.build import build_model, check_image_size, construction_args, shape_model
 from deepspeed_image_trainer.utils.failures import CliParser, UsageError, check_writable
@@ -620,7 +620,33 @@ def earlier_results(args, env, world_size):
     if differs:
         raise UsageError(f"--update: {path} was measured with another {', '.join(differs)}; write to another "
                          "--output_dir")
+    check_rows(results[0], path, args.find_max_batch)
     return results
+
+
+# What the merge, the table and the chart read of an earlier row as numbers (or null), besides its *_gib figures
+ROW_NUMBERS = ("params", "images_per_s", "ratio_to_reference")
+
+
+def check_rows(rows, path, searched):
+    """Refuse an --update file's rows that the merge, the table or the chart cannot read: found only when the
+    report was written, they ended the run in a traceback after measuring, and the measurement was lost."""
+    if not isinstance(rows, list):
+        raise UsageError(f"--update: {path}: its results are not a list of rows; move it away or write to another "
+                         "--output_dir")
+    for at, row in enumerate(rows):
+        if not isinstance(row, dict) or not isinstance(row.get("config"), str):
+            why = "is not an object with its configuration's name (config)"
+        elif wrong := next((key for key, value in row.items() if (key.endswith("_gib") or key in ROW_NUMBERS)
+                            and not (value is None or isinstance(value, (int, float)))), None):
+            why = f"has {wrong} {row[wrong]!r}, not a number"
+        elif "error" in row and not (isinstance(row["error"], str) and row["error"].strip()):
+            why = f"has error {row['error']!r}, not a message"
+        elif searched and "error" not in row and "max_micro_batch" not in row:
+            why = "has no max_micro_batch"
+        else:
+            continue
+        raise UsageError(f"--update: {path}: results[{at}] {why}; move it away or write to another --output_dir")
 
 
 def write_results(args, rows, world_size, env, reference=None):
@@ -775,8 +801,9 @@ def main(argv=None):
             budget = budget.item()
         return probe(args, device, sizes) if args.probe else search_process(args, device, sizes, budget)
     env = environment()
+    with alike_on_each_node():  # every rank reads the same file: refused before measuring, not after
+        _, reference, _ = earlier_results(args, env, args.num_gpus if args.find_max_batch else checked_world_size())
     if args.find_max_batch:  # every try runs in a child process: this one keeps no GPU memory
-        _, reference, _ = earlier_results(args, env, args.num_gpus)
         if args.gpu_memory_gib and not (reference and reference["batch"] == args.batch_size):
             reference = reference_speed(args)
         rows = largest_batches(args, sizes, lambda rows: write_results(args, rows, args.num_gpus, env, reference))

@@ -313,6 +313,32 @@ def test_every_configuration_gets_its_largest_batch_its_speed_and_the_reference(
     assert path.read_text() == '{"results": ['
 
 
+@pytest.mark.parametrize("row, message", [
+    ({"config": ["x"]}, "results[0] is not an object with its configuration's name (config)"),
+    ({"flags": ["--zero_stage", "1"]}, "results[0] is not an object with its configuration's name (config)"),
+    ({"config": "ZeRO-1", "host_peak_rss_gib": "1 GiB"}, "results[0] has host_peak_rss_gib '1 GiB', not a number"),
+    ({"config": "ZeRO-1", "error": 5}, "results[0] has error 5, not a message")],
+    ids=["config a list", "no config", "a figure in words", "error a number"])
+def test_an_update_file_whose_rows_cannot_be_merged_is_refused_before_measuring(tmp_path, monkeypatch, capsys,
+                                                                                row, message):
+    """A row the report cannot merge or show (config ["x"]: unhashable) ended --update in a traceback when the
+    report was written, after measuring: the measurement was lost."""
+    from conftest import assert_usage_error_in_process
+
+    argv = ["--model", "resnet18", "--num_classes", "3", "--image_size", "32", "--batch_size", "2", "--steps", "1",
+            "--output_dir", str(tmp_path)]
+    memory_profile.write_results(memory_profile.get_args_parser().parse_args(argv), [{"config": "ZeRO-1"}], 1,
+                                 memory_profile.environment())
+    path = next(tmp_path.glob("memory_resnet18_*.json"))
+    path.write_text(json.dumps({**json.loads(path.read_text()), "results": [row]}))
+    before = path.read_text()
+    for key, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}.items():  # not left set for other tests
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(memory_profile, "measure", lambda *args: pytest.fail("measured before the refusal"))
+    assert_usage_error_in_process(memory_profile.main, argv + ["--configs", "ZeRO-2", "--update"], capsys, message)
+    assert path.read_text() == before
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--image_size", "0"], "--image_size must be at least 1, got 0"),
     (["--image_size=-5"], "--image_size must be at least 1, got -5"),
