@@ -249,6 +249,11 @@ def test_a_refusal_before_the_ranks_can_talk_is_reported_by_each_nodes_first_ran
         with pytest.raises(SystemExit) as exited:
             run_cli(train.main, data_args(tiny_data) + extra)
         assert exited.value.code == 2 and capsys.readouterr().err == said
+    for key, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "1"}.items():  # a LOCAL_RANK left in a shell
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as exited:
+        run_cli(train.main, data_args(tiny_data) + extra)
+    assert exited.value.code == 2 and capsys.readouterr().err == message
     assert not any(tmp_path.iterdir())
 
 

@@ -49,8 +49,9 @@ DIVERGED_ADVICE = ("The run stopped without saving: the checkpoints and history 
 
 
 def first_rank_of_node():
-    """Whether this process is its node's first rank (LOCAL_RANK 0), or not one of a launcher's ranks."""
-    return os.environ.get("LOCAL_RANK", "0") == "0"
+    """Whether this process is its node's first rank (LOCAL_RANK 0), or not one of a launcher's ranks (a LOCAL_RANK
+    left in a shell without a WORLD_SIZE above 1 keeps a script's refusals printed)."""
+    return os.environ.get("LOCAL_RANK", "0") == "0" or os.environ.get("WORLD_SIZE", "1").strip() in ("", "1")
 
 
 class CliParser(argparse.ArgumentParser):
