@@ -257,7 +257,7 @@ def build(args, clock):
         else:
             train_loader, val_loader = build_loaders(train_set, val_set, micro_batch, args.num_workers, rank,
                                                      world_size, args.seed, pin_memory=device_type == "cuda",
-                                                     repetitions=args.ra_reps, random_erase=args.random_erase)
+                                                     repetitions=args.ra_reps)
             say(f"Data from {args.num_workers} DataLoader worker(s) per rank ({why})")
     clock.lap("data")
     # Ranks with other images (nodes whose copies of the folder differ) would run epochs of other lengths and
