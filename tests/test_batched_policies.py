@@ -13,6 +13,26 @@ SIZES = [(3, 24, 20), (3, 21, 21), (3, 15, 26)]
 SPACES = {"ra": {}, "ta_wide": {}, "imagenet": {}, "augmix": {"severity": 10}}
 
 
+def reference_transform(policy, num_ops=2, magnitude=9, num_magnitude_bins=31, severity=3, mixture_width=3,
+                        chain_depth=-1, alpha=1.0, all_ops=True, interpolation=v2.InterpolationMode.BILINEAR,
+                        fill=None):
+    """torchvision's transforms.v2 class for `policy` with these numbers: what BatchedPolicy reads, and the
+    reference the tests compare with."""
+    if policy == "ra":
+        return v2.RandAugment(num_ops=num_ops, magnitude=magnitude, num_magnitude_bins=num_magnitude_bins,
+                              interpolation=interpolation, fill=fill)
+    if policy == "ta_wide":
+        return v2.TrivialAugmentWide(num_magnitude_bins=num_magnitude_bins, interpolation=interpolation, fill=fill)
+    if policy == "augmix":
+        return v2.AugMix(severity=severity, mixture_width=mixture_width, chain_depth=chain_depth, alpha=alpha,
+                         all_ops=all_ops, interpolation=interpolation, fill=fill)
+    return v2.AutoAugment(v2.AutoAugmentPolicy(policy), interpolation=interpolation, fill=fill)
+
+
+def batched(policy, **numbers):
+    return BatchedPolicy(reference_transform(policy, **numbers))
+
+
 def images(count, size, seed=0):
     """Random pixels, with some grey ones (saturation's blend hits its rounding there) and a flat image
     (autocontrast's and equalize's degenerate case)."""
@@ -57,7 +77,7 @@ def magnitude_bins(policy):
 def test_every_op_matches_torchvision_image_by_image(name):
     """Every op of each op space, at several magnitudes and both signs, mixed in one batch: each image is exactly
     torchvision's (colour and geometric ops alike: max difference 0 on every size tried)."""
-    policy = BatchedPolicy(name, interpolation=BILINEAR, **SPACES[name])
+    policy = batched(name, interpolation=BILINEAR, **SPACES[name])
     for size in SIZES:
         for op in policy.op_names[1:]:
             signs = (False, True) if policy.signed[policy.op_names.index(op)] else (False,)
@@ -77,7 +97,7 @@ def test_every_op_matches_torchvision_image_by_image(name):
 def test_geometric_ops_match_torchvision_with_its_fills_and_nearest(fill, interpolation):
     """fill 0 is not fill None in torchvision (its mask channel weights the border again): both, a fill per channel
     and nearest sampling give torchvision's pixels exactly."""
-    policy = BatchedPolicy("ta_wide", interpolation=interpolation, fill=fill)
+    policy = batched("ta_wide", interpolation=interpolation, fill=fill)
     cases = [(op, bin, negate) for op in GEOMETRIC_OPS for bin in (3, 20, 30) for negate in (False, True)]
     batch = images(len(cases), (3, 19, 23))
     out = apply_round(policy, batch, one_round(policy, *map(list, zip(*cases))))
@@ -97,7 +117,7 @@ def test_draws_follow_torchvisions_distributions():
     generator = torch.Generator().manual_seed(0)
     count = 12000
     for name in ("ra", "ta_wide"):
-        policy = BatchedPolicy(name, num_ops=2, magnitude=13)
+        policy = batched(name, num_ops=2, magnitude=13)
         params = policy.draw(count, generator)
         assert params["op"].shape == (count, policy.num_rounds) and params["op"].device == generator.device
         draws = params["op"].numel()
@@ -112,7 +132,7 @@ def test_draws_follow_torchvisions_distributions():
             assert params["bin"].min() == 0 and params["bin"].max() == 30
             assert_near(torch.bincount(params["bin"].flatten(), minlength=31) / draws, 1 / 31, draws)
 
-    policy = BatchedPolicy("cifar10")
+    policy = batched("cifar10")
     params = policy.draw(count, generator)
     assert_near(torch.bincount(params["sub_policy"], minlength=25) / count, 1 / 25, count)
     probabilities = policy.sub_policy_probabilities[params["sub_policy"]]
@@ -125,7 +145,7 @@ def test_draws_follow_torchvisions_distributions():
     assert not params["negate"][~signed].any()
     assert_near(params["negate"][signed].float().mean(), 0.5, signed.sum())
 
-    policy = BatchedPolicy("augmix", severity=4)
+    policy = batched("augmix", severity=4)
     params = policy.draw(count, generator)
     depths = params["depth"].numel()
     assert_near(torch.bincount(params["depth"].flatten(), minlength=4)[1:] / depths, 1 / 3, depths)
@@ -140,7 +160,7 @@ def test_draws_follow_torchvisions_distributions():
 
 @pytest.mark.parametrize("name", ["ra", "ta_wide", "imagenet", "augmix"])
 def test_draws_come_from_the_generator_alone(name):
-    policy = BatchedPolicy(name)
+    policy = batched(name)
 
     def draw(seed):
         return policy.draw(64, torch.Generator().manual_seed(seed))
@@ -201,7 +221,7 @@ def test_each_image_gets_what_torchvisions_forward_gives_it_for_its_draws(name, 
     """The whole pipeline on a batch whose images drew different ops (RandAugment's two rounds, AutoAugment's
     sub-policies, AugMix's chains and mixing): each image is exactly what torchvision's class's forward gives it
     when its random numbers replay that image's draw."""
-    policy = BatchedPolicy(name, num_ops=2, magnitude=9, severity=3, interpolation=BILINEAR)
+    policy = batched(name, num_ops=2, magnitude=9, severity=3, interpolation=BILINEAR)
     batch = images(8, size, seed=3)
     params = policy.draw(len(batch), torch.Generator().manual_seed(11))
     assert len(params["op"].unique()) >= 4  # the batch mixes ops

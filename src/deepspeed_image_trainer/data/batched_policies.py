@@ -13,7 +13,6 @@ import math
 
 import torch
 from torch.nn.functional import conv2d
-from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 # torchvision's own private kernels, so that a batch gets their exact arithmetic; an import error on a new release
 # says loudly that they moved
@@ -21,29 +20,11 @@ from torchvision.transforms.v2.functional._color import _rgb_to_grayscale_image
 from torchvision.transforms.v2.functional._geometry import (_apply_grid_transform, _check_interpolation,
                                                             _get_inverse_affine_matrix)
 
-from .recipe import AUTO_AUGMENT_POLICIES
-
+# the --auto_augment name of each torchvision class (AutoAugment's are its policies' names)
+POLICY_OF_CLASS = {"RandAugment": "ra", "TrivialAugmentWide": "ta_wide", "AugMix": "augmix"}
 GEOMETRIC_OPS = ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate")
 # the number of magnitude bins AutoAugment's sub-policies index (its forward's magnitudes_fn(10, ...))
 AUTO_AUGMENT_BINS = 10
-
-
-def reference_transform(policy, num_ops=2, magnitude=9, num_magnitude_bins=31, severity=3, mixture_width=3,
-                        chain_depth=-1, alpha=1.0, all_ops=True, interpolation=v2.InterpolationMode.BILINEAR,
-                        fill=None):
-    """torchvision's transforms.v2 class for `policy`, built with the same numbers: BatchedPolicy reads its op
-    space, magnitudes and sub-policies from it, and the tests compare against it."""
-    if policy not in AUTO_AUGMENT_POLICIES:
-        raise ValueError(f"auto-augment policy {policy!r} is none of {', '.join(AUTO_AUGMENT_POLICIES)}")
-    if policy == "ra":
-        return v2.RandAugment(num_ops=num_ops, magnitude=magnitude, num_magnitude_bins=num_magnitude_bins,
-                              interpolation=interpolation, fill=fill)
-    if policy == "ta_wide":
-        return v2.TrivialAugmentWide(num_magnitude_bins=num_magnitude_bins, interpolation=interpolation, fill=fill)
-    if policy == "augmix":
-        return v2.AugMix(severity=severity, mixture_width=mixture_width, chain_depth=chain_depth, alpha=alpha,
-                         all_ops=all_ops, interpolation=interpolation, fill=fill)
-    return v2.AutoAugment(v2.AutoAugmentPolicy(policy), interpolation=interpolation, fill=fill)
 
 
 class BatchedPolicy:
@@ -54,18 +35,19 @@ class BatchedPolicy:
     The numbers are torchvision's classes' (fill None is their default, which differs from fill 0 at the border
     of geometric ops, as in torchvision)."""
 
-    def __init__(self, policy, num_ops=2, magnitude=9, num_magnitude_bins=31, severity=3, mixture_width=3,
-                 chain_depth=-1, alpha=1.0, all_ops=True, interpolation=v2.InterpolationMode.BILINEAR, fill=None):
-        self.policy = policy
-        self.reference = reference_transform(policy, num_ops, magnitude, num_magnitude_bins, severity, mixture_width,
-                                             chain_depth, alpha, all_ops, interpolation, fill)
-        self.mode = _check_interpolation(interpolation).value
+    def __init__(self, reference):
+        """`reference`: the torchvision class the DataLoader tier applies (folders.auto_augment_policy), whose op
+        space, magnitudes, sub-policies and numbers this reads."""
+        self.reference = reference
+        self.policy = policy = POLICY_OF_CLASS.get(type(reference).__name__) or reference.policy.value
+        self.mode = _check_interpolation(reference.interpolation).value
         if self.mode not in ("nearest", "bilinear"):
             raise ValueError(f"interpolation {self.mode} is not one of torchvision's tensor affine's (nearest, "
                              f"bilinear)")
         # torchvision's _convert_fill_arg: None, a number, or a float per channel
+        fill = reference.fill
         self.fill = fill if fill is None or isinstance(fill, (int, float)) else [float(value) for value in fill]
-        if policy == "augmix" and not all_ops:
+        if policy == "augmix" and not reference.all_ops:
             space = self.reference._PARTIAL_AUGMENTATION_SPACE
         else:
             space = self.reference._AUGMENTATION_SPACE
@@ -79,14 +61,15 @@ class BatchedPolicy:
         self.signed = torch.tensor([name in space and space[name][1] for name in self.op_names])
 
         if policy in ("ra", "ta_wide"):
-            self.num_bins = num_magnitude_bins
-            if policy == "ra" and not 0 <= magnitude < num_magnitude_bins:
-                raise ValueError(f"RandAugment's magnitude {magnitude} is not a bin of 0-{num_magnitude_bins - 1}")
-            self.num_rounds = num_ops if policy == "ra" else 1
+            self.num_bins = reference.num_magnitude_bins
+            if policy == "ra" and not 0 <= reference.magnitude < self.num_bins:
+                raise ValueError(f"RandAugment's magnitude {reference.magnitude} is not a bin of 0-{self.num_bins - 1}")
+            self.num_rounds = reference.num_ops if policy == "ra" else 1
         elif policy == "augmix":
             self.num_bins = self.reference._PARAMETER_MAX
+            chain_depth = reference.chain_depth
             self.max_depth = chain_depth if chain_depth > 0 else 3  # torchvision's randint(1, 4)
-            self.num_rounds = mixture_width * self.max_depth
+            self.num_rounds = reference.mixture_width * self.max_depth
         else:
             self.num_bins = AUTO_AUGMENT_BINS
             self.num_rounds = 2
