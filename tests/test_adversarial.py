@@ -94,8 +94,6 @@ FLAGS = [
     (["--drop_path", "0.1"], "--drop_path: --model resnet18 has no stochastic depth that torchvision lets set"),
     (["--random_erase", "nan"], "--random_erase must be in 0 .. 1, got nan"),
     (["--auto_augment", "foo"], "argument --auto_augment: invalid choice: 'foo'"),
-    (["--auto_augment", "ta_wide", "--data_on_device", "cache"], "--auto_augment runs in the DataLoader tier so "
-                                                                 "far: --data_on_device cache does not apply it"),
     (["--seed", "4294967296"], "--seed must be in 0 .. 4294967295"),
     (["--warmup_epochs", "1e308"], "--warmup_epochs 1e+308 is longer than the run (--epochs 50)"),
     (["--batch_size", "1", "--image_size", "32"], "--batch_size 1 at --image_size 32"),

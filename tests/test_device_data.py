@@ -13,7 +13,7 @@ from torchvision.transforms import functional as TF
 
 from deepspeed_image_trainer.data.device import (DeviceTrainLoader, DeviceValLoader, ResizedCrops, auto_tier,
                                                  build_device_loaders, choose_device_data, crop_weights_bytes,
-                                                 dataset_bytes, random_resized_crops)
+                                                 dataset_bytes, random_resized_crops, recipe_arguments)
 from deepspeed_image_trainer.data.folders import build_loaders, build_transform, load_datasets
 from deepspeed_image_trainer.models.build import ResNet18Animals90
 
@@ -87,7 +87,10 @@ def fake_loader(rank=0, world_size=1, **recipe):
                              world_size=world_size, seed=7, dtype=torch.float32, **recipe)
 
 
-@pytest.mark.parametrize("recipe", [{}, {"random_erase": 0.5, "repetitions": 2}])
+RECIPE = {"auto_augment": "ra", "ra_num_ops": 2, "ra_magnitude": 9, "augmix_severity": 3, "random_erase": 0.5}
+
+
+@pytest.mark.parametrize("recipe", [{}, {**recipe_arguments(RECIPE), "repetitions": 2}])
 def test_an_epoch_resumed_mid_way_gets_the_same_batches(recipe):
     loader = fake_loader(**recipe)
     whole = list(loader.epoch(3))
@@ -99,6 +102,9 @@ def test_an_epoch_resumed_mid_way_gets_the_same_batches(recipe):
     assert not torch.equal(whole[0][0], next(iter(loader.epoch(4)))[0])
     zeros = sum(int((images == 0).all(dim=1).sum()) for images, _ in whole)  # erased pixels, in every channel
     assert (zeros > 0) == bool(recipe)
+    if recipe:  # the policy's ops too: not the plain crops
+        plain = list(fake_loader(repetitions=2).epoch(3))
+        assert sum(not torch.equal(a[0], b[0]) for a, b in zip(whole, plain)) == len(whole)
 
 
 def test_the_dataloader_tier_augments_each_image_the_same_with_any_workers_and_from_any_batch(tiny_data):

@@ -167,7 +167,7 @@ def test_resume_from_a_missing_path_is_a_usage_error(tiny_data, tmp_path):
 
 # each image's draws from its own seed, each batch's mixing from its step's
 RECIPE = ["--auto_augment", "ta_wide", "--random_erase", "0.25", "--mixup_alpha", "0.2", "--cutmix_alpha", "1.0",
-          "--ra_reps", "3"]
+          "--ra_reps", "3", "--data_on_device", "off"]
 
 
 def stop_then_resume(rank, port, results, data, workdir):

@@ -15,7 +15,6 @@ import tempfile
 from pathlib import Path
 
 from ..data.check import check_data, decodes_every_file
-from ..data.recipe import data_mode
 from ..engine.config import load_base_config, num_parameters
 from ..engine.distributed import check_address, check_port_free, free_port
 from ..engine.interrupt import FINISHED_ENV, die_with_parent_call, finished, stopped_before_training
@@ -230,7 +229,7 @@ def main(argv=None, launched_at=None):
               f"and {ANIMALS90_TRAIN_IMAGES} training images", file=sys.stderr)
     else:
         data_check = check_data(args.train_dir, args.val_dir,
-                                decodes_every_file(data_mode(args), device_type, args.cache_dir == OFF))
+                                decodes_every_file(args.data_on_device, device_type, args.cache_dir == OFF))
         class_names, num_train_images = data_check.classes, data_check.train.num_images
     num_params = num_parameters(len(class_names))
     take_saved_weights_name(args)

@@ -69,7 +69,7 @@ def add_training_args(parser):
                             "cross-entropy")
     recipe = parser.add_argument_group("Augmentation (torchvision's reference recipes)")
     recipe.add_argument("--auto_augment", choices=AUTO_AUGMENT_POLICIES, default=None,
-                        help="an augmentation policy per training image (the DataLoader tier so far), after the crop "
+                        help="an augmentation policy per training image (every data tier), after the crop "
                              "and flip: RandAugment (ra), TrivialAugmentWide (ta_wide), AugMix (augmix) or "
                              "AutoAugment's imagenet, cifar10 or svhn policy (torchvision's transforms.v2 classes)")
     recipe.add_argument("--ra_magnitude", type=int, default=RECIPE_DEFAULTS["ra_magnitude"],
@@ -296,6 +296,3 @@ def check_recipe(args):
         raise UsageError(f"--drop_path: --model {args.model} has no stochastic depth that torchvision lets set; "
                          "ConvNeXt (convnext_*), EfficientNet (efficientnet_*, efficientnet_v2_*), Swin (swin_*) and "
                          "MaxViT (maxvit_t) have")
-    if args.auto_augment and args.data_on_device in ("on", "cache"):
-        raise UsageError(f"--auto_augment runs in the DataLoader tier so far: --data_on_device {args.data_on_device} "
-                         "does not apply it (use --data_on_device off or auto)")

@@ -20,7 +20,7 @@ from ..data.check import decodes_every_file
 from ..data.device import build_device_loaders, choose_device_data, train_square_size
 from ..data.folders import build_loaders, load_datasets
 from ..data.mixing import BatchMixing, batch_mixing
-from ..data.recipe import data_mode, recipe_of
+from ..data.recipe import recipe_of
 from ..engine import overrides as deepspeed_overrides
 from ..engine.config import load_base_config, precision, resolve_scheduler
 from ..engine.distributed import (agreed, alike_on_each_node, all_reduce, any_rank, checked_world_size, differing,
@@ -159,7 +159,7 @@ def build(args, clock):
         inputs = preprocessing(args.model, args.pretrained)  # the mean, std and resize its weights were trained with
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size, inputs,
-                                                       decodes_every_file(data_mode(args), device_type,
+                                                       decodes_every_file(args.data_on_device, device_type,
                                                                           args.cache_dir == OFF), recipe_of(args))
         weights = weights_to_load(args)
         if args.launch_token is None:  # else its launcher checked the model before any rank started
@@ -202,10 +202,8 @@ def build(args, clock):
                                                      torch.cuda.get_device_properties(device).total_memory)):
         say(note)
     cache = cache_root(args.cache_dir)
-    tier, why = choose_device_data(data_mode(args), device, len(train_set), len(val_set), args.image_size,
+    tier, why = choose_device_data(args.data_on_device, device, len(train_set), len(val_set), args.image_size,
                                    args.device_train_size, num_params, cache)
-    if data_mode(args) != args.data_on_device:
-        why = "auto: --auto_augment runs in the DataLoader tier so far"
     # auto decides on each rank's own GPU and disk: ranks on other tiers would wait in other collectives
     reach = ("workers", "cache", "device")
     lowest = reach[int(all_reduce({"tier": reach.index(tier)}, device, dist.ReduceOp.MIN)["tier"])]
@@ -235,7 +233,7 @@ def build(args, clock):
                                       image_size=args.image_size, rank=rank, world_size=world_size, seed=args.seed,
                                       device=device, dtype=dtype, train_size=args.device_train_size,
                                       records=data_check.records, preprocessing=inputs, tier=tier, cache_root=cache,
-                                      repetitions=args.ra_reps, random_erase=args.random_erase)
+                                      repetitions=args.ra_reps, recipe=recipe_of(args))
         # Head and body in parameter groups of their own only when fine-tuning controls ask for them.
         parameters = parameter_groups(model, len(train_set.classes)) if fine_tuning(args) else model.parameters()
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameters,

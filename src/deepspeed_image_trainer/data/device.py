@@ -19,6 +19,7 @@ uninterrupted run would have used.
 """
 import collections
 import io
+import itertools
 import math
 import shutil
 import sys
@@ -30,19 +31,21 @@ import numpy as np
 import torch
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg, read_file
-from torchvision.transforms import functional as TF
+from torchvision.transforms import InterpolationMode, functional as TF
 
 from ..utils.text import error_line
 from . import cache as image_cache
 from .check import EXIF_ORIENTATION
-from .folders import DEFAULT_PREPROCESSING, EpochSampler, batch_memory_format, epoch_seed, load_rgb
+from .folders import (DEFAULT_PREPROCESSING, EpochSampler, auto_augment_policy, batch_memory_format, epoch_seed,
+                      load_rgb)
 
 DECODE_CHUNK = 256  # images decoded per nvJPEG call: bounds the memory the decode needs
 CROP_SCALE = (0.08, 1.0)
 CROP_RATIO = (3 / 4, 4 / 3)
 CROP_TRIES = 10  # as torchvision's RandomResizedCrop
 ERASE_SCALE, ERASE_RATIO, ERASE_TRIES = (0.02, 0.33), (0.3, 3.3), 10  # torchvision's RandomErasing's defaults
-ERASE_STREAM = 1  # keys the erasing's generator apart from the crops' (same seed, rank and epoch)
+# keys the erasing's and the policy's generators apart from the crops' (same seed, rank and epoch)
+ERASE_STREAM, POLICY_STREAM = 1, 2
 FREE_MEMORY_SHARE = 0.25  # auto mode uses the GPU for data when it needs at most this share of free memory
 MODEL_STATE_BYTES_PER_PARAMETER = 16  # fp32 weights, gradients and AdamW's two moments
 # The reading thread takes the GIL between its ops, which a Python-heavy step (ZeRO-2's gradient hooks) holds
@@ -382,7 +385,8 @@ class DeviceTrainLoader:
     in a thread and copied over."""
 
     def __init__(self, images, labels, *, micro_batch_size, image_size, rank, world_size, seed, dtype,
-                 preprocessing=None, device=None, host=False, indices=None, repetitions=1, random_erase=0.0):
+                 preprocessing=None, device=None, host=False, indices=None, repetitions=1, random_erase=0.0,
+                 policy=None):
         self.images, self.labels = images, labels
         # the images it draws from (default all): those that decoded
         self.indices = torch.arange(len(labels)) if indices is None else torch.as_tensor(indices)
@@ -393,6 +397,7 @@ class DeviceTrainLoader:
                                     seed=seed, drop_last=True, repetitions=repetitions)
         self.seed, self.rank, self.micro_batch_size, self.image_size = seed, rank, micro_batch_size, image_size
         self.random_erase = random_erase  # erasing's probability (torchvision's RandomErasing, after normalising)
+        self.policy = policy  # --auto_augment's, a batched_policies.BatchedPolicy, on the uint8 crops
         self.batches_per_epoch = self.sampler.num_samples // micro_batch_size
         self.normalize = Normalize(self.device, dtype, preprocessing)
         self.crops = ResizedCrops(images.shape[-1], image_size, self.device,
@@ -416,22 +421,41 @@ class DeviceTrainLoader:
                 for start in range(start_batch * self.micro_batch_size,
                                    self.batches_per_epoch * self.micro_batch_size, self.micro_batch_size))
 
+    def epoch_policies(self, epoch, start_batch=0):
+        """The policy's draws (BatchedPolicy.draw) of each of the epoch's batches from `start_batch` on, all
+        drawn at the epoch's start from (seed, rank, epoch) on the host (apply then never waits for the GPU);
+        None for each batch without a policy."""
+        if self.policy is None:
+            return itertools.repeat(None)
+        generator = torch.Generator().manual_seed(hash((self.seed, self.rank, epoch, POLICY_STREAM)) % 2**63)
+        drawn = {name: values.to(self.device) for name, values in
+                 self.policy.draw(self.sampler.num_samples, generator).items()}
+        size = self.micro_batch_size
+        return ({name: values[start:start + size] for name, values in drawn.items()}
+                for start in range(start_batch * size, self.batches_per_epoch * size, size))
+
     def epoch(self, epoch, start_batch=0):
         batches = self.epoch_boxes(epoch, start_batch)
+        policies = self.epoch_policies(epoch, start_batch)
         if self.host:
-            return self._gathered_ahead(batches)
-        return (self.batch(self.images[indices], self.labels[indices], boxes) for indices, boxes in batches)
+            return self._gathered_ahead(batches, policies)
+        return (self.batch(self.images[indices], self.labels[indices], boxes, policy)
+                for (indices, boxes), policy in zip(batches, policies))
 
-    def batch(self, images, labels, boxes):
-        batch = self.normalize(self.crops(images, *boxes[:, :5].unbind(1)))
+    def batch(self, images, labels, boxes, policy=None):
+        crops = self.crops(images, *boxes[:, :5].unbind(1))
+        if policy is not None:  # torchvision's order: the policy on the crops' uint8 pixels, then normalisation
+            pixels = crops.round().clamp_(0, 255).to(torch.uint8, memory_format=torch.contiguous_format)
+            crops = self.policy.apply(pixels, policy)
+        batch = self.normalize(crops)
         return (erase(batch, boxes[:, 5:]) if self.random_erase else batch), labels
 
-    def _gathered_ahead(self, batches):
+    def _gathered_ahead(self, batches, policies):
         """Host batches: each batch's images and labels gathered from the mapped file and sent to the device a
         few batches ahead."""
         gather = lambda batch: gathered_host((self.images, self.labels), batch[0], self.device)  # noqa: E731
-        for (_, boxes), (images, labels) in sent_ahead(batches, gather, self.device):
-            yield self.batch(images, labels, boxes)
+        for ((_, boxes), (images, labels)), policy in zip(sent_ahead(batches, gather, self.device), policies):
+            yield self.batch(images, labels, boxes, policy)
 
 
 def gathered_host(sources, indices, device):
@@ -542,13 +566,26 @@ class DeviceValLoader:
             yield self.normalize(images), labels
 
 
+def recipe_arguments(recipe, preprocessing=None):
+    """DeviceTrainLoader's random_erase and policy for `recipe` (recipe_of; None: neither)."""
+    if not recipe:
+        return {}
+    policy = None
+    if recipe["auto_augment"]:
+        from .batched_policies import BatchedPolicy  # torchvision's private kernels, only when asked for
+
+        interpolation = InterpolationMode((preprocessing or DEFAULT_PREPROCESSING)["interpolation"])
+        policy = BatchedPolicy(auto_augment_policy(recipe, interpolation))
+    return {"random_erase": recipe["random_erase"], "policy": policy}
+
+
 def build_device_loaders(train_set, val_set, *, micro_batch_size, image_size, rank, world_size, seed, device, dtype,
                          train_size=None, records=None, preprocessing=None, tier="device", cache_root=None,
-                         repetitions=1, random_erase=0.0):
+                         repetitions=1, recipe=None):
     """Both ImageFolders decoded, or read from the decoded-image cache under `cache_root` (None: no cache),
     as training squares of `train_size` pixels (default the validation resize; `records`: the data check's,
     see decode_chunk), kept on `device` (tier "device") or in host memory (tier "cache"); `repetitions`: repeated
-    augmentation's (folders.EpochSampler), `random_erase`: erasing's probability (DeviceTrainLoader); returns
+    augmentation's (folders.EpochSampler), `recipe` (recipe_of): DeviceTrainLoader's policy and erasing; returns
     (train_loader, val_loader, a line saying what was decoded or read and how long it took, {path: why} of
     the files left out because they do not decode)."""
     start = time.perf_counter()
@@ -571,7 +608,7 @@ def build_device_loaders(train_set, val_set, *, micro_batch_size, image_size, ra
     shared = dict(micro_batch_size=micro_batch_size, rank=rank, world_size=world_size, dtype=dtype,
                   preprocessing=preprocessing, device=device, host=tier == "cache")
     train_loader = DeviceTrainLoader(train_images, train_labels, image_size=image_size, seed=seed, indices=train_kept,
-                                     repetitions=repetitions, random_erase=random_erase, **shared)
+                                     repetitions=repetitions, **recipe_arguments(recipe, preprocessing), **shared)
     val_loader = DeviceValLoader(val_images, val_labels, indices=val_kept, **shared)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

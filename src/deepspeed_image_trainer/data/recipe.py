@@ -1,6 +1,6 @@
 """The training recipe's augmentation flags beyond crops and flips (--auto_augment, --random_erase, and the
 batch's --mixup_alpha and --cutmix_alpha), as the rest of the trainer reads them; folders.py and mixing.py
-build them with torchvision's transforms.v2 classes, device.py erases on the GPU tiers."""
+build them with torchvision's transforms.v2 classes, device.py and batched_policies.py on the GPU tiers."""
 
 # --auto_augment's policies, named as torchvision's references name them
 AUTO_AUGMENT_POLICIES = ("ra", "ta_wide", "augmix", "imagenet", "cifar10", "svhn")
@@ -21,9 +21,3 @@ def recipe_of(args):
     they ask for none."""
     recipe = {key: getattr(args, key, default) for key, default in RECIPE_DEFAULTS.items()}  # scripts' own args too
     return recipe if recipe["auto_augment"] or recipe["random_erase"] else None
-
-
-def data_mode(args):
-    """--data_on_device as the run takes it: auto with --auto_augment is the DataLoader tier, the only one that
-    applies it so far."""
-    return "off" if args.data_on_device == "auto" and getattr(args, "auto_augment", None) else args.data_on_device
