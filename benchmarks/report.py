@@ -252,6 +252,17 @@ def augmentation():
         ["stored squares", *variants], rows)
 
 
+def recipe_augmentation():
+    name = "recipe_augmentation/recipe_augmentation_nvidia_h100_80gb_hbm3.json"
+    result = load(name)
+    settings = result["settings"]
+    rows = [[variant, f"{r['ms_per_batch']:.2f} ms", f"{r['added_ms_per_batch']:+.2f} ms", f"{r['images_per_s']:,.0f}"]
+            for variant, r in result["results"].items()]
+    return source(result, name) + (
+        f"\nBatch of {settings['batch_size']}, {settings['image_size']} px crops from {settings['square_size']} px "
+        "uint8 squares, bf16 channels_last out:\n\n") + table(["variant", "per batch", "added", "images/s"], rows)
+
+
 def data_path_accuracy():
     name = "data_path_accuracy_nvidia_h100_80gb_hbm3.json"
     result = load(name)
@@ -559,6 +570,7 @@ TABLES = {
     "capacity-8gib-2gpus": lambda: capacity("capacity_8gib", 2),
     "fp16-offload": fp16_offload,
     "augmentation": augmentation,
+    "recipe-augmentation": recipe_augmentation,
     "data-tiers": lambda: data_tiers("data_tiers_nvidia_h100_80gb_hbm3.json"),
     "host-batches": lambda: host_batches("host_batches_nvidia_h100_80gb_hbm3.json"),
     "data-path-accuracy": data_path_accuracy,
