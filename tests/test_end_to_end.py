@@ -281,5 +281,5 @@ def test_predict_and_evaluate_bad_input(exported, tmp_path, monkeypatch, capsys)
     monkeypatch.chdir(tmp_path)  # the rest in process
     assert_usage_error_in_process(predict.main, ["--model", str(model_file), "missing.jpg"], capsys,
                                   "missing.jpg: no such image or folder")
-    assert_usage_error_in_process(evaluate.main, ["--data_dir", str(tmp_path), "--model", "missing.pt"], capsys,
+    assert_usage_error_in_process(evaluate.main, ["--data_dir", str(tmp_path / "val"), "--model", "missing.pt"], capsys,
                                   "no such file or checkpoint folder")
