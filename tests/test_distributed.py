@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 import memory_profile
-from deepspeed_image_trainer.engine.distributed import agreed, average_buffers, differing, free_port
+from deepspeed_image_trainer.engine.distributed import (agreed, average_buffers, checked_world_size, differing,
+                                                         free_port)
 from deepspeed_image_trainer.engine.interrupt import StopOnSignal
 from deepspeed_image_trainer.models.build import BatchNorm2dFP32, build_model, synchronize_batch_norm
 from deepspeed_image_trainer.utils.failures import UsageError
@@ -252,3 +253,20 @@ def test_a_rank_environment_no_group_can_have_is_refused_before_joining(monkeypa
         monkeypatch.setenv(key, value)
     with pytest.raises(UsageError, match=re.escape(message)):
         init_distributed()  # before a rendezvous: a RANK of 3 in a group of 1 waited for good
+
+
+def test_a_group_of_one_no_launcher_started_rendezvouses_on_a_free_port(monkeypatch):
+    """It took DeepSpeed's 29500: a second run of the training script or the memory report on the machine was
+    refused, with advice to leave out the port it had not given. Ranks of a group keep the port they share."""
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    assert checked_world_size() == 1 and os.environ["MASTER_PORT"] != "29500"
+    monkeypatch.delenv("MASTER_PORT")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    checked_world_size()
+    assert os.environ["MASTER_PORT"] == "29500"
+    monkeypatch.setenv("MASTER_PORT", "12345")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    checked_world_size()
+    assert os.environ["MASTER_PORT"] == "12345"
+

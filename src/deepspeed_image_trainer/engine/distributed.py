@@ -64,6 +64,10 @@ def checked_world_size():
     """WORLD_SIZE, after checking it, RANK, LOCAL_RANK and MASTER_PORT as a launcher sets them (a group of one
     where none did): whole numbers, the rank below the world size (a RANK of 3 in a WORLD_SIZE of 1 waited for
     good, for peers that cannot come), a port a socket can take."""
+    if os.environ.get("WORLD_SIZE", "1").strip() == "1" and "MASTER_PORT" not in os.environ:
+        # a group of one that no launcher started: a free port, as the launcher takes (a second such run, or any
+        # process on DeepSpeed's 29500, was refused with advice to leave out the port it never gave)
+        os.environ["MASTER_PORT"] = str(free_port())
     for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                        ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
         os.environ.setdefault(key, value)
