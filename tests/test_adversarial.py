@@ -515,6 +515,11 @@ def test_an_export_into_a_folder_that_takes_no_file_is_one_line(export_of_a_run,
                                   capsys, "--output /proc: cannot write in /proc (")
 
 
+def test_an_export_names_the_file_it_wrote(export_of_a_run, tmp_path, capsys):
+    export_model.main([str(export_of_a_run / "last"), "--output", f"{tmp_path / 'm.pt'}/"])  # a trailing slash
+    assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 'm.pt'} (") and (tmp_path / "m.pt.json").is_file()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("failure, output, message", [
     ("torch.save", "model.pt", "[Errno 28] No space left"),

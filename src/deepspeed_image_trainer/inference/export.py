@@ -117,5 +117,6 @@ def get_args_parser():
 def main(argv=None):
     args = get_args_parser().parse_args(argv)
     metadata = export(args.checkpoint, args.output)
-    print(f"wrote {args.output} ({len(metadata['class_names'])} classes, {metadata['image_size']} px) "
-          f"and {sidecar_path(args.output)} from {metadata['source_checkpoint']}")
+    output = Path(args.output)  # the file written: "m.pt/" writes m.pt
+    print(f"wrote {output} ({len(metadata['class_names'])} classes, {metadata['image_size']} px) "
+          f"and {sidecar_path(output)} from {metadata['source_checkpoint']}")
