@@ -205,6 +205,25 @@ def test_a_fifo_in_place_of_the_checks_cache_is_a_warning_and_replaced(tiny_data
     assert cache.is_file() and check_folders(root).inspected == 0 and not capsys.readouterr().err
 
 
+@pytest.mark.parametrize("damaged", [{"decoded": True}, {"stat": "STAT"}, {"stat": "STAT", "error": None},
+                                     {"stat": "STAT", "error": None, "width": 0, "height": 4}])
+def test_a_cache_record_with_keys_missing_is_inspected_again(tiny_data, tmp_path, monkeypatch, damaged):
+    """A hand-edited record (a dict without stat, error or the image's size) ended every later check in a
+    KeyError traceback, until the file was deleted by hand."""
+    monkeypatch.setenv("TRAINER_CACHE_DIR", str(tmp_path / "cache"))
+    root = tmp_path / "data"
+    shutil.copytree(tiny_data / "val", root)
+    check_folders(root).save_cache()
+    cache = cache_path(root)
+    saved = json.loads(cache.read_text())
+    first = sorted(saved["files"])[0]
+    saved["files"][first] = {key: saved["files"][first]["stat"] if value == "STAT" else value  # the file's own
+                             for key, value in damaged.items()}
+    cache.write_text(json.dumps(saved))
+    check = check_folders(root)
+    assert check.inspected == 1 and not check.errors
+
+
 def test_a_check_of_headers_only_decodes_nothing_and_leaves_a_full_check_to_decode(bad_data, tmp_path, monkeypatch):
     """The launcher reads headers only when training decodes the data anyway; a later check that must
     decode (the DataLoader tier) does not take those records for decoded ones."""

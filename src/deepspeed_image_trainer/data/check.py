@@ -352,6 +352,17 @@ def cache_path(root):
     return cache_base() / "data_check" / f"{Path(root).name or 'root'}-{digest}.json"
 
 
+def whole_record(record):
+    """Whether a cached record has what inspect_files and the check read from it: its file's [size, mtime], and
+    the error or, for an image, what inspect_image found (a record with keys missing failed every later run)."""
+    if not isinstance(record, dict) or not isinstance(record.get("stat"), list) or len(record["stat"]) != 2:
+        return False
+    if "error" not in record or record["error"] is not None:
+        return isinstance(record.get("error"), str)
+    return (all(key in record for key in ("format", "mode", "orientation"))
+            and all(isinstance(record.get(key), int) and record[key] > 0 for key in ("width", "height")))
+
+
 def load_cache(root):
     """The per-file records of an earlier check of `root`, or {} when there is none (or it is unreadable
     or outdated)."""
@@ -360,7 +371,7 @@ def load_cache(root):
         cache = json.loads(regular_text(saved))
         files = cache["files"] if cache.get("version") == CACHE_VERSION else {}
         # a record that is not one (an edited or foreign file) is inspected again, as a file not in the cache is
-        return {path: record for path, record in files.items() if isinstance(record, dict)}
+        return {path: record for path, record in files.items() if whole_record(record)}
     except (FileNotFoundError, NotADirectoryError):  # none yet; a cache folder that is a file: save_cache says so
         return {}
     except OSError as err:  # a FIFO in its place, no permission: save_cache puts this check's results there
