@@ -228,6 +228,11 @@ def test_pretrained_without_the_file_or_the_network_names_both(tmp_path, monkeyp
     torch.save(state, tmp_path / "huge.pt")
     with pytest.raises(UsageError, match=r"huge.pt: conv1.weight holds NaN or infinite values \(in fp32"):
         build_model("resnet18", 3, pretrained=str(tmp_path / "huge.pt"))
+    state = build_model("resnet18", 3).state_dict()
+    state["bn1.running_var"][5] = -1.0  # the run stopped after an epoch on a NaN validation loss (status 3)
+    torch.save(state, tmp_path / "negative.pt")
+    with pytest.raises(UsageError, match=r"negative.pt: bn1.running_var holds negative variances"):
+        build_model("resnet18", 3, pretrained=str(tmp_path / "negative.pt"))
     hub = tmp_path / "hub/checkpoints/mobilenet_v3_small-047dcff4.pth"
     hub.unlink()
     hub.symlink_to(hub)  # a link loop where the weights file should be

@@ -450,6 +450,11 @@ def pretrained_state(model, name, choice, num_classes, mmap=False):
     if broken is not None:  # else the run would stop on a NaN loss, blaming the learning rate
         raise UsageError(f"--pretrained {path}: {broken} holds NaN or infinite values (in fp32, as the model holds "
                          "them); these weights cannot train")
+    # a variance below 0 is the square root of a negative number in every normalisation: NaN the same way
+    negative = next((k for k, v in state.items() if k.endswith("running_var") and v.is_floating_point()
+                     and (v < 0).any()), None)
+    if negative is not None:
+        raise UsageError(f"--pretrained {path}: {negative} holds negative variances; these weights cannot train")
     own = model.state_dict()
     versions = getattr(state, "_metadata", None)  # the file's module versions (MNASNet's stem depends on them)
     if not (isinstance(versions, dict) and all(isinstance(v, dict) for v in versions.values())):
