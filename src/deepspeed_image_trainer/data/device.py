@@ -413,7 +413,7 @@ class DeviceTrainLoader:
         generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.rank, epoch))
         boxes = torch.stack(random_resized_crops(len(order), self.images.shape[-1], generator), dim=1).long()
         if self.random_erase:
-            erasing = torch.Generator().manual_seed(hash((self.seed, self.rank, epoch, ERASE_STREAM)) % 2**63)
+            erasing = torch.Generator().manual_seed(epoch_seed(self.seed, self.rank, epoch, ERASE_STREAM))
             boxes = torch.cat([boxes, random_erasing_boxes(len(order), self.image_size, self.image_size,
                                                            self.random_erase, erasing)], dim=1)
         order, boxes = order.to(self.images.device), boxes.to(self.device)
@@ -427,7 +427,7 @@ class DeviceTrainLoader:
         None for each batch without a policy."""
         if self.policy is None:
             return itertools.repeat(None)
-        generator = torch.Generator().manual_seed(hash((self.seed, self.rank, epoch, POLICY_STREAM)) % 2**63)
+        generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.rank, epoch, POLICY_STREAM))
         drawn = {name: values.to(self.device) for name, values in
                  self.policy.draw(self.sampler.num_samples, generator).items()}
         size = self.micro_batch_size

@@ -138,9 +138,10 @@ def load_datasets(train_dir, val_dir, image_size, preprocessing=None, decode=Tru
     return dataset(check.train, train=True), dataset(check.val, train=False), check
 
 
-def epoch_seed(seed, rank, epoch):
-    """The seed of one rank's augmentation randomness in one epoch: the same in a resumed run."""
-    return hash((seed, rank, epoch)) % 2**63
+def epoch_seed(seed, rank, epoch, *stream):
+    """The seed of one rank's augmentation randomness in one epoch: the same in a resumed run; `stream` keys
+    another draw of the same epoch apart (the GPU tiers' erasing and policy beside their crops)."""
+    return hash((seed, rank, epoch, *stream)) % 2**63
 
 
 def batch_memory_format(device):
@@ -199,10 +200,10 @@ class KeyedAugmentation(Dataset):
 
     def __getitem__(self, key):
         """`key`: an image index, or an (index, repeat) pair of repeated augmentation (EpochSampler)."""
-        index = key[0] if isinstance(key, tuple) else key
+        key = key if isinstance(key, tuple) else (key,)
         with torch.random.fork_rng(devices=[]):  # the process's own stream (num_workers 0) goes on untouched
-            torch.manual_seed(hash((self.seed, self.epoch, *(key if isinstance(key, tuple) else (key,)))) % 2**63)
-            return self.dataset[index]
+            torch.manual_seed(hash((self.seed, self.epoch, *key)) % 2**63)
+            return self.dataset[key[0]]
 
 
 class TrainLoader:
