@@ -260,7 +260,7 @@ def test_a_resume_keeps_the_figures_measured_after_the_last_epochs_save(tmp_path
 
 def test_a_resume_takes_the_weights_name_its_run_started_from(tmp_path):
     """Resumed without --pretrained, a run started from named weights used the default preprocessing (bilinear
-    where its weights had bicubic) and recorded pretrained null; another name than the checkpoint's is refused."""
+    where its weights had bicubic) and recorded pretrained null; another name than the checkpoint's is refused; the same file spelled another way is the same start."""
     from types import SimpleNamespace
 
     from deepspeed_image_trainer.cli.preflight import take_saved_weights_name
@@ -277,6 +277,16 @@ def test_a_resume_takes_the_weights_name_its_run_started_from(tmp_path):
     args.pretrained = "DEFAULT"
     with pytest.raises(UsageError, match=r"^--pretrained DEFAULT: .*last continues a run started from --pretrained "
                                          r"IMAGENET1K_SWAG_E2E_V1, whose trained weights it holds; leave --pretrained"):
+        take_saved_weights_name(args)
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w/p.pt").write_bytes(b"weights")
+    (folder / EXTRA_INFO).write_text(json.dumps({**info, "pretrained": str(tmp_path / "w/p.pt")}))
+    args.pretrained = str(tmp_path / "w/../w/./p.pt")  # the same file, spelled another way: the saved name kept
+    take_saved_weights_name(args)
+    assert args.pretrained == str(tmp_path / "w/p.pt")
+    (tmp_path / "w/q.pt").write_bytes(b"weights")
+    args.pretrained = str(tmp_path / "w/q.pt")  # another file with the same bytes is another start
+    with pytest.raises(UsageError, match="q.pt: .*last continues a run started from --pretrained .*p.pt"):
         take_saved_weights_name(args)
     started_at_random = SimpleNamespace(resume="auto", checkpoint_dir=tmp_path / "nothing", pretrained=None)
     take_saved_weights_name(started_at_random)  # no checkpoint yet: a new run

@@ -1,6 +1,7 @@
 """The run's preflight, one function the launcher (before any process starts) and every rank (before the
 engine) both call: the DeepSpeed config resolved from the flags and the user's JSON, what no run can use
 refused, and the checkpoint it resumes from, checked against this run."""
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,12 +44,20 @@ def take_saved_weights_name(args):
     if resume_from is None:
         return
     saved = read_info(resume_from).get("pretrained")
-    if args.pretrained is None:
+    if args.pretrained is None or same_file(args.pretrained, saved):
         args.pretrained = saved
     elif args.pretrained != saved:
         raise UsageError(f"--pretrained {args.pretrained}: {resume_from} continues a run started from "
                          f"{'--pretrained ' + saved if saved else 'random weights'}, whose trained weights it holds; "
                          "leave --pretrained out to resume it")
+
+
+def same_file(given, saved):
+    """Whether two --pretrained values name one file (w/p.pt and ./w/p.pt)."""
+    try:
+        return isinstance(saved, str) and os.path.samefile(given, saved)
+    except (OSError, ValueError):
+        return False
 
 
 BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
