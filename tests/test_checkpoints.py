@@ -129,6 +129,18 @@ def test_resume_auto_passes_over_a_checkpoint_with_a_file_cut_short(tmp_path):
     assert skipped == [(tmp_path / "last", "zero_pp_rank_0_mp_rank_00_optim_states.pt cut short or not a torch file")]
 
 
+def test_resume_auto_names_an_emptied_checkpoint_folder_it_passes_over(tmp_path):
+    """`rm -rf last/*` leaves a folder without extra_info.json: passed over with a warning as a checkpoint with
+    files missing is; a folder of the user's own under --checkpoint_dir is not a checkpoint, and not named."""
+    fake_checkpoint(tmp_path / "epoch_2", 2, "epoch_2")
+    for name in ("last", "best_model", "epoch_3", "notes", "epoch_x"):
+        (tmp_path / name).mkdir()
+    skipped = []
+    assert find_checkpoint("auto", tmp_path, skipped) == tmp_path / "epoch_2"
+    assert [(folder.name, why.split(" (")[0]) for folder, why in skipped] == [
+        (name, f"no {EXTRA_INFO}: damaged") for name in ("best_model", "epoch_3", "last")]
+
+
 def test_resume_path_forms(tmp_path):
     fake_checkpoint(tmp_path / "epoch_4", 4, "epoch_4")
     fake_checkpoint(tmp_path / "best_model", 3, "best")

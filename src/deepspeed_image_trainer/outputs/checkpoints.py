@@ -257,6 +257,11 @@ class CheckpointSaver:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def is_checkpoint_name(name):
+    """Whether `name` is one the trainer publishes a checkpoint under: last, best_model, epoch_N."""
+    return name in (LAST, BEST) or name.startswith("epoch_") and name[len("epoch_"):].isdigit()
+
+
 def missing_files(folder, info):
     """The files of DeepSpeed's that checkpoint `folder` (its extra_info.json: `info`) lacks for its ZeRO stage
     and number of ranks: an interrupted copy, files removed by hand."""
@@ -298,6 +303,8 @@ def find_checkpoint(resume, checkpoint_dir, skipped=None):
                     read_info(checkpoint_dir / name)
                 except UsageError as err:
                     passed_over.append((checkpoint_dir / name, str(err).split(": use another checkpoint")[0]))
+            elif folder is None and (checkpoint_dir / name).is_dir() and is_checkpoint_name(name):
+                passed_over.append((checkpoint_dir / name, f"no {EXTRA_INFO}: damaged (emptied, or an interrupted copy)"))
             elif folder is not None:
                 info = read_info(folder)
                 missing = missing_files(folder, info)
