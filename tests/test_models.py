@@ -233,6 +233,15 @@ def test_pretrained_without_the_file_or_the_network_names_both(tmp_path, monkeyp
     torch.save(state, tmp_path / "negative.pt")
     with pytest.raises(UsageError, match=r"negative.pt: bn1.running_var holds negative variances"):
         build_model("resnet18", 3, pretrained=str(tmp_path / "negative.pt"))
+    state = build_model("resnet18", 3).state_dict()
+    state["conv1.weight"] = state["conv1.weight"].long()  # loaded as zeros: the run learned nothing, status 0
+    torch.save(state, tmp_path / "integers.pt")
+    with pytest.raises(UsageError, match=r"integers.pt: conv1.weight is a torch.int64 tensor where resnet18 holds "
+                                         r"torch.float32 values"):
+        build_model("resnet18", 3, pretrained=str(tmp_path / "integers.pt"))
+    state["conv1.weight"] = state["conv1.weight"].half()  # another floating type is cast, as torchvision's loader does
+    torch.save(state, tmp_path / "half.pt")
+    build_model("resnet18", 3, pretrained=str(tmp_path / "half.pt"))
     hub = tmp_path / "hub/checkpoints/mobilenet_v3_small-047dcff4.pth"
     hub.unlink()
     hub.symlink_to(hub)  # a link loop where the weights file should be

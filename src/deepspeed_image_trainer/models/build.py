@@ -479,6 +479,11 @@ def pretrained_state(model, name, choice, num_classes, mmap=False):
         what = "; ".join(f"{label} {', '.join(keys[:3])}" for label, keys in
                          (("missing", missing), ("unexpected", unexpected), ("other shapes", mismatched)) if keys)
         raise UsageError(f"--pretrained {path} is not a {name} state_dict ({what})")
+    # load_state_dict casts: integer or boolean values into floating weights lose their fractions without a word
+    cast = next((k for k, v in kept.items() if own[k].is_floating_point() and not v.is_floating_point()), None)
+    if cast is not None:
+        raise UsageError(f"--pretrained {path}: {cast} is a {kept[cast].dtype} tensor where {name} holds "
+                         f"{own[cast].dtype} values; save the weights of a trained model")
     return with_versions(kept, versions)
 
 
