@@ -69,6 +69,23 @@ def test_a_dry_run_downloads_no_weights(tiny_data, tmp_path, monkeypatch, capsys
     assert not any(tmp_path.iterdir())
 
 
+def test_one_class_is_trained_with_a_warning_that_nothing_is_learned(tiny_data, tmp_path, monkeypatch, capsys):
+    """A folder of one class trained at a loss of 0 with no remark."""
+    import shutil
+
+    from deepspeed_image_trainer.cli import launch as launch_deepspeed
+
+    name = sorted(p.name for p in (tiny_data / "train").iterdir())[0]
+    for split in ("train", "val"):
+        shutil.copytree(tiny_data / split / name, tmp_path / "one" / split / name)
+    monkeypatch.chdir(tmp_path)
+    assert launch_deepspeed.main(data_args(tmp_path / "one") + ["--dry_run"]) == 0
+    assert (f"warning: {tmp_path / 'one/train'} holds one class ({name}): every image is labelled with it, so the "
+            "loss is 0") in capsys.readouterr().err
+    assert launch_deepspeed.main(data_args(tiny_data) + ["--dry_run"]) == 0
+    assert "one class" not in capsys.readouterr().err
+
+
 def test_the_training_script_gets_the_users_json_as_read_not_the_config_resolved_here():
     """The config resolved here holds the LR schedule's step counts, from the data check's count of images, as
     numbers: the training script would take them for the user's own. It gets the user's JSON as the launcher

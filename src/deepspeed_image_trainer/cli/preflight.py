@@ -101,6 +101,10 @@ def preflight(args, base, *, world_size, device_type, class_names, num_train_ima
             say(f"warning: --resume auto skips {folder}: {why}", file=sys.stderr)
         if kept:
             say(kept, file=sys.stderr)
+        if len(class_names) == 1:  # trains, at a loss of 0 from the first step
+            say(f"warning: {args.train_dir} holds one class ({class_names[0]}): every image is labelled with it, so "
+                "the loss is 0 from the first step and the model learns nothing; a classifier needs two classes "
+                "or more", file=sys.stderr)
     ds_config = build_ds_config(args, world_size, num_train_images, base=base, device_type=device_type,
                                 num_params=num_params, resumed_stage=saved_stage(resume_from),
                                 resumed_precision=saved_precision(resume_from))
