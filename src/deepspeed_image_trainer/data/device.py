@@ -258,6 +258,13 @@ def decoded_here(paths, resize, crop, device, records, home):
     return images, True, unreadable, False
 
 
+def first_that_fits(fits, found, fallback, *tries):
+    """Each of `tries` ((count, tries) tensors) at each row's first try that `fits`, as torchvision's loops take
+    it; `fallback` in the rows where `found` is False."""
+    first = fits.int().argmax(dim=1, keepdim=True)
+    return [torch.where(found, values.gather(1, first).squeeze(1), fallback) for values in tries]
+
+
 def random_resized_crops(count, side, generator):
     """torchvision RandomResizedCrop.get_params for `count` square images of `side` pixels, vectorised.
 
@@ -269,11 +276,8 @@ def random_resized_crops(count, side, generator):
     width = torch.sqrt(area * torch.exp(log_ratio)).round()
     height = torch.sqrt(area / torch.exp(log_ratio)).round()
     fits = (width > 0) & (width <= side) & (height > 0) & (height <= side)
-    first = fits.int().argmax(dim=1, keepdim=True)  # the first try that fits, as torchvision takes it
-    found = fits.any(dim=1)
     # No try fits: torchvision falls back to the whole image (a square's ratio lies within 3/4-4/3).
-    width = torch.where(found, width.gather(1, first).squeeze(1), torch.tensor(float(side)))
-    height = torch.where(found, height.gather(1, first).squeeze(1), torch.tensor(float(side)))
+    width, height = first_that_fits(fits, fits.any(dim=1), torch.tensor(float(side)), width, height)
     top = (torch.rand(count, generator=generator) * (side - height + 1)).floor()
     left = (torch.rand(count, generator=generator) * (side - width + 1)).floor()
     flip = torch.rand(count, generator=generator) < 0.5
@@ -291,10 +295,7 @@ def random_erasing_boxes(count, height, width, p, generator):
         math.log(ERASE_RATIO[0]), math.log(ERASE_RATIO[1]), generator=generator).exp()
     box_height, box_width = (area * ratio).sqrt().round(), (area / ratio).sqrt().round()
     fits = (box_height < height) & (box_width < width)
-    first = fits.int().argmax(dim=1, keepdim=True)
-    found = erased & fits.any(dim=1)
-    box_height = torch.where(found, box_height.gather(1, first).squeeze(1), 0)
-    box_width = torch.where(found, box_width.gather(1, first).squeeze(1), 0)
+    box_height, box_width = first_that_fits(fits, erased & fits.any(dim=1), 0, box_height, box_width)
     top = (torch.rand(count, generator=generator, dtype=torch.float64) * (height - box_height + 1)).floor()
     left = (torch.rand(count, generator=generator, dtype=torch.float64) * (width - box_width + 1)).floor()
     return torch.stack([top, left, box_height, box_width], dim=1).long()
