@@ -55,7 +55,7 @@ from deepspeed_image_trainer.engine.distributed import (alike_on_each_node, chec
                                                         init_distributed, rank_zero_only, run_on_free_port, shut_down)
 from deepspeed_image_trainer.engine.loop import GradientAccumulation, input_dtype
 from deepspeed_image_trainer.models.build import build_model, check_image_size, construction_args, shape_model
-from deepspeed_image_trainer.utils.failures import CliParser, UsageError, check_writable
+from deepspeed_image_trainer.utils.failures import CliParser, UsageError, check_writable, path_argument
 from machine import machine_slug, source_commit, usable_cores
 
 PLAIN = "plain PyTorch"
@@ -126,7 +126,7 @@ def get_args_parser():
                              "(what amortises the optimizer step on the CPU)")
     parser.add_argument("--gpu_memory_gib", type=float, default=None,
                         help="let PyTorch use only this much GPU memory, as on a smaller GPU")
-    parser.add_argument("--output_dir", type=Path, default=Path("memory_profile"))
+    parser.add_argument("--output_dir", type=lambda value: Path(path_argument(value)), default=Path("memory_profile"))
     parser.add_argument("--update", action="store_true",
                         help="add to the JSON of an earlier run of the same model, GPU and settings: its other "
                              "configurations (and its reference) are kept")

@@ -12,8 +12,11 @@ import pytest
 import torch
 import torchvision
 
+import memory_profile
 from deepspeed_image_trainer.cli import launch as launch_deepspeed
+from deepspeed_image_trainer.cli import train as train_deepspeed
 from deepspeed_image_trainer.cli.options import run_cli
+from deepspeed_image_trainer.data import prepare as prepare_data
 from deepspeed_image_trainer.data.check import check_folders
 from deepspeed_image_trainer.data.folders import ImageFiles
 from deepspeed_image_trainer.data.prepare import make_sample_dataset
@@ -744,6 +747,40 @@ def test_resuming_from_a_truncated_checkpoint_stops_with_a_hint(trained, tiny_da
 
 
 # --- the command-line tools' own flags ---------------------------------------------------------------------
+
+TOOLS = {"launch_deepspeed.py": launch_deepspeed.main, "train_deepspeed.py": train_deepspeed.main,
+         "evaluate.py": evaluate.main, "predict.py": predict.main, "export_model.py": export_model.main,
+         "prepare_data.py": prepare_data.main, "utils.py": utils.main, "memory_profile.py": memory_profile.main}
+SAMPLE = ["--num_classes", "2", "--train_per_class", "1", "--val_per_class", "1", "--image_size", "16"]
+WORD_OR_PATH = ("--cache_dir", "--pretrained", "--deepspeed_config", "--resume")  # say so in check_values' words
+EMPTY_PATHS = [  # (tool, its other arguments, the argument given as '')
+    *(("launch_deepspeed.py", ["--dry_run"], flag)
+      for flag in ("--train_dir", "--val_dir", "--checkpoint_dir", "--log_dir", "--hostfile", *WORD_OR_PATH)),
+    ("train_deepspeed.py", [], "--train_dir"),
+    *(("evaluate.py", ["--model", "m.pt"], flag) for flag in ("--model", "--data_dir", "--output_dir")),
+    ("predict.py", ["x.jpg"], "--model"), ("predict.py", ["--model", "m.pt"], "IMAGE_OR_DIR"),
+    ("export_model.py", ["--output", "m.pt"], "checkpoint"), ("export_model.py", ["ck"], "--output"),
+    ("prepare_data.py", [], "--check"), ("prepare_data.py", ["split"], "raw_dir"),
+    ("prepare_data.py", ["split", "raw"], "--output"), ("prepare_data.py", ["sample", *SAMPLE], "--output"),
+    ("utils.py", [], "--history"), ("utils.py", [], "--output"),
+    ("memory_profile.py", ["--steps", "0"], "--output_dir"),  # --steps 0: a miss stops before measuring
+]
+
+
+@pytest.mark.parametrize("tool, argv, flag", EMPTY_PATHS,
+                         ids=[f"{tool} {argv[0] + ' ' if tool == 'prepare_data.py' and argv else ''}{flag}"
+                              for tool, argv, flag in EMPTY_PATHS])
+def test_an_empty_path_is_refused_by_every_tool(tiny_data, tmp_path, monkeypatch, capsys, tool, argv, flag):
+    """'' (an unset shell variable) failed in os.scandir('') with a traceback, or was the current folder: --check
+    checked it, predict predicted its images, a sample dataset was drawn into it."""
+    monkeypatch.chdir(tmp_path)
+    argv = (data_args(tiny_data) if tool.startswith(("launch", "train")) else []) + argv
+    argv += [flag, ""] if flag.startswith("-") else [""]
+    message = (f"error: {flag} is empty: give" if flag in WORD_OR_PATH
+               else f"error: argument {flag}: empty: give a path ('' names no file or folder)")
+    assert_usage_error_in_process(TOOLS[tool], argv, capsys, message)
+    assert not any(tmp_path.iterdir())
+
 
 @pytest.mark.parametrize("inside", ["val", "val/bat", "train/../val/bat/more"])
 def test_evaluate_refuses_an_output_folder_in_the_images_it_evaluates(tiny_data, capsys, inside):

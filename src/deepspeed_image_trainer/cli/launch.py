@@ -21,7 +21,7 @@ from ..engine.interrupt import FINISHED_ENV, die_with_parent_call, finished, sto
 from ..engine.timing import LAUNCHED_AT_ENV, SPAWNED_AT_ENV
 from ..models.names import DEFAULT_MODEL
 from ..outputs import run_folders
-from ..utils.failures import CliParser, UsageError, check_writable, stop_on_write_error
+from ..utils.failures import CliParser, UsageError, check_writable, path_argument, stop_on_write_error
 from ..utils.files import write_json_atomic
 from .options import add_training_args, norm_batch_size, parse_args
 from .preflight import preflight, take_saved_weights_name, weights_to_load
@@ -45,7 +45,7 @@ def get_args_parser():
                         help="GPUs per node (default: all visible GPUs; 1 without GPUs)")
     launch.add_argument("--num_nodes", type=int, default=None,
                         help="nodes to use (default: every host in --hostfile, 1 without one)")
-    launch.add_argument("--hostfile", default=None,
+    launch.add_argument("--hostfile", type=path_argument, default=None,
                         help="DeepSpeed hostfile for multi-node runs: one `hostname slots=GPUS` line per node")
     launch.add_argument("--master_addr", default=None,
                         help="address of the first node (default: DeepSpeed asks it over ssh; needed with --launcher none)")

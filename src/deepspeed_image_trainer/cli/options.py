@@ -10,7 +10,7 @@ import traceback
 
 from ..data.recipe import AUTO_AUGMENT_POLICIES, DROP_PATH_FAMILIES, RECIPE_DEFAULTS, RECIPE_RANGES
 from ..models.names import DEFAULT_MODEL, architecture
-from ..utils.failures import CliError, UsageError, first_rank_of_node
+from ..utils.failures import CliError, UsageError, first_rank_of_node, path_argument
 from ..utils.streams import outlive_closed_output
 
 
@@ -24,8 +24,10 @@ def zero_stage(value):
 
 def add_training_args(parser):
     data = parser.add_argument_group("Dataset")
-    data.add_argument("--train_dir", default="data/train", help="ImageFolder root of the training set")
-    data.add_argument("--val_dir", default="data/val", help="ImageFolder root of the validation set")
+    data.add_argument("--train_dir", type=path_argument, default="data/train",
+                      help="ImageFolder root of the training set")
+    data.add_argument("--val_dir", type=path_argument, default="data/val",
+                      help="ImageFolder root of the validation set")
     data.add_argument("--image_size", type=int, default=224, help="side of the square crops fed to the model")
     data.add_argument("--num_workers", type=int, default=2, help="DataLoader worker processes per rank")
     data.add_argument("--data_on_device", choices=["auto", "on", "cache", "off"], default="auto",
@@ -142,8 +144,8 @@ def add_training_args(parser):
                     help="base DeepSpeed JSON; flags given explicitly override it")
 
     out = parser.add_argument_group("Output")
-    out.add_argument("--checkpoint_dir", default="checkpoints_deepspeed")
-    out.add_argument("--log_dir", default="logs")
+    out.add_argument("--checkpoint_dir", type=path_argument, default="checkpoints_deepspeed")
+    out.add_argument("--log_dir", type=path_argument, default="logs")
     out.add_argument("--save_every", type=int, default=10, help="save epoch_N every this many epochs (0: never)")
     out.add_argument("--save_last_every", type=int, default=1,
                      help="refresh the rolling `last` checkpoint every this many epochs (0: never)")
@@ -210,6 +212,7 @@ def check_values(args):
             raise UsageError(f"--{name} must not be negative, got {getattr(args, name)}")
     if args.learning_rate <= 0:
         raise UsageError(f"--learning_rate must be positive, got {args.learning_rate}")
+    # flags that take a word as well as a path; those that take a path alone refuse "" in argparse (path_argument)
     for name, what in (("pretrained", "a weights name (DEFAULT, IMAGENET1K_V1, ...) or a file"),
                        ("cache_dir", "a folder, or off"), ("deepspeed_config", "a JSON file"),
                        ("resume", "auto or a checkpoint")):

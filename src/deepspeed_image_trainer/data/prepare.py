@@ -13,7 +13,7 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from ..utils.failures import CliParser, UsageError, check_outside_checkpoints
+from ..utils.failures import CliParser, UsageError, check_outside_checkpoints, path_argument
 from .check import cache_place, check_folders
 
 # The 90 class folders of the Animals-90 dataset; the sample dataset borrows them as class names.
@@ -126,17 +126,17 @@ def _refuse_to_overwrite(output):
 
 def get_args_parser():
     parser = CliParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", metavar="DIR",
+    parser.add_argument("--check", type=path_argument, metavar="DIR",
                         help="decode every image of DIR (with train/ and val/, or one ImageFolder root), report "
                              "what training would skip or ignore; exit status 2 when it cannot be trained on")
     commands = parser.add_subparsers(dest="command")
     split = commands.add_parser("split", help="split a raw download (one folder per class) into train/val")
-    split.add_argument("raw_dir")
-    split.add_argument("--output", default="data")
+    split.add_argument("raw_dir", type=path_argument)
+    split.add_argument("--output", type=path_argument, default="data")
     split.add_argument("--val_fraction", type=float, default=0.2)
     split.add_argument("--seed", type=int, default=42)
     sample = commands.add_parser("sample", help="draw the built-in sample dataset")
-    sample.add_argument("--output", default="data")
+    sample.add_argument("--output", type=path_argument, default="data")
     sample.add_argument("--num_classes", type=int, default=90)
     sample.add_argument("--train_per_class", type=int, default=24)
     sample.add_argument("--val_per_class", type=int, default=6)

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from ..data.folders import image_folder
-from ..utils.failures import CliParser, UsageError, check_counts, check_outside_checkpoints, check_writable
+from ..utils.failures import (CliParser, UsageError, check_counts, check_outside_checkpoints, check_writable,
+                              path_argument)
 from ..utils.files import write_json_atomic
 from ..utils.text import drawable
 from .load import (DECODES, decoded_log_probabilities, default_device, eval_transform, load_model,
@@ -57,9 +58,12 @@ def plot_confusion(confusion, class_names, output):
 
 def get_args_parser():
     parser = CliParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="exported .pt/.safetensors file or a checkpoint folder")
-    parser.add_argument("--data_dir", default="data/val", help="image folder with the model's class folders")
-    parser.add_argument("--output_dir", default="evaluation", help="where report.json and confusion_matrix.png go")
+    parser.add_argument("--model", type=path_argument, required=True,
+                        help="exported .pt/.safetensors file or a checkpoint folder")
+    parser.add_argument("--data_dir", type=path_argument, default="data/val",
+                        help="image folder with the model's class folders")
+    parser.add_argument("--output_dir", type=path_argument, default="evaluation",
+                        help="where report.json and confusion_matrix.png go")
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--num_workers", type=int, default=2)
     parser.add_argument("--decode", choices=("auto", *DECODES), default="auto",

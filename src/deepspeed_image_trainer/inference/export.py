@@ -22,7 +22,7 @@ from ..data.folders import check_preprocessing
 from ..models.build import check_saved_model, load_weights, model_for_weights
 from ..models.names import MODEL_NAME
 from ..outputs.checkpoints import find_checkpoint, read_info
-from ..utils.failures import CliParser, UsageError, check_output_file, stop_on_write_error
+from ..utils.failures import CliParser, UsageError, check_output_file, path_argument, stop_on_write_error
 from ..utils.files import fingerprint, mkstemp_as_open_would, replace_together, written_beside
 from ..utils.loading import check_checkpoint_files, load_checked
 
@@ -109,8 +109,9 @@ def export(checkpoint, output):
 
 def get_args_parser():
     parser = CliParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", help="checkpoint folder (e.g. checkpoints_deepspeed/best_model) or its tag folder")
-    parser.add_argument("--output", required=True, help="model.pt or model.safetensors")
+    parser.add_argument("checkpoint", type=path_argument,
+                        help="checkpoint folder (e.g. checkpoints_deepspeed/best_model) or its tag folder")
+    parser.add_argument("--output", type=path_argument, required=True, help="model.pt or model.safetensors")
     return parser
 
 

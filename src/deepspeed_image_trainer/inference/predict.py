@@ -12,7 +12,7 @@ import torch
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..data.folders import load_rgb
-from ..utils.failures import CliParser, UsageError, check_counts
+from ..utils.failures import CliParser, UsageError, check_counts, path_argument
 from ..utils.text import listed
 from .load import default_device, eval_transform, load_model, predict_log_probabilities
 
@@ -63,8 +63,9 @@ class Images:
 
 def get_args_parser():
     parser = CliParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="exported .pt/.safetensors file or a checkpoint folder")
-    parser.add_argument("images", nargs="+", metavar="IMAGE_OR_DIR")
+    parser.add_argument("--model", type=path_argument, required=True,
+                        help="exported .pt/.safetensors file or a checkpoint folder")
+    parser.add_argument("images", type=path_argument, nargs="+", metavar="IMAGE_OR_DIR")
     parser.add_argument("--top_k", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--batch_size", type=int, default=64)

@@ -8,7 +8,7 @@ import math
 import sys
 from pathlib import Path
 
-from ..utils.failures import CliParser, UsageError, check_output_file
+from ..utils.failures import CliParser, UsageError, check_output_file, path_argument
 from ..utils.text import digits, drawable, error_line
 
 
@@ -178,11 +178,12 @@ def get_args_parser():
     parser = CliParser(
         description="Plot loss, accuracy, learning rate, images/s and peak GPU memory per epoch, of one run "
                     "or of several on one figure.")
-    parser.add_argument("--history", nargs="+", default=["logs/training_history.json"], metavar="JSON",
+    parser.add_argument("--history", type=path_argument, nargs="+",
+                        default=["logs/training_history.json"], metavar="JSON",
                         help="training_history.json of each run")
     parser.add_argument("--labels", nargs="+", metavar="NAME",
                         help="a legend name per --history file (default: the parts of their paths that differ)")
-    parser.add_argument("--output", default="training_curves.png")
+    parser.add_argument("--output", type=path_argument, default="training_curves.png")
     return parser
 
 

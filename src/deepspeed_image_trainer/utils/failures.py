@@ -63,6 +63,14 @@ class CliParser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (--help lists the flags)\n" if first_rank_of_node() else None)
 
 
+def path_argument(value):
+    """argparse `type=` of a file or folder argument: "" (an unset shell variable, most likely) is refused, where
+    os.scandir("") failed in a traceback and Path("") read or wrote the current folder."""
+    if value == "":
+        raise argparse.ArgumentTypeError("empty: give a path ('' names no file or folder)")
+    return value
+
+
 def check_writable(folder, flag):
     """Refuse an output folder that cannot be created or written, before any training; leaves nothing."""
     folder = Path(folder)
