@@ -56,6 +56,7 @@ from deepspeed_image_trainer.engine.distributed import (alike_on_each_node, chec
 from deepspeed_image_trainer.engine.loop import GradientAccumulation, input_dtype
 from deepspeed_image_trainer.models.build import build_model, check_image_size, construction_args, shape_model
 from deepspeed_image_trainer.utils.failures import CliParser, UsageError, check_writable, path_argument
+from deepspeed_image_trainer.utils.files import check_regular
 from machine import machine_slug, source_commit, usable_cores
 
 PLAIN = "plain PyTorch"
@@ -600,8 +601,14 @@ def results_path(args, env, world_size):
 
 def earlier_results(args, env, world_size):
     """With --update: (rows, reference, commands) of the JSON this run adds to; refused if another GPU or
-    other versions or settings measured it."""
+    other versions or settings measured it, and with or without --update if its JSON or chart is not a file."""
     path = results_path(args, env, world_size)
+    for written in (path, path.with_suffix(".png")):
+        try:  # a FIFO there: the --update read, or the write after measuring, waited for its other end for good
+            check_regular(written)
+        except OSError:
+            raise UsageError(f"{written} is not a regular file (a folder, a FIFO or a device): move it away or write "
+                             "to another --output_dir") from None
     if not args.update or not path.exists():
         return [], None, []
     try:

@@ -339,6 +339,35 @@ def test_an_update_file_whose_rows_cannot_be_merged_is_refused_before_measuring(
     assert path.read_text() == before
 
 
+@pytest.mark.parametrize("what, suffix, update", [("fifo", ".json", True), ("fifo", ".json", False),
+                                                  ("fifo", ".png", False), ("folder", ".json", False),
+                                                  ("device", ".json", True)])
+def test_a_report_name_taken_by_what_is_not_a_file_is_refused_before_measuring(tmp_path, monkeypatch, capsys, what,
+                                                                               suffix, update):
+    """A FIFO at the JSON's name: --update waited for good for its writer to read it; without --update the write
+    after measuring waited for a reader (a folder there: a traceback), and the measurement was lost."""
+    import os
+
+    from conftest import assert_usage_error_in_process, unblock_later
+
+    argv = ["--model", "resnet18", "--num_classes", "3", "--image_size", "32", "--batch_size", "2", "--steps", "1",
+            "--configs", "ZeRO-1", "--output_dir", str(tmp_path), *(["--update"] if update else [])]
+    path = memory_profile.results_path(memory_profile.get_args_parser().parse_args(argv), memory_profile.environment(),
+                                       1).with_suffix(suffix)
+    if what == "fifo":
+        os.mkfifo(path)
+        unblock_later(path)  # a miss reads an empty file after 10 s rather than waiting for good
+    elif what == "folder":
+        path.mkdir()
+    else:
+        path.symlink_to("/dev/null")
+    for key, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}.items():  # not left set for other tests
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(memory_profile, "measure", lambda *args: pytest.fail("measured before the refusal"))
+    assert_usage_error_in_process(memory_profile.main, argv, capsys, f"error: {path} is not a regular file (a folder, "
+                                  "a FIFO or a device): move it away or write to another --output_dir")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--image_size", "0"], "--image_size must be at least 1, got 0"),
     (["--image_size=-5"], "--image_size must be at least 1, got -5"),
