@@ -523,6 +523,27 @@ def test_an_export_names_the_file_it_wrote(export_of_a_run, tmp_path, capsys):
     assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 'm.pt'} (") and (tmp_path / "m.pt.json").is_file()
 
 
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_an_export_and_its_sidecar_are_as_readable_as_the_files_open_makes(tmp_path, monkeypatch, suffix):
+    """safetensors writes a file of its own, private (0600), in the temporary file's place: other users of the
+    machine could not read a .safetensors export, where a .pt one was 0644."""
+    from deepspeed_image_trainer.models.build import build_model
+
+    info = {"model": "ResNet18Animals90", "class_names": ["a", "b", "c"], "image_size": 32, "epoch": 1,
+            "folder": str(tmp_path / "ck")}
+    state_dict = build_model("resnet18", 3, 32).state_dict()
+    monkeypatch.setattr(export_model, "consolidated_state_dict", lambda checkpoint: (state_dict, info))
+    umask = os.umask(0o022)
+    try:
+        (tmp_path / "opened").write_text("")
+        export_model.main(["ck", "--output", str(tmp_path / f"model{suffix}")])
+    finally:
+        os.umask(umask)
+    modes = {name: (tmp_path / name).stat().st_mode & 0o777 for name in ("opened", f"model{suffix}",
+                                                                         f"model{suffix}.json")}
+    assert modes == dict.fromkeys(modes, 0o644)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("failure, output, message", [
     ("torch.save", "model.pt", "[Errno 28] No space left"),

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from ..models.build import check_saved_model, load_weights, model_for_weights
 from ..models.names import MODEL_NAME
 from ..outputs.checkpoints import find_checkpoint, read_info
 from ..utils.failures import CliParser, UsageError, check_output_file, path_argument, stop_on_write_error
-from ..utils.files import fingerprint, mkstemp_as_open_would, replace_together, written_beside
+from ..utils.files import as_open_would, fingerprint, replace_together, written_beside
 from ..utils.loading import check_checkpoint_files, load_checked
 
 SUFFIXES = (".pt", ".pth", ".safetensors")
@@ -87,7 +88,7 @@ def export(checkpoint, output):
     # earlier one (model and sidecar) as it was.
     with stop_on_write_error("export", "--output", retry="export again"):  # a folder that takes no file (/proc)
         output.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = mkstemp_as_open_would(dir=output.parent, prefix=f".{output.name}.", suffix=output.suffix)
+        fd, tmp = tempfile.mkstemp(dir=output.parent, prefix=f".{output.name}.", suffix=output.suffix)
     os.close(fd)
     tmp, tmp_sidecar = Path(tmp), None
     try:
@@ -96,6 +97,8 @@ def export(checkpoint, output):
                 save_safetensors(state_dict, tmp, metadata)
             else:
                 torch.save(state_dict, tmp)
+            # after the write: safetensors puts a new file of its own, private (0600), in tmp's place
+            as_open_would(tmp)
             # the model file's fingerprint: a kill between the two renames below pairs files of two exports
             sidecar = {**metadata, "model_file": fingerprint(tmp)}
             tmp_sidecar = written_beside(sidecar_path(output), json.dumps(sidecar, indent=2).encode())
