@@ -67,6 +67,10 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "STEPLR_NEGATIVE": {"scheduler": {"type": "StepLR", "params": {"step_size": 4, "gamma": -1}}},
         "POLY_NEGATIVE_POWER": {"scheduler": {"type": "PolynomialLR", "params": {"total_iters": 5, "power": -1}}},
         "PREDIVIDE": {"gradient_predivide_factor": 2.0},
+        # DeepSpeed divides the gradients by it: 0 ended the first backward in a ZeroDivisionError
+        "PREDIVIDE_ZERO": {"gradient_predivide_factor": 0},
+        "PREDIVIDE_WORD": {"gradient_predivide_factor": "2"},
+        "PREDIVIDE_NEGATIVE": {"gradient_predivide_factor": -2.0},
         # what passed every check and failed in every rank: Muon's first step on a conv weight, the monitor's
         # package or folder, DeepSpeed's batch check over a sequence-parallel group
         "MUON": {"optimizer": {"type": "Muon", "params": {}}},
@@ -160,6 +164,14 @@ FLAGS = [
                                                     "(ZeroDivisionError"),
     (["--deepspeed_config", "PREDIVIDE", "--zero_stage", "2"], "gradient_predivide_factor other than 1 and "
                                                                "prescale_gradients: DeepSpeed's ZeRO-2 refuses"),
+    (["--deepspeed_config", "PREDIVIDE", "--zero_stage", "3"], "gradient_predivide_factor other than 1 and "
+                                                               "prescale_gradients: DeepSpeed's ZeRO-3 refuses"),
+    (["--deepspeed_config", "PREDIVIDE_ZERO"], "gradient_predivide_factor in the DeepSpeed config must be a number "
+                                               "above 0 (1, the default, or the number of ranks), got 0"),
+    (["--deepspeed_config", "PREDIVIDE_WORD"], 'gradient_predivide_factor in the DeepSpeed config must be a number '
+                                               'above 0 (1, the default, or the number of ranks), got "2"'),
+    (["--deepspeed_config", "PREDIVIDE_NEGATIVE"], "gradient_predivide_factor in the DeepSpeed config must be a "
+                                                   "number above 0"),
     (["--checkpoint_dir", "ck", "--cache_dir", "ck/best_model/c"], "--cache_dir ck/best_model/c is inside "
                                                                     "--checkpoint_dir ck's best_model"),
     (["--deepspeed_config", "ACCUM_FP32", "--zero_stage", "0", "--bf16", "--precision_mode", "half_weights"],

@@ -114,6 +114,11 @@ def _check_types(config):
     for where, value in numbers.items():
         if value != AUTO and (type(value) not in (int, float) or not value >= 0):
             fail(where, 'a non-negative number or "auto"', value)
+    # DeepSpeed multiplies each gradient by 1 / it before the all-reduce: 0 ended the first backward in a
+    # ZeroDivisionError, a word in a TypeError
+    predivide = config.get("gradient_predivide_factor", 1.0)
+    if type(predivide) not in (int, float) or not predivide > 0:
+        fail("gradient_predivide_factor", "a number above 0 (1, the default, or the number of ranks)", predivide)
 
 
 def num_parameters(num_classes):
@@ -572,11 +577,12 @@ def check_trainer_support(config, args):
                          "optimizers DeepSpeed has not listed)")
     zero = config["zero_optimization"]
     predivide = config.get("gradient_predivide_factor", 1.0)
-    if zero["stage"] == 2 and _as_read(zero.get("reduce_scatter", True)) is not False and (
+    # ZeRO-3 asserts the same at its start as ZeRO-2 (stage3.py), also with reduce_scatter on by default
+    if zero["stage"] in (2, 3) and _as_read(zero.get("reduce_scatter", True)) is not False and (
             _number(predivide) and predivide != 1 or _as_read(config.get("prescale_gradients"))):
-        raise UsageError("gradient_predivide_factor other than 1 and prescale_gradients: DeepSpeed's ZeRO-2 refuses "
-                         "them at its start with reduce_scatter, its default; remove them, or set "
-                         "zero_optimization.reduce_scatter false")
+        raise UsageError(f"gradient_predivide_factor other than 1 and prescale_gradients: DeepSpeed's "
+                         f"ZeRO-{zero['stage']} refuses them at its start with reduce_scatter, its default; remove "
+                         "them, or set zero_optimization.reduce_scatter false")
     profiler = config.get("flops_profiler", {})
     if _as_read(profiler.get("enabled")) and profiler.get("output_file"):  # DeepSpeed opens it, making no folder
         output = Path(profiler["output_file"])
