@@ -77,6 +77,7 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "WANDB": {"wandb": {"enabled": True}},
         "CSV_PROC": {"csv_monitor": {"enabled": True, "output_path": "/proc/nope", "job_name": "x"}},
         "SEQUENCE_PARALLEL": {"sequence_parallel_size": 2},
+        "AUTOTUNING": {"autotuning": {"enabled": True}},  # a few steps, then DeepSpeed's exit(): status 0
         "ONE_CYCLE_SHORT": {"scheduler": {"type": "OneCycleLR", "params": {"max_lr": 0.01, "total_steps": 3}}},
         "CYCLIC_ONE_GROUP": {"scheduler": {"type": "CyclicLR", "params": {"base_lr": [0.001], "max_lr": [0.01]}}},
         "SGD_UNTESTED": {"optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "zero_allow_untested_optimizer": False,
@@ -180,6 +181,8 @@ FLAGS = [
     (["--deepspeed_config", "WANDB"], "the wandb monitor needs the wandb package: pip install wandb"),
     (["--deepspeed_config", "CSV_PROC"], "csv_monitor.output_path /proc/nope: cannot write in /proc"),
     (["--deepspeed_config", "SEQUENCE_PARALLEL"], "sequence_parallel_size is for splitting a language model's"),
+    (["--deepspeed_config", "AUTOTUNING"], "autotuning.enabled: DeepSpeed's engine then times a few steps and "
+                                           "exits, training nothing"),
     # each passed every check and failed in every rank (OneCycleLR after its last step, mid-run)
     (["--deepspeed_config", "ONE_CYCLE_SHORT", "--epochs", "2"], "scheduler OneCycleLR steps 3 times, and this run "
                                                                  "takes 6 optimizer steps"),

@@ -590,6 +590,12 @@ def check_trainer_support(config, args):
             raise UsageError(f"flops_profiler.output_file {output}: " + (
                 "a folder; give a file name" if output.is_dir() else f"{output.parent} is not a folder that exists"))
         check_writable(output.parent, "flops_profiler.output_file")
+    autotuning = config.get("autotuning")
+    # read as DeepSpeed's engine reads it (any true value): it then times a few steps and calls exit(), status 0
+    if isinstance(autotuning, dict) and autotuning.get("enabled"):
+        raise UsageError("autotuning.enabled: DeepSpeed's engine then times a few steps and exits, training nothing "
+                         "and writing no checkpoint; autotuning is DeepSpeed's own launcher's (deepspeed --autotuning "
+                         "tune ...), not a training run: remove it or set it false")
     if config.get("sequence_parallel_size", 1) != 1:
         raise UsageError("sequence_parallel_size is for splitting a language model's sequence over ranks; an image "
                          "classifier's run uses 1 (leave it out)")
