@@ -242,6 +242,26 @@ def test_the_training_script_refuses_a_rank_environment_before_it_checks_anythin
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("timeout, message", [
+    ("x", "DEEPSPEED_TIMEOUT='x' in the environment is not a whole number of minutes: use 1 .. 100000000"),
+    ("0", "DEEPSPEED_TIMEOUT=0 in the environment is outside 1 .. 100000000 minutes, where torch's rendezvous gives "
+          "up at once")])
+def test_a_deepspeed_timeout_no_rank_can_use_is_refused_before_anything_is_written(tiny_data, tmp_path, monkeypatch,
+                                                                                   capsys, timeout, message):
+    """DEEPSPEED_TIMEOUT=x passed the launcher, which wrote the run's config, then every rank's import of DeepSpeed
+    ended in a ValueError; 0 timed out even a group of one's rendezvous (a traceback)."""
+    from deepspeed_image_trainer.cli import train
+
+    monkeypatch.chdir(tmp_path)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):  # as they were, once checked
+        monkeypatch.setenv(key, "0")
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("DEEPSPEED_TIMEOUT", timeout)
+    for main, extra in ((launch_deepspeed.main, ["--dry_run"]), (launch_deepspeed.main, []), (train.main, [])):
+        assert_usage_error_in_process(main, data_args(tiny_data) + extra, capsys, message)
+    assert not any(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("extra, message", [(["--epochs", "0"], "error: --epochs must be at least 1\n"),
                                             (["--train_dir", "nope"], "error: image folder not found: nope\n"),
                                             (["--epochs", "x"], "error: argument --epochs: invalid int value: 'x' "

@@ -244,6 +244,8 @@ def test_a_rendezvous_that_lost_its_port_starts_again_on_another(monkeypatch):
     ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' in the environment is not a whole number"),
     ({"MASTER_PORT": "abc"}, "MASTER_PORT='abc' in the environment is not a whole number"),
     ({"MASTER_PORT": "99999"}, "MASTER_PORT=99999 in the environment is not a port: use 1 .. 65535"),
+    ({"DEEPSPEED_TIMEOUT": "ten"}, "DEEPSPEED_TIMEOUT='ten' in the environment is not a whole number of minutes"),
+    ({"DEEPSPEED_TIMEOUT": "-1"}, "DEEPSPEED_TIMEOUT=-1 in the environment is outside 1 .. 100000000 minutes"),
     ({"MASTER_ADDR": "no.such.host.invalid"}, "MASTER_ADDR in the environment 'no.such.host.invalid' is not an "
                                               "address this machine can find")])
 def test_a_rank_environment_no_group_can_have_is_refused_before_joining(monkeypatch, env, message):

@@ -106,20 +106,32 @@ def test_two_nodes_started_by_hand_train_as_one_run(tiny_data, tmp_path):
     assert len(shards) == 2 and "rank_0" in shards[0] and "rank_1" in shards[1], shards  # both nodes' ZeRO shards
 
 
+# The training script with DeepSpeed's rendezvous timeout at one second: DEEPSPEED_TIMEOUT counts whole minutes, one
+# at least (0 gave up at once, in a group of one too)
+TIMEOUT_IN_A_SECOND = ("import datetime, functools, os, runpy, sys, deepspeed; "
+                       "deepspeed.init_distributed = functools.partial(deepspeed.init_distributed, "
+                       "timeout=datetime.timedelta(seconds=1)); "
+                       "sys.argv = sys.argv[1:]; sys.path.insert(0, os.path.dirname(sys.argv[0])); "
+                       "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
 @pytest.mark.slow
 def test_a_rank_waiting_for_the_others_says_so_stops_on_ctrl_c_and_gives_up_in_one_line(tiny_data, tmp_path):
     """The training script started by hand as rank 0 of 2, the other rank never started: it says that it waits,
     Ctrl-C ends it at once (torch's rendezvous waits in C++, where Python's handlers do not run), and when
     DeepSpeed's timeout passes it ends in one line; either way the folders it made are gone."""
-    def start(workdir, **env):
+    def start(workdir, prelude=(), **env):
         workdir.mkdir()
         env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                "MASTER_PORT": str(free_port()), **env}
-        return subprocess.Popen([sys.executable, TRAIN_SCRIPT, *data_args(tiny_data), "--epochs", "1", "--batch_size",
-                                 "4", "--image_size", "32", "--num_workers", "0"], cwd=workdir, env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), env["MASTER_PORT"]
+        process = subprocess.Popen([sys.executable, *prelude, TRAIN_SCRIPT, *data_args(tiny_data), "--epochs", "1",
+                                    "--batch_size", "4", "--image_size", "32", "--num_workers", "0"], cwd=workdir,
+                                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        return process, env["MASTER_PORT"]
 
-    (waiting, port), (timed_out, _) = start(tmp_path / "waiting"), start(tmp_path / "timed_out", DEEPSPEED_TIMEOUT="0")
+    (waiting, port), (timed_out, _) = start(tmp_path / "waiting"), start(tmp_path / "timed_out",
+                                                                         ["-c", TIMEOUT_IN_A_SECOND],
+                                                                         DEEPSPEED_TIMEOUT="1")
     try:
         line = next((line for line in waiting.stderr if "waiting" in line), None)
         assert line == (f"rank 0 of 2: waiting for the other ranks to join at 127.0.0.1:{port} (MASTER_ADDR, "
@@ -133,7 +145,7 @@ def test_a_rank_waiting_for_the_others_says_so_stops_on_ctrl_c_and_gives_up_in_o
         assert timed_out.returncode == 1 and "Traceback" not in err, err[-3000:]
         assert err.strip().splitlines()[-1].startswith("error: the 2 ranks (WORLD_SIZE) did not all join at "
                                                        "127.0.0.1:"), err[-3000:]
-        assert "DEEPSPEED_TIMEOUT=0 minutes" in err and "start every rank with the same MASTER_ADDR" in err
+        assert "DEEPSPEED_TIMEOUT=1 minutes" in err and "start every rank with the same MASTER_ADDR" in err
     finally:
         waiting.kill()
         timed_out.kill()

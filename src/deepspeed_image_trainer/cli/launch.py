@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..data.check import check_data, decodes_every_file
 from ..engine.config import load_base_config, num_parameters
-from ..engine.distributed import check_address, check_port_free, free_port
+from ..engine.distributed import check_address, check_port_free, check_timeout, free_port
 from ..engine.interrupt import FINISHED_ENV, die_with_parent_call, finished, stopped_before_training
 from ..engine.timing import LAUNCHED_AT_ENV, SPAWNED_AT_ENV
 from ..models.names import DEFAULT_MODEL
@@ -200,6 +200,7 @@ def main(argv=None, launched_at=None):
     num_gpus, num_nodes, world_size = resolve_topology(args)
     if os.name == "nt" and world_size > 1:
         raise UsageError("on Windows DeepSpeed runs on a single GPU only (no NCCL): use --num_gpus 1")
+    check_timeout()  # the ranks' DeepSpeed reads it as it is imported, once this has written the run's config
     if args.master_port is not None and not 0 < args.master_port < 65536:
         raise UsageError(f"--master_port {args.master_port} is not a port number: use 1024-65535")
     if args.master_port is not None and not args.hostfile and not args.dry_run:

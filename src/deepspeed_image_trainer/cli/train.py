@@ -148,7 +148,7 @@ def train(argv, process_started):
 def build(args, clock):
     """Preflight, the folders taken, the model, the engine, the data and the outputs: a Run ready to train (None
     when the checkpoint it resumes ends at --epochs: nothing to train)."""
-    ranks = checked_world_size()  # a bad WORLD_SIZE, RANK or MASTER_PORT (a rank's own)
+    ranks = checked_world_size()  # a bad WORLD_SIZE, RANK, MASTER_PORT or DEEPSPEED_TIMEOUT (a rank's own)
     with alike_on_each_node():
         deepspeed_overrides.enabled()  # refuses a bad TRAINER_DEEPSPEED_OVERRIDES before any folder is made
         check_writable(args.checkpoint_dir, "--checkpoint_dir")

@@ -26,9 +26,9 @@ def init_distributed(on_stop=lambda: None):
 
     NCCL on Linux GPUs; gloo elsewhere (CPU, Windows), which is what DeepSpeed's CPU accelerator uses.
     """
+    checked_world_size()  # before DeepSpeed's import, which reads DEEPSPEED_TIMEOUT
     import deepspeed
 
-    checked_world_size()
     # DeepSpeed's ZeRO gathers with torch's all_gather_into_tensor, which torch now deprecates: its warning, once a
     # rank, is about DeepSpeed's code, not the run.
     warnings.filterwarnings("ignore", message=r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
@@ -63,7 +63,7 @@ def init_distributed(on_stop=lambda: None):
 def checked_world_size():
     """WORLD_SIZE, after checking it, RANK, LOCAL_RANK and MASTER_PORT as a launcher sets them (a group of one
     where none did): whole numbers, the rank below the world size (a RANK of 3 in a WORLD_SIZE of 1 waited for
-    good, for peers that cannot come), a port a socket can take."""
+    good, for peers that cannot come), a port a socket can take; and DEEPSPEED_TIMEOUT where it is set."""
     if os.environ.get("WORLD_SIZE", "1").strip() == "1" and "MASTER_PORT" not in os.environ:
         # a group of one that no launcher started: a free port, as the launcher takes (a second such run, or any
         # process on DeepSpeed's 29500, was refused with advice to leave out the port it never gave)
@@ -82,8 +82,31 @@ def checked_world_size():
                          "are 0 .. WORLD_SIZE - 1 (and LOCAL_RANK not negative)")
     if not 0 < values["MASTER_PORT"] < 65536:
         raise UsageError(f"MASTER_PORT={values['MASTER_PORT']} in the environment is not a port: use 1 .. 65535")
+    check_timeout()
     check_address(os.environ["MASTER_ADDR"], "MASTER_ADDR in the environment")
     return values["WORLD_SIZE"]
+
+
+# DEEPSPEED_TIMEOUT's minutes: torch's rendezvous gave up at once at 0 (a group of one too) and from about 1.5e8
+# (now + the timeout in nanoseconds overflows its clock)
+TIMEOUT_MINUTES = (1, 10**8)
+
+
+def check_timeout():
+    """Refuse a DEEPSPEED_TIMEOUT, DeepSpeed's timeout in minutes, that DeepSpeed cannot read (int() as it is
+    imported: a ValueError in every rank, after the launcher had written the run's config) or torch cannot wait."""
+    value = os.environ.get("DEEPSPEED_TIMEOUT")
+    if value is None:
+        return
+    low, high = TIMEOUT_MINUTES
+    try:
+        minutes = int(value)
+    except ValueError:
+        raise UsageError(f"DEEPSPEED_TIMEOUT={value!r} in the environment is not a whole number of minutes: use "
+                         f"{low} .. {high} (DeepSpeed's default is 10)") from None
+    if not low <= minutes <= high:
+        raise UsageError(f"DEEPSPEED_TIMEOUT={minutes} in the environment is outside {low} .. {high} minutes, where "
+                         "torch's rendezvous gives up at once: use a value in that range (DeepSpeed's default is 10)")
 
 
 def check_address(address, named):
