@@ -46,6 +46,7 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "LAMB": {"optimizer": {"type": "Lamb"}},
         "LION": {"optimizer": {"type": "Lion"}},
         "MUADAM": {"optimizer": {"type": "MuAdam"}},
+        "ONEBIT_ADAM": {"optimizer": {"type": "OneBitAdam"}},  # gone from DeepSpeed 0.19
         "NVME_NO_PATH": {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
         "TOTAL_NEGATIVE": {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": -5}}},
         "STEPS_WORDS": {"steps_per_print": "x"},
@@ -124,6 +125,7 @@ FLAGS = [
     (["--deepspeed_config", "UNKNOWN_ZERO_KEY"], "zero_optimization.reduce_bucket_sise: Extra inputs are not permitted"),
     (["--deepspeed_config", "NO_SUCH_SCHEDULER"], "scheduler.type 'NoSuchLR' is neither one of DeepSpeed's"),
     (["--deepspeed_config", "NO_SUCH_OPTIMIZER"], "optimizer.type 'NoSuchOpt' is neither one of DeepSpeed's"),
+    (["--deepspeed_config", "ONEBIT_ADAM"], "optimizer.type 'OneBitAdam' is neither one of DeepSpeed's"),
     (["--deepspeed_config", "BF16_MAYBE"], 'bf16.enabled in the DeepSpeed config must be true, false or "auto"'),
     (["--deepspeed_config", "SGD_NO_SUCH_PARAM"], "optimizer SGD cannot be built from optimizer.params "
                                                   "(SGD.__init__() got an unexpected keyword argument 'nesterov_x')"),

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from deepspeed_image_trainer.cli.options import add_training_args, parse_args
-from deepspeed_image_trainer.engine.config import (ZERO3_LEAF_BLOCKS, build_ds_config, check_device_support,
-                                                   check_monitor_support, check_trainer_support,
+from deepspeed_image_trainer.engine.config import (OPTIMIZER_SETTINGS, ZERO3_LEAF_BLOCKS, build_ds_config,
+                                                   check_device_support, check_monitor_support, check_trainer_support,
                                                    coalesces_grad_reduction, load_base_config, lr_schedule,
                                                    num_parameters, precision, resolve_scheduler, steps_per_epoch)
 from deepspeed_image_trainer.utils.failures import UsageError
@@ -59,6 +59,13 @@ def test_an_optimizer_from_the_json_gets_only_the_settings_it_takes(kind, settin
     assert config["zero_allow_untested_optimizer"] is True  # see test_sgd_from_the_json_trains_under_zero
     if optimizer_class is not None:  # as DeepSpeed builds it: the class with the config's params
         optimizer_class([torch.nn.Parameter(torch.zeros(1))], **params)
+
+
+def test_the_optimizers_given_betas_and_eps_are_ones_deepspeed_builds():
+    """OPTIMIZER_SETTINGS named DeepSpeed's 1-bit optimizers, which DeepSpeed 0.19 no longer has (refused)."""
+    from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS
+
+    assert set(OPTIMIZER_SETTINGS) <= set(DEEPSPEED_OPTIMIZERS)
 
 
 def test_json_sections_without_a_type_take_the_flags_types():

@@ -391,11 +391,11 @@ def _skip_unused_grad_norm(config):
 
 
 # The moment estimates' settings each of DeepSpeed's optimizers takes (lower-case type): filled in when the
-# JSON leaves them out; an optimizer not named takes neither (SGD's constructor refuses them).
+# JSON leaves them out; an optimizer not named takes neither (SGD's constructor refuses them). DeepSpeed 0.19
+# has no 1-bit optimizers (OneBitAdam, ZeroOneAdam, OneBitLamb) any more: check_with_deepspeed refuses them.
 ADAM_SETTINGS = {"betas": [0.9, 0.999], "eps": 1e-8}
 MAX_LR = 1e6
-OPTIMIZER_SETTINGS = {**dict.fromkeys(("adam", "adamw", "lamb", "onebitadam", "zerooneadam", "onebitlamb"),
-                                      ("betas", "eps")),
+OPTIMIZER_SETTINGS = {**dict.fromkeys(("adam", "adamw", "lamb"), ("betas", "eps")),
                       "lion": ("betas",), "adagrad": ("eps",)}
 
 
