@@ -304,6 +304,32 @@ def test_a_signal_after_the_run_finished_stops_nothing():
     assert launcher.stderr.read().strip() == "The run had finished when SIGTERM came"
 
 
+# DeepSpeed's per-node launcher as it ends a run: its rank exits, and it looks again only a while later
+SLOW_TO_NOTICE = ("import subprocess, sys, time; "
+                  "subprocess.Popen([sys.executable, '-c', 'pass']); time.sleep(60); sys.exit(3)")
+
+
+def test_a_finished_runs_launcher_is_not_waited_for_once_its_ranks_have_exited(tmp_path):
+    """DeepSpeed's launcher noticed its ranks' exit up to a second late and slept a second more: each run ended
+    about 2 s after its last line. Once rank 0 has said the run finished and no rank is left, it is ended;
+    before that, its own status counts."""
+    import subprocess
+
+    from deepspeed_image_trainer.cli.launch import wait_for_launcher
+
+    marker = tmp_path / "finished"
+    marker.write_text("")
+    unfinished = subprocess.Popen([sys.executable, "-c", SLOW_TO_NOTICE.replace("60", "1")])
+    assert wait_for_launcher(unfinished, str(marker)) == 3
+    marker.write_text("finished\n")
+    launcher = subprocess.Popen([sys.executable, "-c", SLOW_TO_NOTICE])
+    started = time.monotonic()
+    assert wait_for_launcher(launcher, str(marker)) == 0 and launcher.returncode == -9
+    assert time.monotonic() - started < 30
+    no_marker = subprocess.Popen([sys.executable, "-c", SLOW_TO_NOTICE.replace("60", "1")])
+    assert wait_for_launcher(no_marker, None) == 3  # another launcher's ranks are not its children
+
+
 @pytest.mark.slow
 def test_ctrl_c_while_the_launcher_imports_ends_it_without_a_traceback(tiny_data, tmp_path):
     import signal

@@ -362,11 +362,11 @@ def _run_and_forward_signals(command, launched_at, marker):
             time.sleep(0.2)
 
     threading.Thread(target=watch, daemon=True).start()
-    status = child.wait()
+    status = wait_for_launcher(child, marker if command[1:4] == ["-u", "-m", "deepspeed.launcher.launch"] else None)
     status = 128 - status if status < 0 else status  # killed by a signal: the shell's convention
     # The error lines below start with a newline: a killed rank's progress bar leaves its line unfinished.
     deadline = time.monotonic() + STOP_GRACE_S
-    while signal_group(child.pid, 0):  # the group outlives DeepSpeed's launcher while ranks save
+    while group_is_running(child.pid):  # the group outlives DeepSpeed's launcher while ranks save
         if time.monotonic() > deadline:
             signal_group(child.pid, signal.SIGKILL)
             print(f"\nerror: training processes still running {STOP_GRACE_S} s after DeepSpeed's launcher exited "
@@ -393,14 +393,48 @@ def _run_and_forward_signals(command, launched_at, marker):
     return status
 
 
-def has_children(pid):
-    """Whether process `pid` has started any process (psutil: DeepSpeed's own dependency)."""
+def wait_for_launcher(child, marker):
+    """The exit status of DeepSpeed's launcher `child`. Its per-node launcher looks at its ranks once a second and
+    sleeps a second more once the last has gone, about 2 s of every run's end: given `marker` (that launcher's
+    FINISHED_ENV file), once rank 0 has said the run finished and every rank has exited it is ended here, and
+    the run's status is 0. Its ranks are its own children, which it alone reaps."""
+    while True:
+        try:
+            return child.wait(timeout=0.1)
+        except subprocess.TimeoutExpired:
+            pass
+        if marker is not None and finished(marker) and not has_children(child.pid, living=True):
+            child.kill()
+            child.wait()
+            return 0
+
+
+def has_children(pid, living=False):
+    """Whether process `pid` has started any process (`living`: one that has not exited; psutil: DeepSpeed's own
+    dependency)."""
     import psutil
 
     try:
-        return bool(psutil.Process(pid).children())
+        children = psutil.Process(pid).children()
+        return any(not living or child.status() != psutil.STATUS_ZOMBIE for child in children)
     except psutil.Error:  # gone already
         return False
+
+
+def group_is_running(pgid):
+    """Whether a process of group `pgid` is left that has not exited: the ranks of a launcher ended early (see
+    wait_for_launcher) wait as zombies until the system reaps them (a second or more in a container)."""
+    import psutil
+
+    if not signal_group(pgid, 0):
+        return False
+    for process in psutil.process_iter(["status"]):
+        try:
+            if process.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(process.pid) == pgid:
+                return True
+        except (psutil.Error, OSError):  # gone meanwhile
+            continue
+    return False
 
 
 def signal_group(pgid, signum):
