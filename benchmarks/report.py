@@ -136,6 +136,29 @@ def throughput(name):
         ["measurement", "images/s", "ratio", "peak GiB", "notes"], rows)
 
 
+def recipe_epochs(name):
+    """throughput.py's epochs with and without torchvision's new-recipe augmentation, on the GPU and from
+    DataLoader workers: each beside the plain loop, the same tier without the recipe, and the DataLoader tier."""
+    result = load(name)
+    results, settings = result["results"], result["settings"]
+    reference = next(iter(results.values()))["images_per_s"]
+    rows = []
+    for tier in ("data on GPU", "DataLoader"):
+        plain, recipe = results[f"epoch: zero0 bf16, {tier}"], results[f"epoch: zero0 bf16 recipe, {tier}"]
+        loader = results["epoch: zero0 bf16 recipe, DataLoader"]
+        for label, r in ((f"{tier}, no recipe", plain), (f"{tier}, recipe", recipe)):
+            rows.append([label, f"{r['images_per_s']:,.0f}", f"{r['images_per_s'] / reference:.2f}",
+                         f"**{r['images_per_s'] / plain['images_per_s']:.2f}**" if r is recipe else "1",
+                         f"**{r['images_per_s'] / loader['images_per_s']:.1f}x**" if r is recipe and r is not loader
+                         else "",
+                         f"{r['data_wait_share']:.0%}"])
+    return source(result, name) + (
+        f"\n{settings['model']}, micro-batch {settings['batch_size']}, {settings['image_size']} px, ZeRO-0 bf16, "
+        f"{settings['num_workers']} DataLoader workers; images/s over the epochs after the first:\n\n") + table(
+        ["run", "images/s", "of the plain loop", "recipe / no recipe", "recipe / DataLoader's recipe",
+         "waiting for data"], rows)
+
+
 def data_tiers(name):
     result = load(name)
     settings = result["settings"]
@@ -558,6 +581,7 @@ TABLES = {
     "deepspeed-overrides": lambda: throughput("throughput_nvidia_h100_80gb_hbm3.json"),
     "scaling-epochs": lambda: scaling([f"scaling_{model}nvidia_h100_80gb_hbm3_x2.json"
                                        for model in ("", "resnet50_", "vit_b_16_")]),
+    "recipe-epochs": lambda: recipe_epochs("recipe_epochs/throughput_nvidia_h100_80gb_hbm3.json"),
     "host-time": lambda: "\n\n".join(throughput(f"host_time/throughput_{size}px_nvidia_h200.json")
                                        for size in (32, 224)),
     "epoch-parts": lambda: epoch_parts([f"epoch_parts/epoch_parts_resnet18_zero2_nvidia_h200_x{n}.json"
