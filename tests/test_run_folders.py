@@ -1,4 +1,5 @@
 """One run at a time in --checkpoint_dir and --log_dir, and never over another run's results unasked."""
+import argparse
 import json
 import os
 import shutil
@@ -162,6 +163,26 @@ def test_a_second_run_waits_for_no_lock_the_dead_one_held(tmp_path):
         assert (tmp_path / LOCK_FILE).read_text().startswith(f"pid {os.getpid()} on ")
     finally:
         run_folders._held.pop().close()
+
+
+@pytest.mark.parametrize("make", [os.mkdir, os.mkfifo], ids=["folder", "fifo"])
+def test_a_lock_or_an_output_file_that_is_not_a_file_is_one_line(tmp_path, make):
+    """A FIFO by a lock's name: open() raised io.UnsupportedOperation (a folder: IsADirectoryError), a traceback; by
+    the history's name a resume waited for good on reading it, and a folder there failed the first write after an
+    epoch (status 4)."""
+    for name in (LOCK_FILE, LAUNCH_LOCK_FILE):
+        make(tmp_path / name)
+        with pytest.raises(UsageError, match=rf"--log_dir {tmp_path}: {tmp_path / name}, the lock of the run in it, "
+                                             "is not a regular file"):
+            lock(tmp_path, "--log_dir", name)
+    args = argparse.Namespace(log_dir=str(tmp_path / "logs"), checkpoint_dir=str(tmp_path / "ck"), overwrite=False)
+    run_folders.check_output_files(args)  # nothing there yet
+    for name, what in (("training_history.json", "history"), ("ds_config.json", "DeepSpeed config")):
+        (tmp_path / "logs").mkdir(exist_ok=True)
+        make(tmp_path / "logs" / name)
+        with pytest.raises(UsageError, match=rf"logs/{name}, where the run writes its {what}, is not a regular file"):
+            run_folders.check_output_files(args)
+        os.rmdir(tmp_path / "logs" / name) if make is os.mkdir else os.unlink(tmp_path / "logs" / name)
 
 
 def test_a_finished_run_gives_its_folders_back_to_the_next_in_the_same_process(tmp_path):

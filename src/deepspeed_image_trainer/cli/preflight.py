@@ -110,6 +110,7 @@ def preflight(args, base, *, world_size, device_type, class_names, num_train_ima
                                 resumed_precision=saved_precision(resume_from))
     coalesced = check_run(ds_config, args, device_type)
     run_folders.check_output_places(args, ds_config)
+    run_folders.check_output_files(args)
     if args.deepspeed_config:
         check_with_deepspeed(ds_config, args.deepspeed_config, device_type, args.epochs * steps_per_epoch(
             num_train_images, world_size, ds_config["train_micro_batch_size_per_gpu"],

@@ -115,6 +115,9 @@ def lock(folder, flag, name=LOCK_FILE, note=None):
     """Hold the lock `name` of `folder` until this process ends (or release()); stop with a message naming the
     holder when it is held. The file says who holds it, and `note` on a second line."""
     folder = Path(folder)
+    if os.path.lexists(folder / name) and not os.path.isfile(folder / name):  # open() failed, or waited on a FIFO
+        raise UsageError(f"{flag} {folder}: {folder / name}, the lock of the run in it, is not a regular file (a "
+                         "folder, FIFO or device): remove it")
     missing = [path for path in (folder, *folder.parents) if not path.exists()]
     folder.mkdir(parents=True, exist_ok=True)
     _made.extend(reversed(missing))
@@ -200,6 +203,15 @@ def check_output_places(args, config):
                              f"{resolved.relative_to(own).parts[0]}, which the run replaces whole when it saves: "
                              "write it elsewhere")
         check_outside_checkpoints(folder, flag, given)
+
+
+def check_output_files(args):
+    """Refuse a folder, FIFO or device where the run writes its history and DeepSpeed config: the first write by
+    rename failed after an epoch of training (status 4), and a resume's read of a FIFO history waited for good."""
+    for path, what in ((Path(args.log_dir) / HISTORY_FILE, "history"), (config_path(args), "DeepSpeed config")):
+        if os.path.lexists(path) and not os.path.isfile(path):
+            raise UsageError(f"{path}, where the run writes its {what}, is not a regular file (a folder, FIFO or "
+                             "device): remove it, or choose another --log_dir")
 
 
 def _folders(args):
