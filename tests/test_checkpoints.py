@@ -1,6 +1,7 @@
 """Checkpoint publishing and lookup, on folders laid out as DeepSpeed writes them (no engine needed)."""
 import argparse
 import json
+import os
 import zipfile
 from pathlib import Path
 
@@ -127,6 +128,15 @@ def test_resume_auto_passes_over_a_checkpoint_with_a_file_cut_short(tmp_path):
     skipped = []
     assert find_checkpoint("auto", tmp_path, skipped) == tmp_path / "epoch_2"
     assert skipped == [(tmp_path / "last", "zero_pp_rank_0_mp_rank_00_optim_states.pt cut short or not a torch file")]
+    shard.unlink()
+    os.mkfifo(shard)  # its zip directory was read from a FIFO: the launcher waited for good
+    skipped = []
+    assert find_checkpoint("auto", tmp_path, skipped) == tmp_path / "epoch_2"
+    assert skipped == [(tmp_path / "last", "zero_pp_rank_0_mp_rank_00_optim_states.pt cut short or not a torch file")]
+    from deepspeed_image_trainer.utils.loading import load_checked
+
+    with pytest.raises(UsageError, match=r"optim_states.pt is not a regular file \(a folder, FIFO or device\)"):
+        load_checked(shard, mmap=True)
 
 
 def test_resume_auto_names_an_emptied_checkpoint_folder_it_passes_over(tmp_path):

@@ -280,6 +280,8 @@ def missing_files(folder, info):
 def _cut_short(path):
     """Why torch.save's zip archive at `path` cannot be opened (its directory is at the end: a file cut short by a
     full disk or a stopped copy has none), or None."""
+    if not os.path.isfile(path):  # a FIFO's open() waits for a writer for good
+        return "not a regular file (a folder, FIFO or device)"
     try:
         zipfile.ZipFile(path).close()
         return None

@@ -62,6 +62,8 @@ def _torchscript(path):
 def load_checked(path, map_location="cpu", mmap=False, deepspeed_classes=True):
     """torch.load(path) of tensors and plain values only (and DeepSpeed's checkpoint classes); a file that is
     damaged, not a torch file, or names other Python objects stops with a UsageError naming it."""
+    if os.path.exists(path) and not os.path.isfile(path):  # a FIFO's open() waits for a writer for good
+        raise UsageError(f"{path} is not a regular file (a folder, FIFO or device), where a torch file should be")
     allowed = deepspeed_checkpoint_classes() if deepspeed_classes else []
     mmap = mmap and zipfile.is_zipfile(path)  # torch's legacy format (before 1.6) cannot be memory-mapped
     if _torchscript(path):  # torch.load warned (two lines) and named its weights_only default's history
