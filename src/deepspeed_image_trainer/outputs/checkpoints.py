@@ -306,7 +306,8 @@ def find_checkpoint(resume, checkpoint_dir, skipped=None):
                 except UsageError as err:
                     passed_over.append((checkpoint_dir / name, str(err).split(": use another checkpoint")[0]))
             elif folder is None and (checkpoint_dir / name).is_dir() and is_checkpoint_name(name):
-                passed_over.append((checkpoint_dir / name, f"no {EXTRA_INFO}: damaged (emptied, or an interrupted copy)"))
+                passed_over.append((checkpoint_dir / name,
+                                    f"no {EXTRA_INFO}: damaged (emptied, or an interrupted copy)"))
             elif folder is not None:
                 info = read_info(folder)
                 missing = missing_files(folder, info)
