@@ -330,6 +330,18 @@ def test_a_finished_runs_launcher_is_not_waited_for_once_its_ranks_have_exited(t
     assert wait_for_launcher(no_marker, None) == 3  # another launcher's ranks are not its children
 
 
+def test_a_rank_that_died_of_a_signal_is_named_with_its_status(capsys):
+    """DeepSpeed's launcher exits with a rank's -N: a rank killed by SIGBUS (the decoded-image cache truncated
+    under its memory map) ended the run with 249 and no line."""
+    from deepspeed_image_trainer.cli.launch import run_and_forward_signals
+
+    assert run_and_forward_signals([sys.executable, "-c", "import sys; sys.exit(-7)"], time.time()) == 135
+    assert capsys.readouterr().err.strip() == (
+        "error: a training process died of SIGBUS (a memory-mapped file cut short under it: the decoded-image cache "
+        "truncated while the run read it?); --resume auto continues from the last checkpoint published, if any")
+    assert run_and_forward_signals([sys.executable, "-c", "import sys; sys.exit(3)"], time.time()) == 3
+
+
 @pytest.mark.slow
 def test_ctrl_c_while_the_launcher_imports_ends_it_without_a_traceback(tiny_data, tmp_path):
     import signal

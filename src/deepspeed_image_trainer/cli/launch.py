@@ -390,6 +390,17 @@ def _run_and_forward_signals(command, launched_at, marker):
               "killer sends it when the host's memory runs out); --resume auto continues from the last checkpoint "
               "published, if any", file=sys.stderr, flush=True)
         return 128 + signal.SIGKILL
+    if 256 - signal.SIGRTMIN < status < 256:  # DeepSpeed's launcher passes on a rank's -N: it died of signal N
+        died = 256 - status
+        why = (" (a memory-mapped file cut short under it: the decoded-image cache truncated while the run read it?)"
+               if died == signal.SIGBUS else "")
+        try:
+            name = signal.Signals(died).name
+        except ValueError:  # a number without a name here
+            name = f"signal {died}"
+        print(f"\nerror: a training process died of {name}{why}; --resume auto continues from the last checkpoint "
+              "published, if any", file=sys.stderr, flush=True)
+        return 128 + died
     return status
 
 
