@@ -77,6 +77,9 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "MUON": {"optimizer": {"type": "Muon", "params": {}}},
         "WANDB": {"wandb": {"enabled": True}},
         "CSV_PROC": {"csv_monitor": {"enabled": True, "output_path": "/proc/nope", "job_name": "x"}},
+        # DeepSpeed joins output_path and job_name: the monitor wrote outside output_path
+        "CSV_JOB_UP": {"csv_monitor": {"enabled": True, "output_path": "mine", "job_name": "../../x"}},
+        "CSV_JOB_ABSOLUTE": {"csv_monitor": {"enabled": True, "output_path": "mine", "job_name": "/tmp/x"}},
         "SEQUENCE_PARALLEL": {"sequence_parallel_size": 2},
         "AUTOTUNING": {"autotuning": {"enabled": True}},  # a few steps, then DeepSpeed's exit(): status 0
         "ONE_CYCLE_SHORT": {"scheduler": {"type": "OneCycleLR", "params": {"max_lr": 0.01, "total_steps": 3}}},
@@ -182,6 +185,10 @@ FLAGS = [
     (["--deepspeed_config", "MUON"], "DeepSpeed's Muon fails in its first step on convolution weights (4-D)"),
     (["--deepspeed_config", "WANDB"], "the wandb monitor needs the wandb package: pip install wandb"),
     (["--deepspeed_config", "CSV_PROC"], "csv_monitor.output_path /proc/nope: cannot write in /proc"),
+    (["--deepspeed_config", "CSV_JOB_UP"], "csv_monitor.job_name '../../x': the monitor writes in "
+                                           "output_path/job_name, so it must be a folder name, without '/' or '\\' "
+                                           "and not '.' or '..'"),
+    (["--deepspeed_config", "CSV_JOB_ABSOLUTE"], "csv_monitor.job_name '/tmp/x': the monitor writes in"),
     (["--deepspeed_config", "SEQUENCE_PARALLEL"], "sequence_parallel_size is for splitting a language model's"),
     (["--deepspeed_config", "AUTOTUNING"], "autotuning.enabled: DeepSpeed's engine then times a few steps and "
                                            "exits, training nothing"),

@@ -93,20 +93,24 @@ def test_epoch_events_leave_out_missing_values():
     assert ("Epoch/peak_gpu_memory_gib", 2.5, 7) in epoch_events({**record, "peak_gpu_memory_gib": 2.5})
 
 
-def test_resumed_run_continues_the_csv_files_under_one_header(tmp_path, monkeypatch):
-    """A resumed run (a new process) keeps the rows up to its checkpoint and appends below them; a fresh
-    run's rows replace the earlier ones once its first checkpoint is published (until then both are kept)."""
+def csv_process(tmp_path, monkeypatch, global_samples=0, job_name="train"):
+    """An engine's CSV monitor in a new process, as prepare_csv_files sees it (no process group)."""
     from types import SimpleNamespace
 
     import deepspeed.comm
     from deepspeed.monitor.config import CSVConfig
     from deepspeed.monitor.csv_monitor import csvMonitor
 
-    monkeypatch.setattr(deepspeed.comm, "get_rank", lambda: 0)  # no process group in this test
+    monkeypatch.setattr(deepspeed.comm, "get_rank", lambda: 0)
+    monitor = csvMonitor(CSVConfig(enabled=True, output_path=str(tmp_path), job_name=job_name))
+    return SimpleNamespace(global_samples=global_samples, monitor=SimpleNamespace(csv_monitor=monitor))
 
+
+def test_resumed_run_continues_the_csv_files_under_one_header(tmp_path, monkeypatch):
+    """A resumed run (a new process) keeps the rows up to its checkpoint and appends below them; a fresh
+    run's rows replace the earlier ones once its first checkpoint is published (until then both are kept)."""
     def new_process(global_samples):
-        monitor = csvMonitor(CSVConfig(enabled=True, output_path=str(tmp_path), job_name="train"))
-        return SimpleNamespace(global_samples=global_samples, monitor=SimpleNamespace(csv_monitor=monitor))
+        return csv_process(tmp_path, monkeypatch, global_samples)
 
     first = new_process(0)
     for epoch in (1, 2, 3):  # killed after epoch 3's events, before its checkpoint
@@ -132,3 +136,22 @@ def test_resumed_run_continues_the_csv_files_under_one_header(tmp_path, monkeypa
     earlier.retire(["best_model", "last"])
     assert [p.name for p in (tmp_path / "train").iterdir()] == ["Train_Samples_lr.csv"]
     assert read_csv(tmp_path / "train/Train_Samples_lr.csv") == [["step", "lr"], ["10", "0.5"]]
+
+
+def test_the_csv_monitor_leaves_the_users_own_csv_files_in_its_folder_alone(tmp_path, monkeypatch):
+    """A fresh run deleted every *.csv in the monitor's folder (a JSON's output_path with job_name "": the
+    user's own folder); only the files the monitor writes are its to replace or carry over."""
+    mine = {"important.csv": b"name,value\nfoo,1\n", "Epoch_notes.csv": b"step,notes\n1,mine\n",
+            "Train_lr.csv": b"step,lr\n1,x\n"}
+    for name, data in mine.items():
+        (tmp_path / name).write_bytes(data)
+    earlier = csv_process(tmp_path, monkeypatch, job_name="")
+    earlier.monitor.csv_monitor.write_events([("Train/Samples/lr", 0.1, 10), ("Epoch/val_acc", 0.2, 1)])
+    fresh = csv_process(tmp_path, monkeypatch, job_name="")
+    retired = prepare_csv_files(fresh)
+    fresh.monitor.csv_monitor.write_events([("Train/Samples/lr", 0.3, 10), ("Epoch/val_acc", 0.4, 1)])
+    retired.retire(["last"])
+    assert read_csv(tmp_path / "Epoch_val_acc.csv") == [["step", "val_acc"], ["1", "0.4"]]
+    prepare_csv_files(csv_process(tmp_path, monkeypatch, global_samples=10, job_name=""), next_epoch=2)
+    assert read_csv(tmp_path / "Train_Samples_lr.csv") == [["step", "lr"], ["10", "0.3"]]
+    assert {name: (tmp_path / name).read_bytes() for name in mine} == mine

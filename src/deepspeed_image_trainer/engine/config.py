@@ -541,13 +541,20 @@ def monitor_enabled(section):
 
 def check_monitor_support(config):
     """A monitor whose package is missing, or whose output_path cannot be written, failed in deepspeed.initialize
-    in every rank."""
+    in every rank; a job_name that is not a folder name wrote outside its output_path."""
     for section, package in MONITOR_PACKAGES.items():
         if monitor_enabled(config.get(section, {})) and importlib.util.find_spec(package) is None:
             raise UsageError(f"the {section} monitor needs the {package} package: pip install {package.replace('_', '-')}"
                              " (or use --csv_monitor)")
     for section in MONITORS:
         monitor = config.get(section, {})
+        job_name = monitor.get("job_name")
+        # DeepSpeed writes into os.path.join(output_path, job_name): "../x" or "/x" wrote outside output_path
+        if monitor_enabled(monitor) and isinstance(job_name, str) and (
+                job_name in (".", "..") or any(character in job_name for character in "/\\\0")):
+            raise UsageError(f"{section}.job_name {job_name!r}: the monitor writes in output_path/job_name, so it "
+                             "must be a folder name, without '/' or '\\' and not '.' or '..' (\"\" writes in "
+                             "output_path itself)")
         if monitor_enabled(monitor) and monitor.get("output_path"):
             check_writable(monitor["output_path"], f"{section}.output_path")
 

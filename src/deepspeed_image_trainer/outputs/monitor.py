@@ -11,6 +11,10 @@ from ..utils.files import write_atomic
 
 EPOCH_PREFIX = "Epoch/"
 EPOCH_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "images_per_s", "lr", "peak_gpu_memory_gib")
+# DeepSpeed's CSV monitor names a scalar's file after it, "/" as "_". Its own scalars are all Train/Samples/<name>
+# (lr, and loss_scale or step timings by config and version); the trainer's are the Epoch/ ones above.
+DEEPSPEED_FILE_PREFIX = "Train_Samples_"
+EPOCH_FILES = {(EPOCH_PREFIX + key).replace("/", "_") + ".csv" for key in EPOCH_SCALARS}
 
 
 def epoch_events(record):
@@ -18,6 +22,13 @@ def epoch_events(record):
     is left out."""
     return [(EPOCH_PREFIX + key, record[key], record["epoch"])
             for key in EPOCH_SCALARS if record.get(key) is not None]
+
+
+def monitor_files(log_dir):
+    """The CSV monitor's own files in `log_dir`, the folder it writes in: a fresh run replaces their rows and a
+    resumed one carries them over; any other file there is the user's, and left alone."""
+    return sorted(path for path in Path(log_dir).glob("*.csv")
+                  if path.name.startswith(DEEPSPEED_FILE_PREFIX) or path.name in EPOCH_FILES)
 
 
 @rank_zero_only
@@ -45,14 +56,14 @@ class EarlierRows:
 
 @rank_zero_only
 def prepare_csv_files(engine, next_epoch=None):
-    """A fresh run (next_epoch None) replaces an earlier run's CSV rows: the EarlierRows to retire after its
-    first checkpoint. A resumed run keeps the rows up to where the checkpoint stands and appends below them:
-    DeepSpeed's CSV monitor appends to existing files but writes a header row again in every new process."""
+    """A fresh run (next_epoch None) replaces an earlier run's CSV rows (of monitor_files): the EarlierRows to
+    retire after its first checkpoint. A resumed run keeps the rows up to where the checkpoint stands and appends
+    below them: DeepSpeed's CSV monitor appends to existing files but writes a header row again in every new
+    process."""
     monitor = getattr(engine.monitor, "csv_monitor", None)
     if monitor is None or not monitor.log_dir:
         return None
-    epoch_file = EPOCH_PREFIX.replace("/", "_")
-    paths = sorted(Path(monitor.log_dir).glob("*.csv"))
+    paths = monitor_files(monitor.log_dir)
     if next_epoch is None:
         return EarlierRows(paths) if paths else None
     for path in paths:
@@ -63,7 +74,7 @@ def prepare_csv_files(engine, next_epoch=None):
         header = rows[0]
         # A header again: an --overwrite run's rows, appended below, that never reached its first checkpoint.
         ours = rows[1:rows.index(header, 1)] if header in rows[1:] else rows[1:]
-        limit = next_epoch - 1 if path.name.startswith(epoch_file) else engine.global_samples
+        limit = next_epoch - 1 if path.name in EPOCH_FILES else engine.global_samples
         kept = [row for row in ours if row and float(row[0]) <= limit]
         with open(path, "w", newline="") as f:
             csv.writer(f).writerows([header, *kept])
