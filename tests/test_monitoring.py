@@ -3,6 +3,7 @@ resumed run."""
 import csv
 import json
 import math
+import os
 import re
 
 import pytest
@@ -11,8 +12,8 @@ import torch
 from deepspeed_image_trainer.models.build import ResNet18Animals90
 from deepspeed_image_trainer.outputs.monitor import EPOCH_SCALARS, epoch_events, prepare_csv_files
 
-from conftest import (TINY_CLASSES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, TINY_VAL_PER_CLASS, data_args, digests,
-                      history_of, launch)
+from conftest import (TINY_CLASSES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, TINY_VAL_PER_CLASS,
+                      assert_usage_error_in_process, data_args, digests, history_of, launch)
 
 
 def read_csv(path):
@@ -155,3 +156,51 @@ def test_the_csv_monitor_leaves_the_users_own_csv_files_in_its_folder_alone(tmp_
     prepare_csv_files(csv_process(tmp_path, monkeypatch, global_samples=10, job_name=""), next_epoch=2)
     assert read_csv(tmp_path / "Train_Samples_lr.csv") == [["step", "lr"], ["10", "0.3"]]
     assert {name: (tmp_path / name).read_bytes() for name in mine} == mine
+
+
+def test_a_resumed_run_leaves_out_damaged_csv_rows_with_a_warning(tmp_path, monkeypatch, capsys):
+    """A row that is not a number (garbage, bytes that are not UTF-8) in a monitor file ended `--resume auto` in a
+    ValueError traceback; its file is the run's own output, rewritten from the rows that read, as a damaged history
+    is from the checkpoint."""
+    folder = tmp_path / "train"
+    csv_process(tmp_path, monkeypatch).monitor.csv_monitor.write_events(
+        [(name, 0.5, step) for step in (1, 2) for name in ("Epoch/lr", "Epoch/val_acc", "Epoch/val_loss")])
+    with open(folder / "Epoch_lr.csv", "ab") as f:
+        f.write(b"\x00\x00garbage\n")
+    with open(folder / "Epoch_val_acc.csv", "ab") as f:
+        f.write(b"\xff\xfe,1\n" + b"x" * 200_000 + b"\n")  # not UTF-8; a field over csv's size limit
+    (folder / "Epoch_train_acc.csv").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4)  # a binary file
+    (folder / "Epoch_train_loss.csv").write_bytes(b"")
+    resumed = csv_process(tmp_path, monkeypatch, global_samples=16)
+    prepare_csv_files(resumed, next_epoch=3)
+    err = capsys.readouterr().err.splitlines()
+    damaged = ("Epoch_lr.csv", "Epoch_train_acc.csv", "Epoch_val_acc.csv")
+    assert [line.split(": ")[1] for line in err] == [str(folder / name) for name in damaged]
+    assert all(line.startswith("warning: ") for line in err)
+    assert "1 damaged row(s), without a step number, left out" in err[0] and "2 damaged row(s)" in err[2]
+    for name, key in (("Epoch_lr.csv", "lr"), ("Epoch_val_acc.csv", "val_acc"), ("Epoch_val_loss.csv", "val_loss")):
+        assert read_csv(folder / name) == [["step", key], ["1", "0.5"], ["2", "0.5"]]
+    assert read_csv(folder / "Epoch_train_acc.csv") == [["step", "train_acc"]]
+    assert (folder / "Epoch_train_loss.csv").read_bytes() == b""
+    resumed.monitor.csv_monitor.write_events([("Epoch/lr", 0.25, 3), ("Epoch/train_loss", 1.5, 3)])
+    assert read_csv(folder / "Epoch_lr.csv")[-1] == ["3", "0.25"]
+    assert read_csv(folder / "Epoch_train_loss.csv") == [["step", "train_loss"], ["3", "1.5"]]
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo", "dangling link"])
+def test_a_csv_monitor_file_name_taken_by_what_is_no_file_is_refused_before_anything_starts(
+        tiny_data, tmp_path, monkeypatch, capsys, kind):
+    """A folder named Epoch_lr.csv stopped a run at its first epoch's rows, its message blaming the checkpoint; a
+    FIFO held the run for good."""
+    from deepspeed_image_trainer.cli import launch as launch_deepspeed
+
+    folder = tmp_path / "logs/csv_monitor/train"
+    folder.mkdir(parents=True)
+    path = folder / ("Epoch_lr.csv" if kind == "folder" else "Train_Samples_lr.csv")
+    {"folder": path.mkdir, "fifo": lambda: os.mkfifo(path), "dangling link": lambda: path.symlink_to("nowhere")}[kind]()
+    monkeypatch.chdir(tmp_path)
+    for resume in ([], ["--resume", "auto"]):
+        assert_usage_error_in_process(launch_deepspeed.main, data_args(tiny_data) + ["--csv_monitor", "--dry_run"]
+                                      + resume, capsys, f"csv_monitor: logs/csv_monitor/train/{path.name} is not a "
+                                      "regular file (a folder, a FIFO or a link to nothing)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs"] and [*folder.iterdir()] == [path]

@@ -11,6 +11,7 @@ from ..engine.distributed import rank_zero_only
 from ..engine.finetune import fine_tuning
 from ..outputs.checkpoints import check_resumable, find_checkpoint, read_info, saved_precision, saved_stage
 from ..outputs import run_folders
+from ..outputs.monitor import check_csv_files
 from ..outputs.record import resume_settings, run_record
 from ..utils.failures import UsageError
 
@@ -111,6 +112,7 @@ def preflight(args, base, *, world_size, device_type, class_names, num_train_ima
     coalesced = check_run(ds_config, args, device_type)
     run_folders.check_output_places(args, ds_config)
     run_folders.check_output_files(args)
+    check_csv_files(ds_config)
     if args.deepspeed_config:
         check_with_deepspeed(ds_config, args.deepspeed_config, device_type, args.epochs * steps_per_epoch(
             num_train_images, world_size, ds_config["train_micro_batch_size_per_gpu"],
