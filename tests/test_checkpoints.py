@@ -193,12 +193,16 @@ def test_another_world_size_resumes_but_not_an_old_mid_epoch_position(tmp_path):
             check_resumable(folder, 2, 3, {})
 
 
-def settings_of(*argv, classes=("ant", "bee", "cat"), world_size=1):
+def settings_of(*argv, classes=("ant", "bee", "cat"), world_size=1, base=None):
     from deepspeed_image_trainer.cli.options import add_training_args, parse_args
     from deepspeed_image_trainer.engine.config import build_ds_config
 
     args = parse_args(lambda: add_training_args(argparse.ArgumentParser()), list(argv))
-    return resume_settings(run_record(args, build_ds_config(args, world_size, 1000, num_params=11_000_000), classes))
+    config = build_ds_config(args, world_size, 1000, base=base, num_params=11_000_000)
+    return resume_settings(run_record(args, config, classes))
+
+
+SGD = {"optimizer": {"type": "SGD", "params": {"momentum": 0.9}}}
 
 
 @pytest.mark.parametrize("argv, kwargs, message", [
@@ -211,6 +215,10 @@ def settings_of(*argv, classes=("ant", "bee", "cat"), world_size=1):
     (["--epochs", "90"], {}, None),  # a run may be extended
     ([], {"classes": ("ant", "bee", "dog")}, r"the classes of --train_dir 3 classes \(ant, bee, cat\) "
                                             r"\(this run: 3 classes \(ant, bee, dog\)\)"),
+    # the saved optimizer state did not load into another optimizer's (KeyError: 'step', or 'momentum')
+    ([], {"base": SGD}, r"the DeepSpeed config's optimizer.type AdamW \(this run: SGD\)"),
+    ([], {"base": {"optimizer": {"type": "Adagrad"}}}, r"optimizer.type AdamW \(this run: Adagrad\)"),
+    ([], {"base": {"optimizer": {"type": "adamw"}}}, None),  # DeepSpeed's names in any case: the same optimizer
 ])
 def test_resuming_with_other_settings_is_refused_naming_each(tmp_path, argv, kwargs, message):
     folder = fake_checkpoint(tmp_path / "last", 2, "last", world_size=1, zero_stage=2)
@@ -221,6 +229,14 @@ def test_resuming_with_other_settings_is_refused_naming_each(tmp_path, argv, kwa
     else:
         with pytest.raises(UsageError, match=message + r".*Resume with the run's own flags"):
             check_resumable(folder, 1, 2, settings_of(*argv, **kwargs))
+
+
+def test_a_checkpoint_from_before_the_optimizer_was_recorded_resumes(tmp_path):
+    folder = fake_checkpoint(tmp_path / "last", 2, "last", world_size=1, zero_stage=2)
+    info = json.loads((folder / EXTRA_INFO).read_text())
+    older = {key: value for key, value in settings_of().items() if key != "optimizer"}
+    (folder / EXTRA_INFO).write_text(json.dumps({**info, "settings": older}))
+    assert check_resumable(folder, 1, 2, settings_of(base=SGD))["epoch"] == 2  # what it does not say is no difference
 
 
 def test_a_damaged_extra_info_is_not_a_checkpoint(tmp_path):

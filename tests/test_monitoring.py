@@ -62,7 +62,8 @@ def test_early_stopping_ends_the_run_and_the_csv_monitor_holds_every_epoch(stall
     assert json.loads((checkpoints / "best_model/extra_info.json").read_text())["epoch"] == 1
 
     config = history["config"]
-    assert config["training"] == {"lr_schedule": "constant", "learning_rate": 1e-8, "weight_decay": 0.05,
+    assert config["training"] == {"optimizer": "AdamW", "lr_schedule": "constant", "learning_rate": 1e-8,
+                                  "weight_decay": 0.05,
                                   "warmup_epochs": 1.0, "label_smoothing": 0.1, "early_stopping_patience": 1,
                                   "backbone_lr_scale": 1.0, "freeze_backbone_epochs": 0, "parameter_groups": False,
                                   "augmentation": None, "ra_reps": 1, "mixup_alpha": 0.0, "cutmix_alpha": 0.0,

@@ -357,6 +357,7 @@ def saved_precision(folder):
 # What a resumed run must share with the run it continues (the data it learns, the model's input, and what
 # the saved optimizer and scheduler state were built for), with the flag that sets each. --epochs may change.
 SETTINGS_FLAGS = {"model": "--model", "class_names": "the classes of --train_dir", "image_size": "--image_size",
+                  "optimizer": "the DeepSpeed config's optimizer.type",
                   "train_batch_size": "the global batch (--batch_size x ranks x --gradient_accumulation_steps)",
                   "learning_rate": "--learning_rate", "weight_decay": "--weight_decay", "lr_schedule": "--lr_schedule",
                   "warmup_epochs": "--warmup_epochs", "label_smoothing": "--label_smoothing", "precision": "precision",
@@ -372,6 +373,14 @@ def _shown(key, value, other=None):
     if key == "class_names":
         return f"{len(value)} classes ({listed(value, 4)})"
     return json.dumps(value) if isinstance(value, str) and not isinstance(other, str) else str(value)
+
+
+def _same(key, saved, value):
+    """Whether a saved setting is this run's. DeepSpeed reads its own optimizers' names in any case ("AdamW" and
+    "adamw" are one optimizer); torch.optim's differ by more than case."""
+    if key == "optimizer" and isinstance(saved, str) and isinstance(value, str):
+        return saved.lower() == value.lower()
+    return saved == value
 
 
 def check_resumable(folder, world_size, zero_stage, settings, read_shards=False):
@@ -392,7 +401,7 @@ def check_resumable(folder, world_size, zero_stage, settings, read_shards=False)
                          "the position in samples; resume from the end of an epoch (--resume epoch_N or best), "
                          "resume with the same --num_gpus/--num_nodes, or start a new run")
     differs = [f"{SETTINGS_FLAGS[key]} {_shown(key, saved[key], value)} (this run: {_shown(key, value, saved[key])})"
-               for key, value in settings.items() if key in saved and saved[key] != value]
+               for key, value in settings.items() if key in saved and not _same(key, saved[key], value)]
     if differs:
         raise UsageError(f"cannot resume from {folder}: it was saved with " + "; ".join(differs)
                          + ". Resume with the run's own flags, or start a new run (--overwrite, or other folders)")

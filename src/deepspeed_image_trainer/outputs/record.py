@@ -11,7 +11,7 @@ from ..models.names import saved_name
 CHECKPOINT_KEYS = ("model", "pretrained", "preprocessing", "image_size", "class_names", "world_size", "zero_stage",
                    "precision", "data_tier")
 # The record's "training" values a resumed run must keep (the saved optimizer and scheduler were built for them).
-KEPT_TRAINING = ("learning_rate", "weight_decay", "lr_schedule", "warmup_epochs", "label_smoothing",
+KEPT_TRAINING = ("optimizer", "learning_rate", "weight_decay", "lr_schedule", "warmup_epochs", "label_smoothing",
                  "backbone_lr_scale", "freeze_backbone_epochs")
 
 
@@ -22,7 +22,8 @@ def run_record(args, ds_config, class_names):
             "class_names": list(class_names), "image_size": args.image_size, "epochs": args.epochs,
             "precision": precision(ds_config), "zero_stage": ds_config["zero_optimization"]["stage"],
             "seed": args.seed, "sync_bn": args.sync_bn,
-            "training": {"lr_schedule": lr_schedule(ds_config), "learning_rate": optimizer["lr"],
+            "training": {"optimizer": ds_config["optimizer"]["type"], "lr_schedule": lr_schedule(ds_config),
+                         "learning_rate": optimizer["lr"],
                          "weight_decay": optimizer.get("weight_decay"), "warmup_epochs": args.warmup_epochs,
                          "label_smoothing": args.label_smoothing,
                          "early_stopping_patience": args.early_stopping_patience,
