@@ -56,7 +56,7 @@ from deepspeed_image_trainer.engine.distributed import (alike_on_each_node, chec
 from deepspeed_image_trainer.engine.loop import GradientAccumulation, input_dtype
 from deepspeed_image_trainer.models.build import build_model, check_image_size, construction_args, shape_model
 from deepspeed_image_trainer.utils.failures import CliParser, UsageError, check_writable, path_argument
-from deepspeed_image_trainer.utils.files import check_regular
+from deepspeed_image_trainer.utils.files import check_regular, parse_json
 from machine import machine_slug, source_commit, usable_cores
 
 PLAIN = "plain PyTorch"
@@ -612,7 +612,7 @@ def earlier_results(args, env, world_size):
     if not args.update or not path.exists():
         return [], None, []
     try:
-        earlier = json.loads(path.read_text())
+        earlier = parse_json(path.read_text())
         measured = {**earlier["environment"], **{f"--{key}": value for key, value in earlier["settings"].items()}}
         results = earlier["results"], earlier.get("reference"), earlier["environment"].get("commands", [])
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:

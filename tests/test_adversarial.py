@@ -17,13 +17,19 @@ from deepspeed_image_trainer.cli import launch as launch_deepspeed
 from deepspeed_image_trainer.cli import train as train_deepspeed
 from deepspeed_image_trainer.cli.options import run_cli
 from deepspeed_image_trainer.data import prepare as prepare_data
-from deepspeed_image_trainer.data.check import check_folders
+from deepspeed_image_trainer.data.cache import open_entry
+from deepspeed_image_trainer.data.check import CACHE_DIR_ENV, cache_path, check_folders, load_cache
 from deepspeed_image_trainer.data.folders import ImageFiles
 from deepspeed_image_trainer.data.prepare import make_sample_dataset
+from deepspeed_image_trainer.engine.config import load_base_config
 from deepspeed_image_trainer.inference import evaluate
 from deepspeed_image_trainer.inference import export as export_model
 from deepspeed_image_trainer.inference import predict
+from deepspeed_image_trainer.inference.load import load_model
 from deepspeed_image_trainer.outputs import plots as utils
+from deepspeed_image_trainer.outputs.checkpoints import read_info
+from deepspeed_image_trainer.outputs.history import TrainingHistory
+from deepspeed_image_trainer.utils.failures import UsageError
 
 from conftest import (TINY_CLASSES, TRAINED_EPOCHS, Payload, assert_usage_error_in_process, data_args, digests, launch,
                       spawn_ranks)
@@ -845,6 +851,77 @@ def test_an_empty_path_is_refused_by_every_tool(tiny_data, tmp_path, monkeypatch
                else f"error: argument {flag}: empty: give a path ('' names no file or folder)")
     assert_usage_error_in_process(TOOLS[tool], argv, capsys, message)
     assert not any(tmp_path.iterdir())
+
+
+# --- JSON nested deeper than Python's parser reads ---------------------------------------------------------
+
+def deep_json(path, levels=5000):
+    """`path` holding JSON nested `levels` deep (5000: json.loads raises RecursionError, which no reader caught)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text('{"a": ' * levels + "1" + "}" * levels)
+    return path
+
+
+def read_sidecar(folder):
+    (folder / "model.pt").write_bytes(b"")  # the sidecar is read first
+    deep_json(folder / "model.pt.json")
+    return load_model(folder / "model.pt", "cpu")
+
+
+def read_safetensors_metadata(folder):
+    from safetensors.torch import save_file
+
+    save_file({"fc.weight": torch.zeros(1)}, str(folder / "m.safetensors"),
+              metadata={"class_names": deep_json(folder / "names.json").read_text()})
+    return load_model(folder / "m.safetensors", "cpu")
+
+
+def read_memory_report(folder):
+    args = memory_profile.get_args_parser().parse_args(["--update", "--output_dir", str(folder)])
+    env = memory_profile.environment()
+    deep_json(memory_profile.results_path(args, env, 1))
+    return memory_profile.earlier_results(args, env, 1)
+
+
+# Each reader of a JSON file given a deep one, and its answer to any other damaged file: a one-line refusal (the
+# regex), or what it falls back to.
+DEEP_JSON_READERS = {
+    "--deepspeed_config": (lambda tmp: load_base_config(deep_json(tmp / "ds.json")),
+                           r"--deepspeed_config .*ds.json: not valid JSON \(nested too deeply to read\)"),
+    "--deepspeed_config 500 levels": (  # parsed, then copying it ended in a RecursionError
+        lambda tmp: load_base_config(deep_json(tmp / "ds.json", 500)),
+        r"ds.json: not valid JSON \(nested more than 100 levels deep\)"),
+    "utils.py --history": (lambda tmp: utils.load_history(deep_json(tmp / "h.json")),
+                           r"h.json is not a training history file \(nested too deeply to read\)"),
+    "an export's sidecar": (read_sidecar,
+                            r"model.pt.json is unreadable \(nested too deeply to read\): export the model again"),
+    "a .safetensors file's metadata": (read_safetensors_metadata,
+                                       r"m.safetensors is damaged or not a safetensors file \(nested too deeply"),
+    "a checkpoint's extra_info.json (export, --resume)": (
+        lambda tmp: read_info(deep_json(tmp / "last/extra_info.json").parent),
+        r"last/extra_info.json is unreadable \(nested too deeply to read\): use another checkpoint"),
+    "memory_profile.py --update": (read_memory_report,
+                                   r"is not a memory report's JSON \(ValueError: nested too deeply to read\)"),
+    "the data check's cache": (lambda tmp: deep_json(cache_path(tmp)) and load_cache(tmp), {}),  # inspected again
+    "a decoded-image cache entry's meta.json": (  # filled again
+        lambda tmp: open_entry(deep_json(tmp / "entry/meta.json").parent, 1, 32), None),
+    "the history file a resumed run rewrites": (  # rewritten
+        lambda tmp: TrainingHistory(deep_json(tmp / "h.json"), {}).file_is_behind(), True),
+    "a sample dataset's marker": (  # no images there yet: drawn
+        lambda tmp: make_sample_dataset(deep_json(tmp / "data/sample_dataset.json").parent, 2, 1, 1, 16, 0),
+        {"train": 2, "val": 2}),
+}
+
+
+@pytest.mark.parametrize("reader", DEEP_JSON_READERS)
+def test_json_nested_too_deeply_is_a_damaged_file_to_every_reader(tmp_path, monkeypatch, reader):
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "cache"))
+    read, expected = DEEP_JSON_READERS[reader]
+    if isinstance(expected, str):
+        with pytest.raises(UsageError, match=expected):
+            read(tmp_path)
+    else:
+        assert read(tmp_path) == expected
 
 
 @pytest.mark.parametrize("inside", ["val", "val/bat", "train/../val/bat/more"])

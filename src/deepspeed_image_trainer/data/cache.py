@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from ..utils.failures import UsageError, check_writable
-from ..utils.files import as_open_would, check_regular, fingerprint, regular_text, write_json_atomic
+from ..utils.files import (as_open_would, check_regular, fingerprint, parse_json, regular_text,
+                           write_json_atomic)
 
 VERSION = 1
 IMAGES_FILE, META_FILE = "images.u8", "meta.json"
@@ -78,7 +79,7 @@ def open_entry(folder, count, crop):
     from its file and {index: why} of the files that did not decode (zeros there); None when the entry is
     missing or not the one expected."""
     try:
-        meta = json.loads(regular_text(Path(folder) / META_FILE))  # a FIFO: filled again
+        meta = parse_json(regular_text(Path(folder) / META_FILE))  # a FIFO: filled again
         path = Path(folder) / IMAGES_FILE
         size = count * 3 * crop * crop
         if (meta.get("version"), meta.get("count"), meta.get("crop")) != (VERSION, count, crop) \
@@ -165,7 +166,7 @@ def _remove_replaced(root, key, settings, source):
         if folder.name == key or folder.name.startswith(".") or not folder.is_dir():
             continue
         try:
-            meta = json.loads(regular_text(folder / META_FILE))
+            meta = parse_json(regular_text(folder / META_FILE))
         except (OSError, ValueError):
             continue
         if not isinstance(meta, dict):  # damaged: not this trainer's; left to the next fill of its own key

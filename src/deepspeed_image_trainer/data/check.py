@@ -17,7 +17,6 @@ once (device.decode_split).
 """
 import functools
 import hashlib
-import json
 import os
 import sys
 import warnings
@@ -29,7 +28,7 @@ from pathlib import Path
 from PIL import Image, UnidentifiedImageError
 
 from ..utils.failures import UsageError
-from ..utils.files import regular_text, write_json_atomic
+from ..utils.files import parse_json, regular_text, write_json_atomic
 from ..utils.text import error_line, listed
 
 CACHE_VERSION = 2
@@ -368,7 +367,7 @@ def load_cache(root):
     or outdated)."""
     saved = cache_path(root)
     try:
-        cache = json.loads(regular_text(saved))
+        cache = parse_json(regular_text(saved))
         files = cache["files"] if cache.get("version") == CACHE_VERSION else {}
         # a record that is not one (an edited or foreign file) is inspected again, as a file not in the cache is
         return {path: record for path, record in files.items() if whole_record(record)}

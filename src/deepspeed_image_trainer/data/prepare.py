@@ -14,6 +14,7 @@ from PIL import Image, ImageDraw
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..utils.failures import CliParser, UsageError, check_outside_checkpoints, path_argument
+from ..utils.files import parse_json
 from .check import cache_place, check_folders
 
 # The 90 class folders of the Animals-90 dataset; the sample dataset borrows them as class names.
@@ -104,7 +105,7 @@ def make_sample_dataset(output, num_classes, train_per_class, val_per_class, ima
                 "val_per_class": val_per_class, "image_size": image_size, "seed": seed}
     counts = {"train": num_classes * train_per_class, "val": num_classes * val_per_class}
     marker = output / SAMPLE_MARKER
-    if marker.is_file() and json.loads(marker.read_text()) == settings:
+    if marker.is_file() and _marked(marker) == settings:
         return counts
     _refuse_to_overwrite(output)
     rng = random.Random(seed)
@@ -116,6 +117,14 @@ def make_sample_dataset(output, num_classes, train_per_class, val_per_class, ima
                 draw_sample_image(class_index, rng, image_size).save(folder / f"{name}_{i:04d}.jpg", quality=90)
     marker.write_text(json.dumps(settings) + "\n")
     return counts
+
+
+def _marked(marker):
+    """The settings a sample dataset's marker records; None when it is damaged (its data is then not redrawn over)."""
+    try:
+        return parse_json(marker.read_bytes())
+    except (OSError, ValueError):
+        return None
 
 
 def _refuse_to_overwrite(output):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..models.names import DEFAULT_MODEL
 from ..utils.failures import UsageError, check_writable
+from ..utils.files import parse_json
 from ..utils.text import digits, error_line
 
 AUTO = "auto"
@@ -48,6 +49,10 @@ AUTOCAST_DTYPE_NAMES = {name: half for half, names in
                          ("bf16", ("bfloat16", "bf16", "torch.bfloat16"))) for name in names}
 
 
+# DeepSpeed's configs nest 4 levels; at about 450 copying the config ended in a RecursionError traceback.
+MAX_CONFIG_DEPTH = 100
+
+
 def load_base_config(path):
     """The user's JSON as a dict; {} when no path is given."""
     if not path:
@@ -58,7 +63,7 @@ def load_base_config(path):
                                                            "not a regular file (a FIFO or a device)"
                                                            if path.exists() else "file not found"))
     try:
-        config = json.loads(path.read_text())
+        config = parse_json(path.read_text(), max_depth=MAX_CONFIG_DEPTH)
     except OSError as err:
         raise UsageError(f"--deepspeed_config {path}: cannot read it ({err.strerror or err})") from None
     except ValueError as err:  # not JSON, not UTF-8, or a whole number of more than 4300 digits

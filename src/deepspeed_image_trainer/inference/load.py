@@ -1,5 +1,4 @@
 """Load a trained model (exported file or DeepSpeed checkpoint) and run it on images, batched."""
-import json
 from pathlib import Path
 
 import torch
@@ -12,7 +11,7 @@ from ..engine.finetune import head_module
 from ..models.build import check_saved_model, load_weights, model_for_weights
 from ..models.names import MODEL_NAME
 from ..utils.failures import UsageError
-from ..utils.files import fingerprint
+from ..utils.files import fingerprint, parse_json
 from ..utils.loading import load_checked, tensors_by_name, unloadable_tensor
 from ..utils.text import digits
 from .export import consolidated_state_dict, sidecar_path
@@ -79,7 +78,7 @@ def _metadata(path):
     metadata, source = None, sidecar
     if sidecar.is_file():
         try:
-            metadata = json.loads(sidecar.read_bytes())
+            metadata = parse_json(sidecar.read_bytes())
         except (OSError, ValueError) as err:
             raise UsageError(f"{sidecar} is unreadable ({str(err).splitlines()[0]}): export the model again") from None
     elif path.suffix == ".safetensors":
@@ -90,7 +89,7 @@ def _metadata(path):
             with safe_open(str(path), "pt") as f:
                 stored = f.metadata() or {}
             if "class_names" in stored:
-                metadata = {k: json.loads(v) for k, v in stored.items()}
+                metadata = {k: parse_json(v) for k, v in stored.items()}
         except (SafetensorError, OSError, ValueError) as err:
             raise UsageError(f"--model {path} is damaged or not a safetensors file ({err})") from None
     if metadata is None:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from ..engine.distributed import barrier, rank, rank_zero_only, world_size
 from ..utils.failures import CHECKPOINT_DESCRIPTION, UsageError, stop_on_write_error
-from ..utils.files import write_json_atomic
+from ..utils.files import parse_json, write_json_atomic
 from ..utils.loading import check_checkpoint_files
 from ..utils.text import error_line, listed
 from . import universal
@@ -112,7 +112,7 @@ def read_info(folder):
     """A checkpoint's extra_info.json; UsageError when it is not what this trainer writes."""
     path = Path(folder) / EXTRA_INFO
     try:
-        info = json.loads(path.read_bytes())
+        info = parse_json(path.read_bytes())
     except (OSError, ValueError) as err:
         raise UsageError(f"{path} is unreadable ({str(err).splitlines()[0]}): use another checkpoint (last, "
                          "best_model, epoch_N)") from None

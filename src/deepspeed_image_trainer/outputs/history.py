@@ -1,11 +1,10 @@
 """logs/training_history.json: the run's settings, one record per epoch and the best epoch."""
 import copy
-import json
 from pathlib import Path
 
 from ..engine.distributed import rank_zero_only
 from ..utils.failures import stop_on_write_error
-from ..utils.files import write_json_atomic
+from ..utils.files import parse_json, write_json_atomic
 
 HISTORY_FILE = "training_history.json"  # in --log_dir
 
@@ -64,7 +63,7 @@ class TrainingHistory:
         self.data["best"] = dict(saved["best"])
         # The figures measured after an epoch's save (AFTER_SAVE) are not in that checkpoint: the file has them.
         try:
-            written = {r.get("epoch"): r for r in json.loads(self.path.read_bytes())["epochs"] if isinstance(r, dict)}
+            written = {r.get("epoch"): r for r in parse_json(self.path.read_bytes())["epochs"] if isinstance(r, dict)}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             written = {}
         for record in self.data["epochs"]:
@@ -76,7 +75,7 @@ class TrainingHistory:
         """Whether the file holds fewer epochs than this history (a stop between a checkpoint's publication and
         its history line), or cannot be read."""
         try:
-            return len(json.loads(self.path.read_bytes())["epochs"]) < len(self.data["epochs"])
+            return len(parse_json(self.path.read_bytes())["epochs"]) < len(self.data["epochs"])
         except (OSError, ValueError, KeyError, TypeError):
             return True
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from ..utils.failures import CliParser, UsageError, check_output_file, path_argument
+from ..utils.files import parse_json
 from ..utils.text import digits, drawable, error_line
 
 
@@ -20,7 +21,7 @@ def load_history(path):
         raise UsageError(f"{path}: not a regular file (a FIFO or a device); give a training_history.json"
                          if path.exists() else f"history file not found: {path}")
     try:
-        history = json.loads(path.read_text())
+        history = parse_json(path.read_text())
     except ValueError as err:  # not JSON, not UTF-8 (a binary file), a whole number beyond 4300 digits
         raise UsageError(f"{path} is not a training history file ({error_line(err)})") from None
     if not isinstance(history, dict) or "epochs" not in history:

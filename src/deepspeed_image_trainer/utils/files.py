@@ -1,4 +1,5 @@
-"""Files that readers see whole or not at all: written to a temporary name beside them, then renamed."""
+"""Files that readers see whole or not at all: written to a temporary name beside them, then renamed; and JSON
+read back (parse_json), where nesting too deep to use is a ValueError like any other damage."""
 import errno
 import hashlib
 import json
@@ -6,6 +7,25 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
+
+def parse_json(text, max_depth=None):
+    """json.loads, where JSON nested too deeply for Python's parser (a RecursionError, near 1000 levels) or, given
+    `max_depth`, deeper than that is a ValueError like any other text that is not JSON: each reader's "not valid
+    JSON" message then covers it."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply to read") from None
+    if max_depth is not None:
+        level = [value] if isinstance(value, (dict, list)) else []
+        for _ in range(max_depth):  # the containers one level further down each time: no recursion of our own
+            level = [item for container in level
+                     for item in (container.values() if isinstance(container, dict) else container)
+                     if isinstance(item, (dict, list))]
+        if level:
+            raise ValueError(f"nested more than {max_depth} levels deep")
+    return value
 
 
 def write_json_atomic(path, data):
