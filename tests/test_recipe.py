@@ -9,6 +9,7 @@ from torchvision.transforms import v2
 
 from deepspeed_image_trainer.data.folders import DEFAULT_PREPROCESSING, build_transform
 from deepspeed_image_trainer.data.mixing import BatchMixing
+from conftest import DEVICES
 
 BILINEAR = transforms.InterpolationMode.BILINEAR
 POLICIES = {"ra": lambda: v2.RandAugment(num_ops=3, magnitude=12, interpolation=BILINEAR),
@@ -101,6 +102,23 @@ def test_mixup_and_cutmix_of_one_seed_are_torchvisions_own():
     torch.manual_seed(hash((42, 0, 3, 7)) % 2**63)
     expected_images, expected_targets = reference(images, labels)
     assert torch.equal(out, expected_images) and torch.equal(targets, expected_targets)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixing_keeps_the_batchs_layout(device):
+    # the GPU's batches are channels_last; CUDA's roll (mixup's) returns the default layout, the step's slow one
+    images = torch.rand(6, 3, 16, 16, generator=torch.Generator().manual_seed(1)).to(device)
+    labels = torch.tensor([0, 1, 2, 3, 4, 0], device=device)
+    for mixup_alpha, cutmix_alpha in ((0.2, 0.0), (0.0, 1.0)):
+        mixing = BatchMixing(mixup_alpha, cutmix_alpha, num_classes=5, seed=42, rank=0)
+        plain, plain_targets = mixing(images, labels, 1, 0)
+        last, last_targets = mixing(images.contiguous(memory_format=torch.channels_last), labels, 1, 0)
+        assert plain.is_contiguous() and last.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(plain, last) and torch.equal(plain_targets, last_targets)
+        mix = mixing.mix
+        mixing.mix = lambda images, labels: (lambda out: (out[0].contiguous(), out[1]))(mix(images, labels))
+        again, _ = mixing(images.contiguous(memory_format=torch.channels_last), labels, 1, 0)
+        assert again.is_contiguous(memory_format=torch.channels_last) and torch.equal(again, last)
 
 
 def test_drop_path_is_torchvisions_stochastic_depth_prob():
