@@ -83,6 +83,10 @@ def main():
              "+ mixup 0.2 / cutmix 1.0": (loader(), mixed(BatchMixing(0.2, 1.0, 90, 0, 0)), args.batches)}
     for policy in args.policies:
         cases[f"+ {policy}"] = (loader(policy=policy), lambda loader, epoch: loader.epoch(epoch), args.batches)
+        alone = loader(policy=policy)
+        if alone.policy_chunk > 1:  # the trainer runs the policy on several batches at once: without that
+            alone.policy_chunk = 1
+            cases[f"+ {policy}, a batch at a time"] = (alone, lambda loader, epoch: loader.epoch(epoch), args.batches)
         cases[f"+ {policy}, torchvision per image"] = (loader(), per_image(policy), args.reference_batches)
     results = {}
     for name, (case_loader, batches, count) in cases.items():

@@ -107,6 +107,17 @@ def test_an_epoch_resumed_mid_way_gets_the_same_batches(recipe):
         assert sum(not torch.equal(a[0], b[0]) for a, b in zip(whole, plain)) == len(whole)
 
 
+@pytest.mark.parametrize("policy", ["ra", "augmix"])  # rounds; chains and their mixing
+def test_the_policy_on_a_chunk_of_batches_gives_each_batch_what_it_gives_alone(policy):
+    recipe = recipe_arguments({**RECIPE, "auto_augment": policy})
+    chunked, alone = fake_loader(**recipe), fake_loader(**recipe)
+    alone.policy_chunk = 1
+    assert chunked.policy_chunk == 8  # 10 batches: a chunk of 8 and one of 2
+    together, apart = list(chunked.epoch(2)), list(alone.epoch(2))
+    assert len(together) == len(apart) == 10
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(together, apart))
+
+
 def test_the_dataloader_tier_augments_each_image_the_same_with_any_workers_and_from_any_batch(tiny_data):
     """Each image's crop and flip come from (seed, epoch, image): 0 or 2 workers, a start part-way through the
     epoch, and the training process's own random stream (left as it was) change none of them."""

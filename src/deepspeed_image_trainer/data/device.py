@@ -53,6 +53,11 @@ MODEL_STATE_BYTES_PER_PARAMETER = 16  # fp32 weights, gradients and AdamW's two 
 # this many batches more). ResNet18, ZeRO-2, H100: 5% of the epoch waiting for data (one ahead, before the copies
 # had a stream of their own: 16%).
 HOST_BATCHES_AHEAD = 3
+# The policy (--auto_augment) runs on the batches of a chunk of about this many images at once, at most
+# POLICY_CHUNK_BATCHES batches: its launches from the host take about the same time for one batch of 256 as for
+# four (3.3 and 3.5 ms on an H200), a third of a ResNet18 step, in which the host is the bottleneck.
+POLICY_CHUNK_IMAGES = 1024
+POLICY_CHUNK_BATCHES = 8
 # torch threads of the thread that gathers host batches: a batch's rows gathered on every core of a 16-core host
 # came slower than on a few, beside the training step and alone (benchmarks/host_batches.py)
 GATHER_THREADS = 4
@@ -399,6 +404,7 @@ class DeviceTrainLoader:
         self.seed, self.rank, self.micro_batch_size, self.image_size = seed, rank, micro_batch_size, image_size
         self.random_erase = random_erase  # erasing's probability (torchvision's RandomErasing, after normalising)
         self.policy = policy  # --auto_augment's, a batched_policies.BatchedPolicy, on the uint8 crops
+        self.policy_chunk = 1 if policy is None else policy_chunk(micro_batch_size)
         self.batches_per_epoch = self.sampler.num_samples // micro_batch_size
         self.normalize = Normalize(self.device, dtype, preprocessing)
         self.crops = ResizedCrops(images.shape[-1], image_size, self.device,
@@ -437,27 +443,53 @@ class DeviceTrainLoader:
                 for start in range(start_batch * size, self.batches_per_epoch * size, size))
 
     def epoch(self, epoch, start_batch=0):
-        batches = self.epoch_boxes(epoch, start_batch)
-        policies = self.epoch_policies(epoch, start_batch)
+        # from the first batch of start_batch's policy chunk: a resumed epoch applies the policy to the same
+        # groups of images as the uninterrupted one
+        first = start_batch - start_batch % self.policy_chunk
+        batches = self.epoch_boxes(epoch, first)
+        policies = self.epoch_policies(epoch, first)
         if self.host:
-            return self._gathered_ahead(batches, policies)
-        return (self.batch(self.images[indices], self.labels[indices], boxes, policy)
-                for (indices, boxes), policy in zip(batches, policies))
+            items = self._gathered_ahead(batches, policies)
+        else:
+            items = ((self.images[indices], self.labels[indices], boxes, policy)
+                     for (indices, boxes), policy in zip(batches, policies))
+        chunks = (self.batches(chunk) for chunk in chunked(items, self.policy_chunk))
+        return itertools.islice(itertools.chain.from_iterable(chunks), start_batch - first, None)
 
     def batch(self, images, labels, boxes, policy=None):
-        crops = self.crops(images, *boxes[:, :5].unbind(1))
-        if policy is not None:  # torchvision's order: the policy on the crops' uint8 pixels, then normalisation
-            pixels = crops.round().clamp_(0, 255).to(torch.uint8, memory_format=torch.contiguous_format)
-            crops = self.policy.apply(pixels, policy)
-        batch = self.normalize(crops)
-        return (erase(batch, boxes[:, 5:]) if self.random_erase else batch), labels
+        return next(self.batches([(images, labels, boxes, policy)]))
+
+    def batches(self, chunk):
+        """The finished batches of `chunk`, a list of (images, labels, boxes, policy draws) of consecutive batches:
+        crops and normalisation batch by batch, the policy on the whole chunk's crops at once."""
+        crops = (self.crops(images, *boxes[:, :5].unbind(1)) for images, _, boxes, _ in chunk)
+        if self.policy is not None:  # torchvision's order: the policy on the crops' uint8 pixels, then normalisation
+            pixels = torch.cat([crop.round_().clamp_(0, 255).to(torch.uint8, memory_format=torch.contiguous_format)
+                                for crop in crops])
+            draws = {name: torch.cat([item[3][name] for item in chunk]) for name in chunk[0][3]}
+            crops = self.policy.apply(pixels, draws).split([len(item[1]) for item in chunk])
+        for crop, (_, labels, boxes, _) in zip(crops, chunk):
+            batch = self.normalize(crop)
+            yield (erase(batch, boxes[:, 5:]) if self.random_erase else batch), labels
 
     def _gathered_ahead(self, batches, policies):
         """Host batches: each batch's images and labels gathered from the mapped file and sent to the device a
-        few batches ahead."""
+        few batches ahead, as (images, labels, boxes, policy draws)."""
         gather = lambda batch: gathered_host((self.images, self.labels), batch[0], self.device)  # noqa: E731
         for ((_, boxes), (images, labels)), policy in zip(sent_ahead(batches, gather, self.device), policies):
-            yield self.batch(images, labels, boxes, policy)
+            yield images, labels, boxes, policy
+
+
+def chunked(items, size):
+    """Lists of `size` consecutive items (the last one shorter): itertools.batched, which Python 3.11 lacks."""
+    items = iter(items)
+    while chunk := list(itertools.islice(items, size)):
+        yield chunk
+
+
+def policy_chunk(micro_batch_size):
+    """How many batches the policy runs on at once (POLICY_CHUNK_IMAGES)."""
+    return max(1, min(POLICY_CHUNK_BATCHES, POLICY_CHUNK_IMAGES // micro_batch_size))
 
 
 def gathered_host(sources, indices, device):
