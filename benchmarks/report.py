@@ -581,7 +581,8 @@ TABLES = {
     "deepspeed-overrides": lambda: throughput("throughput_nvidia_h100_80gb_hbm3.json"),
     "scaling-epochs": lambda: scaling([f"scaling_{model}nvidia_h100_80gb_hbm3_x2.json"
                                        for model in ("", "resnet50_", "vit_b_16_")]),
-    "recipe-epochs": lambda: recipe_epochs("recipe_epochs/throughput_nvidia_h100_80gb_hbm3.json"),
+    "recipe-epochs": lambda: "\n\n".join(recipe_epochs(f"recipe_epochs/throughput_{model}nvidia_h100_80gb_hbm3.json")
+                                         for model in ("", "resnet50_")),
     "host-time": lambda: "\n\n".join(throughput(f"host_time/throughput_{size}px_nvidia_h200.json")
                                        for size in (32, 224)),
     "epoch-parts": lambda: epoch_parts([f"epoch_parts/epoch_parts_resnet18_zero2_nvidia_h200_x{n}.json"
