@@ -15,6 +15,11 @@ to benchmarks/results/data_path_accuracy_<machine>.json.
 
     python benchmarks/data_path_accuracy.py --seeds 1 2 3 4 5 6 7 8 9 10 --jobs 6
     python benchmarks/data_path_accuracy.py --seeds 7 8 --variants "data on device" --update
+
+With torchvision's new-recipe augmentation beside the same runs without it, paired by seed:
+
+    python benchmarks/data_path_accuracy.py --variants "data on device" "data on device, recipe" --epochs 16 \
+        --seeds 1 2 3 4 5 6 7 --jobs 14 --output_dir benchmarks/results/recipe_accuracy
 """
 import argparse
 import json
@@ -39,6 +44,12 @@ VARIANTS = {
     # The sample images are 96 px: squares of that side keep all of their detail.
     "data on device, 96 px squares": ["--data_on_device", "on", "--device_train_size", "96"],
 }
+# torchvision's "new recipe" augmentation and label smoothing (its schedule, EMA and optimizer aside): each
+# "<variant>, recipe" is also paired with <variant> by seed (--output_dir benchmarks/results/recipe_accuracy)
+RECIPE = ["--auto_augment", "ta_wide", "--random_erase", "0.1", "--mixup_alpha", "0.2", "--cutmix_alpha", "1.0",
+          "--label_smoothing", "0.1"]
+RECIPE_SUFFIX = ", recipe"
+VARIANTS.update({name + RECIPE_SUFFIX: flags + RECIPE for name, flags in list(VARIANTS.items())[:2]})
 CROP_AREAS = ((0.08, 0.3), (0.3, 0.6), (0.6, 1.0))
 LAPLACIAN = torch.tensor([[0.0, 1, 0], [1, -4, 1], [0, 1, 0]]).view(1, 1, 3, 3).repeat(3, 1, 1, 1)
 # Two-sided 95% quantiles of Student's t, by degrees of freedom.
@@ -144,8 +155,9 @@ def main():
             sys.exit(f"error: --update: {path} was run with another {', '.join(differs)}")
     train_paths = sorted((args.sample_data / "train").glob("*/*.jpg"))
     step = max(1, len(train_paths) // args.detail_images)
+    cropped = [name for name in VARIANTS if name != REFERENCE and not name.endswith(RECIPE_SUFFIX)]
     detail = {name: crop_detail(train_paths[::step][:args.detail_images], train_size(VARIANTS[name], args.image_size),
-                                args.image_size) for name in VARIANTS if name != REFERENCE}
+                                args.image_size) for name in cropped}
 
     def run(case):
         name, seed = case
@@ -175,6 +187,11 @@ def main():
             results[name]["difference_to_dataloader"] = {**paired_difference(
                 [by_seed[s]["val_acc"] for s in paired], [runs[REFERENCE][s]["val_acc"] for s in paired]),
                 "seeds": paired}
+        plain = runs.get(name.removesuffix(RECIPE_SUFFIX), {}) if name.endswith(RECIPE_SUFFIX) else {}
+        paired = [seed for seed in sorted(by_seed) if "val_acc" in by_seed[seed] and "val_acc" in plain.get(seed, {})]
+        if paired:
+            results[name]["difference_to_no_recipe"] = {**paired_difference(
+                [by_seed[s]["val_acc"] for s in paired], [plain[s]["val_acc"] for s in paired]), "seeds": paired}
     settings = settings_of(args, leave_out=("seeds", "variants"))
     path.write_text(json.dumps({"environment": env, "commands": commands + [env["command"]], "settings": settings,
                                 "results": results}, indent=2) + "\n")
@@ -191,9 +208,11 @@ def main():
         if "val_acc" in r:
             std = r["val_acc"]["std"]
             line += f"{r['val_acc']['mean']:>8.3f}" + (f"{std:>7.3f}" if std is not None else f"{'-':>7}")
-        diff = r.get("difference_to_dataloader")
-        if diff:
-            line += f"{diff['mean']:>+14.3f}" + (f" ± {diff['ci95']:.3f}" if diff["ci95"] is not None else "")
+        for key in ("difference_to_dataloader", "difference_to_no_recipe"):
+            diff = r.get(key)
+            if diff:
+                line += (f"{diff['mean']:>+14.3f}" + (f" ± {diff['ci95']:.3f}" if diff["ci95"] is not None else "")
+                         + (" (vs no recipe)" if key == "difference_to_no_recipe" else ""))
         print(line)
     print("\ntraining crops against torchvision's for the same boxes: mean |difference| (0-255), high-frequency "
           "energy ratio")

@@ -143,7 +143,9 @@ def recipe_epochs(name):
     results, settings = result["results"], result["settings"]
     reference = next(iter(results.values()))["images_per_s"]
     rows = []
-    for tier in ("data on GPU", "DataLoader"):
+    for tier in ("data on GPU", "data in the cache", "DataLoader"):
+        if f"epoch: zero0 bf16 recipe, {tier}" not in results:
+            continue
         plain, recipe = results[f"epoch: zero0 bf16, {tier}"], results[f"epoch: zero0 bf16 recipe, {tier}"]
         loader = results["epoch: zero0 bf16 recipe, DataLoader"]
         for label, r in ((f"{tier}, no recipe", plain), (f"{tier}, recipe", recipe)):
@@ -284,6 +286,21 @@ def recipe_augmentation():
     return source(result, name) + (
         f"\nBatch of {settings['batch_size']}, {settings['image_size']} px crops from {settings['square_size']} px "
         "uint8 squares, bf16 channels_last out:\n\n") + table(["variant", "per batch", "added", "images/s"], rows)
+
+
+def recipe_accuracy(name):
+    """data_path_accuracy.py's recipe variants beside the same runs without the recipe, paired by seed."""
+    result = load(name)
+    rows = []
+    for variant, r in result["results"].items():
+        diff = r.get("difference_to_no_recipe")
+        rows.append([variant, len(r["runs"]), f"{r['val_acc']['mean']:.3f} ± {r['val_acc']['std']:.3f}",
+                     f"{diff['mean']:+.3f} ± {diff['ci95']:.3f}" if diff else "–"])
+    settings = result["settings"]
+    return source(result, name) + (
+        f"\nSample data (90 classes, 96 px), {settings['epochs']} epochs, {settings['image_size']} px crops, batch "
+        f"{settings['batch_size']}, bf16; validation accuracy after the last epoch:\n\n") + table(
+        ["data path", "seeds", "val acc, mean ± std", "difference to no recipe, paired by seed (95%)"], rows)
 
 
 def data_path_accuracy():

@@ -92,13 +92,17 @@ REAL = {
                                               BF16_REF, None),
     "epoch: zero0 bf16 recipe, DataLoader": (["--zero_stage", "0", "--bf16", "--data_on_device", "off", *RECIPE],
                                              BF16_REF, None),
+    "epoch: zero0 bf16, data in the cache": (["--zero_stage", "0", "--bf16", "--data_on_device", "cache"], BF16_REF,
+                                             None),
+    "epoch: zero0 bf16 recipe, data in the cache": (["--zero_stage", "0", "--bf16", "--data_on_device", "cache",
+                                                     *RECIPE], BF16_REF, None),
 }
 # minutes of compiling, or measured for benchmarks/scaling.py only
 SKIPPED_BY_DEFAULT = {"torch bf16 channels_last compile", "step: zero2 bf16 compile", "step: zero2 bf16 offload_optimizer",
                       "epoch: zero2 bf16 compile, data on GPU",
                       "epoch: zero0 bf16, data on GPU", "epoch: zero1 bf16, data on GPU",
-                      *(name for name in REAL if name.startswith("epoch: zero0 bf16") and name.endswith("DataLoader")
-                        or "recipe" in name),
+                      *(name for name in REAL if name.startswith("epoch: zero0 bf16") and name.endswith(
+                          ("DataLoader", "cache")) or "recipe" in name),
                       *(name for name in [*REFERENCES, *SYNTHETIC, *REAL] if "sync" in name.lower()),
                       *(name for name in [*SYNTHETIC, *REAL] if "offload" in name and name.startswith("step") or
                         name.endswith("DeepSpeed's methods"))}
