@@ -41,6 +41,7 @@ def test_crops_are_torchvisions_antialiased_resized_crops(side, out):
     top, left, height, width, flip = random_resized_crops(24, side, generator)
     assert flip.any() and not flip.all()
     ours = ResizedCrops(side, out, CPU)(images, top, left, height, width, flip)
+    assert torch.equal(ResizedCrops(side, out, CPU)(images.float(), top, left, height, width, flip), ours)  # float in
     for i in range(24):
         box = [int(v[i]) for v in (top, left, height, width)]
         expected = TF.resized_crop(images[i].float(), *box, [out, out], antialias=True)

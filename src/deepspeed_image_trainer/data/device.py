@@ -358,7 +358,8 @@ class ResizedCrops:
         # it for each (a fifth of the batch's time on an H100)
         count, channels, side, out = len(images), images.shape[1], self.side, rows.shape[1]
         pixels = images.permute(0, 2, 1, 3).to(self.dtype, memory_format=torch.contiguous_format)
-        resized = rows @ pixels.view(count, side, channels * side)  # (N, out, C * side)
+        # reshape: pixels already in `dtype` (float crops, data_path_accuracy.py's) are not copied by .to()
+        resized = rows @ pixels.reshape(count, side, channels * side)  # (N, out, C * side)
         resized = resized.view(count, out * channels, side) @ columns.transpose(1, 2)  # (N, out * C, out)
         return resized.view(count, out, channels, out).permute(0, 2, 1, 3)
 
@@ -476,7 +477,9 @@ class DeviceTrainLoader:
         """Host batches: each batch's images and labels gathered from the mapped file and sent to the device a
         few batches ahead, as (images, labels, boxes, policy draws)."""
         gather = lambda batch: gathered_host((self.images, self.labels), batch[0], self.device)  # noqa: E731
-        for ((_, boxes), (images, labels)), policy in zip(sent_ahead(batches, gather, self.device), policies):
+        # the policy takes a chunk's batches at once: read that many more ahead, or each chunk waits for one
+        ahead = HOST_BATCHES_AHEAD + self.policy_chunk - 1
+        for ((_, boxes), (images, labels)), policy in zip(sent_ahead(batches, gather, self.device, ahead), policies):
             yield images, labels, boxes, policy
 
 
@@ -528,8 +531,8 @@ def start_reader(device, threads):
         torch.cuda.set_device(device)
 
 
-def sent_ahead(items, read, device):
-    """(item, read(item)'s tensors on `device`) for each item, read HOST_BATCHES_AHEAD items ahead in a thread.
+def sent_ahead(items, read, device, ahead=HOST_BATCHES_AHEAD):
+    """(item, read(item)'s tensors on `device`) for each item, read `ahead` items ahead in a thread.
     On a GPU read() fills pinned memory and the thread copies it on a stream of its own, so the copy overlaps
     the step instead of queueing before its kernels (50 MB a ResNet18 batch of 256: about a tenth of its step
     on an H100), and the host never waits for the GPU (a copy from pageable memory would)."""
@@ -565,7 +568,7 @@ def sent_ahead(items, read, device):
         pending = collections.deque()
         for item in items:
             pending.append((item, reader.submit(read_and_send, item)))
-            if len(pending) > HOST_BATCHES_AHEAD:
+            if len(pending) > ahead:
                 yield arrived(*pending.popleft())
         while pending:
             yield arrived(*pending.popleft())
