@@ -86,6 +86,8 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         # DeepSpeed joins output_path and job_name: the monitor wrote outside output_path
         "CSV_JOB_UP": {"csv_monitor": {"enabled": True, "output_path": "mine", "job_name": "../../x"}},
         "CSV_JOB_ABSOLUTE": {"csv_monitor": {"enabled": True, "output_path": "mine", "job_name": "/tmp/x"}},
+        # os.path.join("", job_name): job_name "" failed in every rank (os.makedirs(''))
+        "CSV_PATH_EMPTY": {"csv_monitor": {"enabled": True, "output_path": "", "job_name": ""}},
         "SEQUENCE_PARALLEL": {"sequence_parallel_size": 2},
         "AUTOTUNING": {"autotuning": {"enabled": True}},  # a few steps, then DeepSpeed's exit(): status 0
         "ONE_CYCLE_SHORT": {"scheduler": {"type": "OneCycleLR", "params": {"max_lr": 0.01, "total_steps": 3}}},
@@ -195,6 +197,8 @@ FLAGS = [
                                            "output_path/job_name, so it must be a folder name, without '/' or '\\' "
                                            "and not '.' or '..'"),
     (["--deepspeed_config", "CSV_JOB_ABSOLUTE"], "csv_monitor.job_name '/tmp/x': the monitor writes in"),
+    (["--deepspeed_config", "CSV_PATH_EMPTY"], "csv_monitor.output_path is empty: give a folder, or leave "
+                                               "output_path out (the monitor then writes in --log_dir's csv_monitor)"),
     (["--deepspeed_config", "SEQUENCE_PARALLEL"], "sequence_parallel_size is for splitting a language model's"),
     (["--deepspeed_config", "AUTOTUNING"], "autotuning.enabled: DeepSpeed's engine then times a few steps and "
                                            "exits, training nothing"),

@@ -530,6 +530,25 @@ def test_tensorboard_without_the_package_is_a_usage_error(monkeypatch):
         check_monitor_support(build("--tensorboard"))
 
 
+@pytest.mark.parametrize("section", ["tensorboard", "csv_monitor"])
+def test_a_monitor_needs_an_output_path_and_may_write_in_it_itself(section, tmp_path, monkeypatch):
+    """output_path "" with job_name "" failed at every rank's engine start, in DeepSpeed's os.makedirs('');
+    job_name "" with an output_path writes in output_path itself."""
+    import importlib.machinery
+    import sys
+    import types
+
+    installed = types.ModuleType("tensorboard")  # find_spec then finds it, whether or not it is installed
+    installed.__spec__ = importlib.machinery.ModuleSpec("tensorboard", None)
+    monkeypatch.setitem(sys.modules, "tensorboard", installed)
+    for job_name in ("", "x"):
+        with pytest.raises(UsageError, match=f"^{section}.output_path is empty: give a folder, or leave output_path "
+                                             rf"out \(the monitor then writes in --log_dir's {section}\)$"):
+            check_monitor_support(build(base={section: {"enabled": True, "output_path": "", "job_name": job_name}}))
+    check_monitor_support(build(base={section: {"enabled": True, "output_path": str(tmp_path), "job_name": ""}}))
+    check_monitor_support(build(base={section: {"enabled": False, "output_path": "", "job_name": ""}}))
+
+
 def test_launcher_refuses_tensorboard_without_the_package_before_starting(tiny_data, tmp_path, monkeypatch, capsys):
     import runpy
     import sys

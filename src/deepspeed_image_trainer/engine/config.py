@@ -560,6 +560,11 @@ def check_monitor_support(config):
             raise UsageError(f"{section}.job_name {job_name!r}: the monitor writes in output_path/job_name, so it "
                              "must be a folder name, without '/' or '\\' and not '.' or '..' (\"\" writes in "
                              "output_path itself)")
+        # DeepSpeed makes os.path.join("", job_name): job_name "" failed at its start (os.makedirs('')), another
+        # wrote in whatever folder the rank started in
+        if monitor_enabled(monitor) and monitor.get("output_path") == "":
+            raise UsageError(f"{section}.output_path is empty: give a folder, or leave output_path out (the monitor "
+                             f"then writes in --log_dir's {section})")
         if monitor_enabled(monitor) and monitor.get("output_path"):
             check_writable(monitor["output_path"], f"{section}.output_path")
 
