@@ -95,6 +95,8 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "SGD_UNTESTED": {"optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "zero_allow_untested_optimizer": False,
                          "zero_optimization": {"stage": 2}},
         "FAST_WRITER": {"checkpoint": {"writer": {"type": "fast"}}},
+        # DeepSpeed then loaded the trainer's own checkpoints as universal ones: --resume auto's AttributeError
+        "LOAD_UNIVERSAL": {"checkpoint": {"load_universal": True}},
         "AUTOTP": {"tensor_parallel": {"autotp_size": 2}},
         "FLOPS_PROC": {"flops_profiler": {"enabled": True, "profile_step": 1, "output_file": "/proc/nope/x.txt"}},
         "CLIP_HUGE": {"gradient_clipping": 10**400},
@@ -211,6 +213,9 @@ FLAGS = [
      "values, param_groups has 2.)"),
     (["--deepspeed_config", "SGD_UNTESTED"], "zero_allow_untested_optimizer false: DeepSpeed's ZeRO then refuses"),
     (["--deepspeed_config", "FAST_WRITER"], "checkpoint.writer: DeepSpeed's checkpoint writers"),
+    (["--deepspeed_config", "LOAD_UNIVERSAL"], "checkpoint.load_universal: the trainer sets it itself, for a resume "
+                                               "that needs it (a ZeRO-1/2/3 checkpoint resumed on another number of "
+                                               "ranks, through DeepSpeed's universal checkpoint); remove it"),
     (["--deepspeed_config", "AUTOTP"], "tensor_parallel.autotp_size: DeepSpeed's automatic tensor parallelism"),
     (["--deepspeed_config", "FLOPS_PROC"], "flops_profiler.output_file /proc/nope/x.txt: /proc/nope is not a folder"),
     (["--deepspeed_config", "CLIP_HUGE"], "gradient_clipping is a whole number of 401 digits, not a finite number"),

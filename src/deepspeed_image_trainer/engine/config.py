@@ -584,6 +584,12 @@ def check_trainer_support(config, args):
         raise UsageError("checkpoint.writer: DeepSpeed's checkpoint writers (decoupled, fast) fail at the engine's "
                          "start in this data-parallel run (benchmarks/checkpoint_engines.py); remove it: the trainer "
                          "publishes each checkpoint itself")
+    # true made DeepSpeed load the trainer's own checkpoints as universal ones: --resume auto ended in an
+    # AttributeError in engine.load_checkpoint (outputs/universal.py sets it where a resume needs it)
+    if "load_universal" in config.get("checkpoint", {}):
+        raise UsageError("checkpoint.load_universal: the trainer sets it itself, for a resume that needs it (a "
+                         "ZeRO-1/2/3 checkpoint resumed on another number of ranks, through DeepSpeed's universal "
+                         "checkpoint); remove it")
     if config.get("tensor_parallel", {}).get("autotp_size") not in (None, 0, 1):
         raise UsageError("tensor_parallel.autotp_size: DeepSpeed's automatic tensor parallelism is for language "
                          "models; an image classifier's run is data-parallel (leave the section out)")
