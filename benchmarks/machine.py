@@ -9,6 +9,8 @@ import sys
 
 import torch
 
+from deepspeed_image_trainer.utils.failures import usable_cores
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -24,11 +26,6 @@ def environment(command):
             "cuda": torch.version.cuda if cuda else None, "pycache_prefix": sys.pycache_prefix,
             "commit": source_commit(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "command": command}
-
-
-def usable_cores():
-    """The cores this process may run on (taskset): on a host shared by several runs, not every core."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def shown(command):

@@ -29,7 +29,7 @@ from deepspeed_image_trainer.inference.load import load_model
 from deepspeed_image_trainer.outputs import plots as utils
 from deepspeed_image_trainer.outputs.checkpoints import read_info
 from deepspeed_image_trainer.outputs.history import TrainingHistory
-from deepspeed_image_trainer.utils.failures import UsageError
+from deepspeed_image_trainer.utils.failures import UsageError, usable_cores
 
 from conftest import (TINY_CLASSES, TRAINED_EPOCHS, Payload, assert_usage_error_in_process, data_args, digests, launch,
                       spawn_ranks)
@@ -117,6 +117,9 @@ FLAGS = [
     (["--random_erase", "nan"], "--random_erase must be in 0 .. 1, got nan"),
     (["--auto_augment", "foo"], "argument --auto_augment: invalid choice: 'foo'"),
     (["--seed", "4294967296"], "--seed must be in 0 .. 4294967295"),
+    # each a process per rank: they were forked until the machine ground to a halt, or fork failed
+    (["--num_workers", "100000"], "--num_workers 100000 is more than 8 DataLoader worker processes per CPU this "
+                                  f"process may use ({usable_cores()} CPU(s)): use at most {8 * usable_cores()}"),
     (["--warmup_epochs", "1e308"], "--warmup_epochs 1e+308 is longer than the run (--epochs 50)"),
     (["--batch_size", "1", "--image_size", "32"], "--batch_size 1 at --image_size 32"),
     (["--model", "inception_v3", "--image_size", "75", "--batch_size", "1"],
@@ -949,6 +952,8 @@ def test_the_tools_refuse_values_no_run_can_use(export_of_a_run, tiny_data, caps
     (export_of_a_run / "a_file").write_text("")
     cases = [(evaluate.main, ["--model", model, "--batch_size", "0"], "--batch_size must be at least 1, got 0"),
              (evaluate.main, ["--model", model, "--num_workers", "-1"], "--num_workers must be at least 0, got -1"),
+             (evaluate.main, ["--model", model, "--num_workers", "100000"],
+              "--num_workers 100000 is more than 8 DataLoader worker processes per CPU"),
              (evaluate.main, ["--model", model, "--output_dir", str(export_of_a_run / "a_file/eval")], "is not a folder"),
              (predict.main, ["--model", model, "--batch_size", "0", str(tiny_data)], "--batch_size must be at least 1"),
              (export_model.main, [str(export_of_a_run / "last"), "--output", str(export_of_a_run)],

@@ -10,7 +10,7 @@ import traceback
 
 from ..data.recipe import AUTO_AUGMENT_POLICIES, DROP_PATH_FAMILIES, RECIPE_DEFAULTS, RECIPE_RANGES
 from ..models.names import DEFAULT_MODEL, architecture
-from ..utils.failures import CliError, UsageError, first_rank_of_node, path_argument
+from ..utils.failures import WORKERS_PER_CPU, CliError, UsageError, check_num_workers, first_rank_of_node, path_argument
 from ..utils.streams import outlive_closed_output
 
 
@@ -29,7 +29,9 @@ def add_training_args(parser):
     data.add_argument("--val_dir", type=path_argument, default="data/val",
                       help="ImageFolder root of the validation set")
     data.add_argument("--image_size", type=int, default=224, help="side of the square crops fed to the model")
-    data.add_argument("--num_workers", type=int, default=2, help="DataLoader worker processes per rank")
+    data.add_argument("--num_workers", type=int, default=2,
+                      help=f"DataLoader worker processes per rank (at most {WORKERS_PER_CPU} per CPU the process "
+                           "may use)")
     data.add_argument("--data_on_device", choices=["auto", "on", "cache", "off"], default="auto",
                       help="on: decode every image once, keep the dataset as uint8 on the training device "
                            "and crop/flip/normalise there per batch; cache: the same, but the decoded dataset "
@@ -210,6 +212,7 @@ def check_values(args):
                  "backbone_lr_scale", "freeze_backbone_epochs"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name} must not be negative, got {getattr(args, name)}")
+    check_num_workers(args.num_workers)
     if args.learning_rate <= 0:
         raise UsageError(f"--learning_rate must be positive, got {args.learning_rate}")
     # flags that take a word as well as a path; those that take a path alone refuse "" in argparse (path_argument)

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from ..data.folders import image_folder
-from ..utils.failures import (CliParser, UsageError, check_counts, check_outside_checkpoints, check_writable,
-                              path_argument)
+from ..utils.failures import (WORKERS_PER_CPU, CliParser, UsageError, check_counts, check_num_workers,
+                              check_outside_checkpoints, check_writable, path_argument)
 from ..utils.files import write_json_atomic
 from ..utils.text import drawable
 from .load import (DECODES, decoded_log_probabilities, default_device, eval_transform, load_model,
@@ -65,7 +65,8 @@ def get_args_parser():
     parser.add_argument("--output_dir", type=path_argument, default="evaluation",
                         help="where report.json and confusion_matrix.png go")
     parser.add_argument("--batch_size", type=int, default=64)
-    parser.add_argument("--num_workers", type=int, default=2)
+    parser.add_argument("--num_workers", type=int, default=2,
+                        help=f"DataLoader worker processes (at most {WORKERS_PER_CPU} per CPU the process may use)")
     parser.add_argument("--decode", choices=("auto", *DECODES), default="auto",
                         help="how images become the model's input: PIL's resize (the DataLoader tier's validation) or "
                              "torchvision's on decoded tensors (the device and cache tiers'); auto: as the model's "
@@ -76,6 +77,7 @@ def get_args_parser():
 def main(argv=None):
     args = get_args_parser().parse_args(argv)
     check_counts(args, batch_size=1, num_workers=0)
+    check_num_workers(args.num_workers)
     output_dir, data_dir = Path(args.output_dir).resolve(), Path(args.data_dir).resolve()
     if data_dir == output_dir or data_dir in output_dir.parents:  # the next evaluation read its png as an image
         raise UsageError(f"--output_dir {args.output_dir} is inside --data_dir {args.data_dir}, the images it "

@@ -94,6 +94,24 @@ def check_counts(args, **minimums):
             raise UsageError(f"--{name} must be at least {minimum}, got {getattr(args, name)}")
 
 
+def usable_cores():
+    """The cores this process may run on (taskset): on a host shared by several runs, not every core."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+# DataLoader workers are processes, each with its own copy of the dataset: --num_workers 100000 passed every check
+# and a run would fork them until the machine ground to a halt or fork failed in a traceback.
+WORKERS_PER_CPU = 8
+
+
+def check_num_workers(num_workers):
+    """Refuse more DataLoader workers (per rank) than WORKERS_PER_CPU per CPU this process may use."""
+    cpus = usable_cores()
+    if num_workers > WORKERS_PER_CPU * cpus:
+        raise UsageError(f"--num_workers {num_workers} is more than {WORKERS_PER_CPU} DataLoader worker processes per "
+                         f"CPU this process may use ({cpus} CPU(s)): use at most {WORKERS_PER_CPU * cpus}")
+
+
 def check_output_file(path, flag, suffixes):
     """Refuse an output file name that is a folder, has a suffix other than `suffixes`, or cannot be written, or
     is inside a checkpoint folder."""
