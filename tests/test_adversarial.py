@@ -97,6 +97,9 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "FAST_WRITER": {"checkpoint": {"writer": {"type": "fast"}}},
         # DeepSpeed then loaded the trainer's own checkpoints as universal ones: --resume auto's AttributeError
         "LOAD_UNIVERSAL": {"checkpoint": {"load_universal": True}},
+        # sections the trainer reads itself: an AttributeError traceback
+        "CHECKPOINT_NUMBER": {"checkpoint": 5},
+        "WANDB_LIST": {"wandb": []},
         "AUTOTP": {"tensor_parallel": {"autotp_size": 2}},
         "FLOPS_PROC": {"flops_profiler": {"enabled": True, "profile_step": 1, "output_file": "/proc/nope/x.txt"}},
         "CLIP_HUGE": {"gradient_clipping": 10**400},
@@ -219,6 +222,8 @@ FLAGS = [
     (["--deepspeed_config", "LOAD_UNIVERSAL"], "checkpoint.load_universal: the trainer sets it itself, for a resume "
                                                "that needs it (a ZeRO-1/2/3 checkpoint resumed on another number of "
                                                "ranks, through DeepSpeed's universal checkpoint); remove it"),
+    (["--deepspeed_config", "CHECKPOINT_NUMBER"], "checkpoint in the DeepSpeed config must be a JSON object, got 5"),
+    (["--deepspeed_config", "WANDB_LIST"], "wandb in the DeepSpeed config must be a JSON object, got []"),
     (["--deepspeed_config", "AUTOTP"], "tensor_parallel.autotp_size: DeepSpeed's automatic tensor parallelism"),
     (["--deepspeed_config", "FLOPS_PROC"], "flops_profiler.output_file /proc/nope/x.txt: /proc/nope is not a folder"),
     (["--deepspeed_config", "CLIP_HUGE"], "gradient_clipping is a whole number of 401 digits, not a finite number"),

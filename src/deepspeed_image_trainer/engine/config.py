@@ -95,8 +95,10 @@ def _check_types(config):
     def fail(where, expected, value):
         raise UsageError(f"{where} in the DeepSpeed config must be {expected}, got {json.dumps(value)}")
 
+    # the sections the trainer reads itself (check_trainer_support, check_monitor_support): a number there was an
+    # AttributeError traceback
     for key in ("fp16", "bf16", "torch_autocast", "zero_optimization", "optimizer", "scheduler", "data_types",
-                *MONITORS):
+                "checkpoint", "tensor_parallel", "flops_profiler", *MONITORS, *MONITOR_PACKAGES):
         if not isinstance(config.get(key, {}), dict):
             fail(key, "a JSON object", config[key])
     for section, key in (("optimizer", "params"), ("scheduler", "params"),
