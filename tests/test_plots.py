@@ -149,6 +149,27 @@ def test_a_history_path_that_is_a_folder_or_binary_says_so(tmp_path):
         main(["--history", str(tmp_path / "model.pt"), "--output", str(tmp_path / "curves.png")])
 
 
+@pytest.mark.parametrize("kind, message", [
+    ("folder", "is a folder: give a file name inside it"),
+    ("fifo", "is not a regular file (a FIFO, a socket, a device or a link to nothing): move it away or give another "
+             "file name"),
+    ("device", "is not a regular file"), ("link to nothing", "is not a regular file")],
+    ids=["folder", "fifo", "device", "link to nothing"])
+def test_an_output_name_taken_by_what_is_not_a_file_is_one_error(tmp_path, capsys, kind, message):
+    """A FIFO at --output ended in a traceback from savefig (it seeks), a link into a missing folder too."""
+    import os
+
+    from conftest import assert_usage_error_in_process
+
+    path = tmp_path / "history.json"
+    path.write_text(json.dumps(synthetic_history(2, best_epoch=2)))
+    output = tmp_path / "curves.png"
+    {"folder": output.mkdir, "fifo": lambda: os.mkfifo(output), "device": lambda: output.symlink_to("/dev/null"),
+     "link to nothing": lambda: output.symlink_to(tmp_path / "missing/curves.png")}[kind]()
+    assert_usage_error_in_process(main, ["--history", str(path), "--output", str(output)], capsys,
+                                  f"error: --output {output} {message}")
+
+
 def test_names_that_are_not_utf8_are_drawn(tmp_path):
     """matplotlib refuses text with surrogates (a file or folder name's bytes that are not UTF-8): a legend label
     and a confusion matrix's class names ended in a TypeError."""

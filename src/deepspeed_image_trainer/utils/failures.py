@@ -113,15 +113,28 @@ def check_num_workers(num_workers):
 
 
 def check_output_file(path, flag, suffixes):
-    """Refuse an output file name that is a folder, has a suffix other than `suffixes`, or cannot be written, or
-    is inside a checkpoint folder."""
+    """Refuse an output file name that is taken by what is not a regular file (check_not_taken), has a suffix other
+    than `suffixes`, or cannot be written, or is inside a checkpoint folder."""
     path = Path(path)
     if path.suffix.lower() not in suffixes:
         raise UsageError(f"{flag} {path}: use a file name ending in " + ", ".join(suffixes))
-    if path.is_dir():
-        raise UsageError(f"{flag} {path} is a folder: give a file name inside it")
+    check_not_taken(path, flag)
     check_outside_checkpoints(path.parent, flag, path)  # first: check_writable makes a file in the folder
     check_writable(path.parent, flag)
+
+
+def check_not_taken(path, flag, folder=None):
+    """Refuse an output file's name taken by what is not a regular file, before any work: the write over a folder,
+    a FIFO or socket (savefig seeks) or a link into a missing folder ended in a traceback, and a device took it whole.
+    `folder`: the value of `flag` when it names the folder and the tool the file in it (evaluate's report.json)."""
+    path = Path(path)
+    if not os.path.lexists(path) or path.is_file():
+        return
+    what = "a folder" if path.is_dir() else "not a regular file (a FIFO, a socket, a device or a link to nothing)"
+    if folder is not None:
+        raise UsageError(f"{flag} {folder}: {path} is {what}: move it away or choose another {flag}")
+    raise UsageError(f"{flag} {path} is {what}: " + ("give a file name inside it" if path.is_dir()
+                                                     else "move it away or give another file name"))
 
 
 CHECKPOINT_DESCRIPTION = "extra_info.json"  # the file that makes a folder a checkpoint of this trainer
