@@ -951,6 +951,26 @@ def test_evaluate_refuses_an_output_folder_in_the_images_it_evaluates(tiny_data,
     assert digests(tiny_data) == before and not (tiny_data / "val/bat/more").exists()
 
 
+@pytest.mark.parametrize("name, kind", [("report.json", "folder"), ("confusion_matrix.png", "fifo"),
+                                        ("report.json", "fifo"), ("confusion_matrix.png", "folder"),
+                                        ("confusion_matrix.png", "device"), ("report.json", "link to nothing")])
+def test_evaluate_refuses_an_output_name_taken_by_what_is_not_a_file_before_evaluating(tmp_path, monkeypatch, capsys,
+                                                                                       name, kind):
+    """A folder at report.json ended in a traceback from its rename, a FIFO at confusion_matrix.png in one from
+    savefig after report.json was written: both after evaluating."""
+    output_dir, path = tmp_path / "eval", tmp_path / "eval" / name
+    output_dir.mkdir()
+    {"folder": path.mkdir, "fifo": lambda: os.mkfifo(path), "device": lambda: path.symlink_to("/dev/null"),
+     "link to nothing": lambda: path.symlink_to(tmp_path / "missing" / name)}[kind]()
+    monkeypatch.setattr(evaluate, "load_model", lambda *args: pytest.fail("evaluated before the refusal"))
+    what = "a folder" if kind == "folder" else "not a regular file (a FIFO, a socket, a device or a link to nothing)"
+    assert_usage_error_in_process(evaluate.main, ["--model", "model.pt", "--data_dir", str(tmp_path / "val"),
+                                                  "--output_dir", str(output_dir)], capsys,
+                                  f"--output_dir {output_dir}: {path} is {what}: move it away or choose another "
+                                  "--output_dir")
+    assert [p.name for p in output_dir.iterdir()] == [name]
+
+
 @pytest.mark.slow
 def test_the_tools_refuse_values_no_run_can_use(export_of_a_run, tiny_data, capsys):
     model = str(export_of_a_run / "model.pt")

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data.folders import image_folder
-from ..utils.failures import (WORKERS_PER_CPU, CliParser, UsageError, check_counts, check_num_workers,
+from ..utils.failures import (WORKERS_PER_CPU, CliParser, UsageError, check_counts, check_not_taken, check_num_workers,
                               check_outside_checkpoints, check_writable, path_argument)
 from ..utils.files import write_json_atomic
 from ..utils.text import drawable
@@ -56,6 +56,9 @@ def plot_confusion(confusion, class_names, output):
     plt.close(fig)
 
 
+OUTPUT_FILES = ("report.json", "confusion_matrix.png")  # what evaluate writes into --output_dir
+
+
 def get_args_parser():
     parser = CliParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=path_argument, required=True,
@@ -84,6 +87,8 @@ def main(argv=None):
                          "evaluates: write it elsewhere")
     check_outside_checkpoints(args.output_dir, "--output_dir")  # first: check_writable makes a file in the folder
     check_writable(args.output_dir, "--output_dir")
+    for name in OUTPUT_FILES:  # found when written, after evaluating: a traceback (a report without its plot)
+        check_not_taken(Path(args.output_dir) / name, "--output_dir", args.output_dir)
 
     device = default_device()
     model, metadata = load_model(args.model, device)
@@ -101,11 +106,12 @@ def main(argv=None):
               **metrics(log_probabilities, labels, dataset.classes)}
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(output_dir / "report.json", report)
-    plot_confusion(report["confusion_matrix"], dataset.classes, output_dir / "confusion_matrix.png")
+    report_file, plot_file = (output_dir / name for name in OUTPUT_FILES)
+    write_json_atomic(report_file, report)
+    plot_confusion(report["confusion_matrix"], dataset.classes, plot_file)
     top_k = next((k for k in report if k.startswith("top") and k != "top1"), None)  # none with one class
     worst = sorted((acc, name) for name, acc in report["per_class_accuracy"].items() if acc is not None)[:3]
     weakest = ", ".join(f"{name} {acc:.2f}" for acc, name in worst)
     print(f"{report['images']} images ({decode} decode): loss {report['loss']:.4f}, top-1 {report['top1']:.4f}"
           + (f", {top_k} {report[top_k]:.4f}" if top_k else "") + f"; weakest classes: {weakest}")
-    print(f"report: {output_dir / 'report.json'}, confusion matrix: {output_dir / 'confusion_matrix.png'}")
+    print(f"report: {report_file}, confusion matrix: {plot_file}")
