@@ -635,6 +635,12 @@ def earlier_results(args, env, world_size):
 ROW_NUMBERS = ("params", "images_per_s", "ratio_to_reference")
 
 
+def _figure(value):
+    """JSON's NaN and Infinity, which json reads as floats, are no figures (the table said "(inf M params)", and the
+    JSON was written back with tokens strict readers refuse), nor are true and false."""
+    return isinstance(value, float) and math.isfinite(value) or isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_rows(rows, path, searched):
     """Refuse an --update file's rows that the merge, the table or the chart cannot read: found only when the
     report was written, they ended the run in a traceback after measuring, and the measurement was lost."""
@@ -645,7 +651,7 @@ def check_rows(rows, path, searched):
         if not isinstance(row, dict) or not isinstance(row.get("config"), str):
             why = "is not an object with its configuration's name (config)"
         elif wrong := next((key for key, value in row.items() if (key.endswith("_gib") or key in ROW_NUMBERS)
-                            and not (value is None or isinstance(value, (int, float)))), None):
+                            and not (value is None or _figure(value))), None):
             why = f"has {wrong} {row[wrong]!r}, not a number"
         elif "error" in row and not (isinstance(row["error"], str) and row["error"].strip()):
             why = f"has error {row['error']!r}, not a message"

@@ -1,5 +1,6 @@
 """src/memory_profile.py: the ZeRO formulas, and a real two-rank run (gloo) that writes its report."""
 import json
+import math
 import subprocess
 import sys
 from argparse import Namespace
@@ -317,8 +318,14 @@ def test_every_configuration_gets_its_largest_batch_its_speed_and_the_reference(
     ({"config": ["x"]}, "results[0] is not an object with its configuration's name (config)"),
     ({"flags": ["--zero_stage", "1"]}, "results[0] is not an object with its configuration's name (config)"),
     ({"config": "ZeRO-1", "host_peak_rss_gib": "1 GiB"}, "results[0] has host_peak_rss_gib '1 GiB', not a number"),
-    ({"config": "ZeRO-1", "error": 5}, "results[0] has error 5, not a message")],
-    ids=["config a list", "no config", "a figure in words", "error a number"])
+    ({"config": "ZeRO-1", "error": 5}, "results[0] has error 5, not a message"),
+    # json reads NaN and Infinity: the table said "(inf M params)" and the JSON was written back with them
+    ({"config": "ZeRO-1", "params": math.inf}, "results[0] has params inf, not a number"),
+    ({"config": "ZeRO-1", "peak_host_gib": math.nan}, "results[0] has peak_host_gib nan, not a number"),
+    ({"config": "ZeRO-1", "images_per_s": -math.inf}, "results[0] has images_per_s -inf, not a number"),
+    ({"config": "ZeRO-1", "model_states_gib": True}, "results[0] has model_states_gib True, not a number")],
+    ids=["config a list", "no config", "a figure in words", "error a number", "Infinity", "NaN", "-Infinity",
+         "true"])
 def test_an_update_file_whose_rows_cannot_be_merged_is_refused_before_measuring(tmp_path, monkeypatch, capsys,
                                                                                 row, message):
     """A row the report cannot merge or show (config ["x"]: unhashable) ended --update in a traceback when the
