@@ -618,6 +618,7 @@ TABLES = {
     "data-tiers": lambda: data_tiers("data_tiers_nvidia_h100_80gb_hbm3.json"),
     "host-batches": lambda: host_batches("host_batches_nvidia_h100_80gb_hbm3.json"),
     "data-path-accuracy": data_path_accuracy,
+    "recipe-accuracy": lambda: recipe_accuracy("recipe_accuracy/data_path_accuracy_nvidia_h100_80gb_hbm3.json"),
     "max-batch": max_batch,
     "capacity-8gib": lambda: capacity("capacity_8gib"),
     "capacity-24gib": lambda: capacity("capacity_24gib"),
