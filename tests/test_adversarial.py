@@ -358,12 +358,19 @@ def test_a_cache_folder_from_the_environment_inside_a_checkpoint_is_refused(tiny
     assert not any(tmp_path.iterdir())
 
 
+def printed_config(out):
+    """The DeepSpeed config a --dry_run printed. In a test DeepSpeed's logger writes to the captured stdout too: its
+    "Setting accelerator to CPU" line comes first where the dry run is the process's first use of DeepSpeed."""
+    start = out.index("{\n")
+    return json.loads(out[start:out.index("\n}", start) + 2])
+
+
 def test_sync_bn_lets_each_rank_take_one_image(tiny_data, tmp_path, monkeypatch, capsys):
     """--sync_bn normalises over every rank's micro-batch: two ranks of one image each give it two values."""
     monkeypatch.chdir(tmp_path)
     assert launch_deepspeed.main(data_args(tiny_data) + ["--batch_size", "1", "--image_size", "32", "--sync_bn",
                                                          "--num_gpus", "2", "--dry_run"]) == 0
-    assert json.loads(capsys.readouterr().out.split("\n}")[0] + "}")["train_micro_batch_size_per_gpu"] == 1
+    assert printed_config(capsys.readouterr().out)["train_micro_batch_size_per_gpu"] == 1
 
 
 def test_a_scheduler_with_a_value_for_each_of_fine_tunings_parameter_groups_passes(tiny_data, tmp_path, monkeypatch):
@@ -381,7 +388,7 @@ def test_the_readme_dry_run_works_without_a_dataset(tmp_path, monkeypatch, capsy
     launch_deepspeed.main(["--zero_stage", "3", "--offload_param", "--offload_optimizer", "--bf16", "--dry_run"])
     out, err = capsys.readouterr()
     assert "data/train not found; the config below assumes Animals-90's 90 classes" in err
-    config = json.loads(out[:out.rindex("}") + 1])
+    config = printed_config(out)
     assert config["zero_optimization"]["stage"] == 3
     assert not (tmp_path / "logs").exists()
 
@@ -439,7 +446,7 @@ def test_the_same_command_resumes_on_another_number_of_ranks_with_the_saved_glob
     monkeypatch.chdir(tmp_path)
     assert launch_deepspeed.main(argv + ["--epochs", "3", "--resume", "auto", "--dry_run"]) == 0
     out, err = capsys.readouterr()
-    config = json.loads(out.split("\n}")[0] + "}")
+    config = printed_config(out)
     assert config["gradient_accumulation_steps"] == accumulation and config["train_batch_size"] == 8
     assert said in err
 
