@@ -66,6 +66,8 @@ SYNTHETIC = {
 # erasing, mixup or cutmix, label smoothing
 RECIPE = ["--auto_augment", "ta_wide", "--random_erase", "0.1", "--mixup_alpha", "0.2", "--cutmix_alpha", "1.0",
           "--label_smoothing", "0.1"]
+# the flags' first word for a run of benchmarks/plain_loop.py instead of the trainer
+PLAIN_LOOP = "plain_loop.py"
 # name -> (trainer flags, reference, goal ratio); JPEG folder -> augmentation -> DeepSpeed step
 REAL = {
     "epoch: zero0 bf16, data on GPU": (["--zero_stage", "0", "--bf16", "--data_on_device", "on"], BF16_REF, None),
@@ -92,6 +94,8 @@ REAL = {
                                               BF16_REF, None),
     "epoch: zero0 bf16 recipe, DataLoader": (["--zero_stage", "0", "--bf16", "--data_on_device", "off", *RECIPE],
                                              BF16_REF, None),
+    # what a user would write instead: torchvision's reference script's way, benchmarks/plain_loop.py --recipe
+    "plain loop bf16 recipe, DataLoader": ([PLAIN_LOOP, "--recipe"], BF16_REF, None),
     "epoch: zero0 bf16, data in the cache": (["--zero_stage", "0", "--bf16", "--data_on_device", "cache"], BF16_REF,
                                              None),
     "epoch: zero0 bf16 recipe, data in the cache": (["--zero_stage", "0", "--bf16", "--data_on_device", "cache",
@@ -110,9 +114,25 @@ SKIPPED_BY_DEFAULT = {"torch bf16 channels_last compile", "step: zero2 bf16 comp
 DEEPSPEED_OWN_METHODS = {name for name in [*SYNTHETIC, *REAL] if name.endswith("DeepSpeed's methods")}
 
 
+def plain_loop_case(flags, args):
+    """benchmarks/plain_loop.py on the JPEG folder, one GPU, bf16; figures from the JSON it prints."""
+    command = [sys.executable, str(ROOT / "benchmarks" / PLAIN_LOOP), "--data", str(args.data), "--model", args.model,
+               "--epochs", str(args.epochs), "--batch_size", str(args.batch_size), "--image_size",
+               str(args.image_size), "--num_workers", str(args.num_workers), "--precision", "bf16", *flags]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=args.case_timeout)
+    if result.returncode != 0:
+        raise RuntimeError((result.stdout + result.stderr)[-3000:])
+    epochs = json.loads(result.stdout.strip().splitlines()[-1])["epochs"]
+    later = epochs[1:] or epochs
+    return {"command": shown(command), "images_per_s": statistics.median(e["images_per_s"] for e in later),
+            "val_acc": epochs[-1]["val_acc"], "data_tier": "workers", "peak_gpu_memory_gib": None}
+
+
 def real_case(flags, args, workdir):
     """src/train_deepspeed.py end to end on the JPEG folder (one process, as `python` runs it, for one GPU;
     launch_deepspeed.py for several); figures from the history it writes."""
+    if flags[0] == PLAIN_LOOP:
+        return plain_loop_case(flags[1:], args)
     script = (["src/train_deepspeed.py"] if args.num_gpus == 1
               else ["launch_deepspeed.py", "--num_gpus", str(args.num_gpus)])
     command = [sys.executable, str(ROOT / script[0]), *script[1:],
