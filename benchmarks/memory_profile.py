@@ -637,8 +637,19 @@ ROW_NUMBERS = ("params", "images_per_s", "ratio_to_reference")
 
 def _figure(value):
     """JSON's NaN and Infinity, which json reads as floats, are no figures (the table said "(inf M params)", and the
-    JSON was written back with tokens strict readers refuse), nor are true and false."""
-    return isinstance(value, float) and math.isfinite(value) or isinstance(value, int) and not isinstance(value, bool)
+    JSON was written back with tokens strict readers refuse), nor are true and false, nor a whole number past a
+    float's range (10**400: the table's division ended in an OverflowError)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _shown(value):
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
 
 
 def check_rows(rows, path, searched):
@@ -652,7 +663,7 @@ def check_rows(rows, path, searched):
             why = "is not an object with its configuration's name (config)"
         elif wrong := next((key for key, value in row.items() if (key.endswith("_gib") or key in ROW_NUMBERS)
                             and not (value is None or _figure(value))), None):
-            why = f"has {wrong} {row[wrong]!r}, not a number"
+            why = f"has {wrong} {_shown(row[wrong])}, not a number"
         elif "error" in row and not (isinstance(row["error"], str) and row["error"].strip()):
             why = f"has error {row['error']!r}, not a message"
         elif searched and "error" not in row and "max_micro_batch" not in row:
