@@ -1,5 +1,8 @@
 """The recipe's per-image augmentation on the DataLoader tier: torchvision's transforms.v2 classes in its
-reference order, drawn from the per-image seed (so a resumed run draws the same)."""
+reference order, drawn from the per-image seed (so a resumed run draws the same); mixup and cutmix; and the
+recipe's flags training on every data tier at ZeRO-0 and 3 on two ranks."""
+import math
+
 import pytest
 import torch
 import torchvision
@@ -245,3 +248,49 @@ def test_a_steps_model_randomness_comes_from_its_seed():
     other = dropout(x)
     seed_step(42, 1, 3, 7)
     assert torch.equal(dropout(x), first) and not torch.equal(other, first)
+
+
+# the recipe on each data tier and at ZeRO-0 and 3, on 2 ranks: the tiers apply the policy and erasing, the loop
+# mixes and smooths whatever the stage, and the stage is the engine's (test_resume.py trains the DataLoader tier's
+# recipe at the 2-rank default, ZeRO-2); every pairing of the two took six runs, twice as long
+TIER_STAGES = [("off", 3), ("on", 0), ("cache", 3)]
+
+
+def recipe_runs(rank, port, results, data, workdir):
+    """A one-epoch run with every recipe flag for each of TIER_STAGES, in one group of 2 ranks."""
+    import gc
+
+    from deepspeed_image_trainer.cli import train
+    from deepspeed_image_trainer.engine.distributed import barrier
+
+    from conftest import data_args, join_process_group
+
+    join_process_group(rank, port, world_size=2)
+    train.shut_down = barrier  # the group serves every run: spawn_ranks leaves it at the end
+    for tier, stage in TIER_STAGES:
+        folder = workdir / f"{tier}-{stage}"
+        results[tier, stage, rank] = train.main(data_args(data) + [
+            "--epochs", "1", "--batch_size", "4", "--image_size", "32", "--num_workers", "0", "--zero_stage",
+            str(stage), "--data_on_device", tier, "--auto_augment", "ra", "--random_erase", "0.25", "--mixup_alpha",
+            "0.2", "--cutmix_alpha", "1.0", "--label_smoothing", "0.1", "--ra_reps", "2", "--save_every", "0",
+            "--save_last_every", "0",
+            "--checkpoint_dir", str(folder / "checkpoints"), "--log_dir", str(folder / "logs")])
+        gc.unfreeze()  # the trainer froze what it built; the next run needs the memory
+        gc.collect()
+
+
+@pytest.mark.slow
+def test_the_recipe_trains_on_every_tier_and_at_zero_0_and_3_on_two_ranks(tiny_data, tmp_path):
+    from conftest import history_of, spawn_ranks
+
+    statuses = spawn_ranks(recipe_runs, 2, tiny_data, tmp_path)
+    assert statuses == {(tier, stage, rank): 0 for tier, stage in TIER_STAGES for rank in (0, 1)}
+    for tier, stage in TIER_STAGES:
+        history = history_of(tmp_path / f"{tier}-{stage}")
+        config, (epoch,) = history["config"], history["epochs"]
+        assert config["data_tier"] == {"off": "workers", "on": "device", "cache": "cache"}[tier], (tier, stage)
+        assert config["zero_stage"] == stage and config["world_size"] == 2
+        training = config["training"]
+        assert training["augmentation"]["auto_augment"] == "ra" and training["mixup_alpha"] == 0.2
+        assert training["cutmix_alpha"] == 1.0 and training["ra_reps"] == 2
+        assert math.isfinite(epoch["train_loss"]) and math.isfinite(epoch["val_loss"]), (tier, stage)
