@@ -295,34 +295,20 @@ def recipe_augmentation():
         "uint8 squares, bf16 channels_last out:\n\n") + table(["variant", "per batch", "added", "images/s"], rows)
 
 
-def recipe_accuracy(name):
-    """data_path_accuracy.py's recipe variants beside the same runs without the recipe, paired by seed."""
+def paired_accuracy(name, difference="difference_to_dataloader", against="the DataLoader"):
+    """data_path_accuracy.py's variants over seeds, each paired by seed with what `difference` names: the
+    DataLoader tier, or (the recipe variants) the same tier without the recipe."""
     result = load(name)
     rows = []
     for variant, r in result["results"].items():
-        diff = r.get("difference_to_no_recipe")
+        diff = r.get(difference)
         rows.append([variant, len(r["runs"]), f"{r['val_acc']['mean']:.3f} ± {r['val_acc']['std']:.3f}",
                      f"{diff['mean']:+.3f} ± {diff['ci95']:.3f}" if diff else "–"])
     settings = result["settings"]
     return source(result, name) + (
         f"\nSample data (90 classes, 96 px), {settings['epochs']} epochs, {settings['image_size']} px crops, batch "
         f"{settings['batch_size']}, bf16; validation accuracy after the last epoch:\n\n") + table(
-        ["data path", "seeds", "val acc, mean ± std", "difference to no recipe, paired by seed (95%)"], rows)
-
-
-def data_path_accuracy():
-    name = "data_path_accuracy_nvidia_h100_80gb_hbm3.json"
-    result = load(name)
-    rows = []
-    for variant, r in result["results"].items():
-        diff = r.get("difference_to_dataloader")
-        rows.append([variant, len(r["runs"]), f"{r['val_acc']['mean']:.3f} ± {r['val_acc']['std']:.3f}",
-                     f"{diff['mean']:+.3f} ± {diff['ci95']:.3f}" if diff else "–"])
-    settings = result["settings"]
-    return source(result, name) + (
-        f"\nSample data (90 classes, 96 px), {settings['epochs']} epochs, {settings['image_size']} px crops, batch "
-        f"{settings['batch_size']}, bf16; validation accuracy after the last epoch:\n\n") + table(
-        ["data path", "seeds", "val acc, mean ± std", "difference to the DataLoader, paired by seed (95%)"], rows)
+        ["data path", "seeds", "val acc, mean ± std", f"difference to {against}, paired by seed (95%)"], rows)
 
 
 def max_batch():
@@ -624,8 +610,9 @@ TABLES = {
     "recipe-augmentation": recipe_augmentation,
     "data-tiers": lambda: data_tiers("data_tiers_nvidia_h100_80gb_hbm3.json"),
     "host-batches": lambda: host_batches("host_batches_nvidia_h100_80gb_hbm3.json"),
-    "data-path-accuracy": data_path_accuracy,
-    "recipe-accuracy": lambda: recipe_accuracy("recipe_accuracy/data_path_accuracy_nvidia_h100_80gb_hbm3.json"),
+    "data-path-accuracy": lambda: paired_accuracy("data_path_accuracy_nvidia_h100_80gb_hbm3.json"),
+    "recipe-accuracy": lambda: paired_accuracy("recipe_accuracy/data_path_accuracy_nvidia_h100_80gb_hbm3.json",
+                                               "difference_to_no_recipe", "no recipe"),
     "max-batch": max_batch,
     "capacity-8gib": lambda: capacity("capacity_8gib"),
     "capacity-24gib": lambda: capacity("capacity_24gib"),
