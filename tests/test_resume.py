@@ -108,19 +108,25 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tiny_data, tmp_path, uni
     assert history_of(tmp_path)["best"] == history_of(uninterrupted)["best"]
 
 
+# the data on the device, with the recipe: its policy runs on chunks of batches, and a resume mid-chunk regroups them
+ON_DEVICE = ["--data_on_device", "on", "--auto_augment", "ra", "--random_erase", "0.25", "--mixup_alpha", "0.2",
+             "--cutmix_alpha", "1.0", "--label_smoothing", "0.1"]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted_on_device(tiny_data, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("uninterrupted_on_device")
-    result = launch(train_args(tiny_data) + ["--data_on_device", "on"], workdir)
+    result = launch(train_args(tiny_data) + ON_DEVICE, workdir)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return workdir
 
 
 def test_sigterm_mid_epoch_saves_and_resumes_exactly_with_the_data_on_the_device(tiny_data, tmp_path,
                                                                                   uninterrupted_on_device):
-    """With the dataset on the device every batch and crop of an epoch comes from (seed, rank, epoch): a run
-    stopped mid-epoch and resumed ends with the metrics of one that never stopped."""
-    on_device = ["--data_on_device", "on"]
+    """With the dataset on the device every batch, crop and policy draw of an epoch comes from (seed, rank,
+    epoch), and each mixing from its step: a run stopped mid-epoch and resumed ends with the metrics of one that
+    never stopped, and goes on on two ranks from the same place."""
+    on_device = ON_DEVICE
     log = tmp_path / "stopped.log"
     run = start(train_args(tiny_data) + on_device, tmp_path, log)
     # a few steps into epoch 2 (tqdm's counter, "3/12"), so the stop falls mid-epoch
