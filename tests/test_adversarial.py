@@ -107,7 +107,10 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "SGD_UNTESTED_ZERO": {"optimizer": {"type": "SGD", "params": {"lr": 0.01}}, "zero_allow_untested_optimizer": 0,
                               "zero_optimization": {"stage": 1}},
         "WANDB_WORD": {"wandb": {"enabled": "true"}},
-        "FLOPS_FOLDER": {"flops_profiler": {"enabled": 1, "profile_step": 1, "output_file": "."}}}
+        "FLOPS_FOLDER": {"flops_profiler": {"enabled": 1, "profile_step": 1, "output_file": "."}},
+        # names longer than the file system allows (Errno 36): every rank died in csvMonitor.setup_log_dir
+        "CSV_LONG_JOB": {"csv_monitor": {"enabled": True, "job_name": "a" * 300}},
+        "CSV_LONG_PATH": {"csv_monitor": {"enabled": True, "output_path": "rl/" + "b" * 300}}}
 
 FLAGS = [
     (["--seed", "-1"], "--seed must be in 0 .. 4294967295, got -1"),
@@ -139,6 +142,9 @@ FLAGS = [
     (["--pretrained", ""], "--pretrained is empty: give a weights name (DEFAULT, IMAGENET1K_V1, ...) or a file"),
     (["--cache_dir", ""], "--cache_dir is empty: give a folder, or off, or leave the flag out"),
     (["--overwrite", "--resume", "auto"], "give one of them"),
+    (["--deepspeed_config", "CSV_LONG_JOB"], "csv_monitor.job_name logs/csv_monitor/aaaaaaaaaaaaaaaaaaaa...(300 "
+                                             "bytes): a name in it is longer than the file system allows (255 bytes)"),
+    (["--deepspeed_config", "CSV_LONG_PATH"], "csv_monitor.output_path rl/bbbbbbbbbbbbbbbbbbbb...(300 bytes): a name"),
     (["--deepspeed_config", "OPTIMIZER_TYPE"], "optimizer.type in the DeepSpeed config must be a name, got 5"),
     (["--deepspeed_config", "BUCKET_WORDS"], 'zero_optimization.reduce_bucket_size: Input should be a valid integer'),
     (["--deepspeed_config", "UNKNOWN_ZERO_KEY"], "zero_optimization.reduce_bucket_sise: Extra inputs are not permitted"),
@@ -874,6 +880,35 @@ def test_an_empty_path_is_refused_by_every_tool(tiny_data, tmp_path, monkeypatch
     message = (f"error: {flag} is empty: give" if flag in WORD_OR_PATH
                else f"error: argument {flag}: empty: give a path ('' names no file or folder)")
     assert_usage_error_in_process(TOOLS[tool], argv, capsys, message)
+    assert not any(tmp_path.iterdir())
+
+
+LONG = "b" * 300  # longer than a name may be (NAME_MAX, 255 bytes here): an OSError [Errno 36] traceback
+LONG_NAMES = [  # (tool, its other arguments, the flag, its value)
+    *(("launch_deepspeed.py", ["--dry_run"], flag, f"rl/{LONG}")
+      for flag in ("--checkpoint_dir", "--log_dir", "--train_dir", "--resume")),
+    ("launch_deepspeed.py", ["--dry_run", "--data_on_device", "cache"], "--cache_dir", f"rl/{LONG}"),
+    ("launch_deepspeed.py", [], "--deepspeed_config", f"{LONG}.json"),
+    ("launch_deepspeed.py", [], "--pretrained", f"{LONG}.pt"),
+    ("evaluate.py", ["--model", "m.pt"], "--output_dir", f"rl/{LONG}"),
+    ("predict.py", ["--model", "m.pt"], "IMAGE_OR_DIR", f"{LONG}.jpg"),
+    ("export_model.py", ["ck"], "--output", f"{LONG}.pt"),  # was status 4, 'free disk space'
+    ("export_model.py", ["ck"], "--output", f"rl/{LONG}/x.pt"),
+    ("prepare_data.py", [], "--check", LONG), ("prepare_data.py", ["sample", *SAMPLE], "--output", f"rl/{LONG}"),
+    ("utils.py", [], "--output", f"{LONG}.png"),
+    ("memory_profile.py", ["--steps", "0"], "--output_dir", f"rl/{LONG}"),
+]
+
+
+@pytest.mark.parametrize("tool, argv, flag, value", LONG_NAMES,
+                         ids=[f"{tool} {flag} {value[:3]}" for tool, _, flag, value in LONG_NAMES])
+def test_a_name_too_long_for_the_file_system_is_refused_by_every_tool(tiny_data, tmp_path, monkeypatch, capsys, tool,
+                                                                      argv, flag, value):
+    monkeypatch.chdir(tmp_path)
+    argv = (data_args(tiny_data) if tool.startswith(("launch", "train")) else []) + argv
+    argv += [flag, value] if flag.startswith("-") else [value]
+    _, err = assert_usage_error_in_process(TOOLS[tool], argv, capsys, "bbbbbbbbbbbbbbbbbbbb...(30")
+    assert "a name in it is longer than the file system allows (255 bytes)" in err
     assert not any(tmp_path.iterdir())
 
 

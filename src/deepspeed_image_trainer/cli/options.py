@@ -10,7 +10,8 @@ import traceback
 
 from ..data.recipe import AUTO_AUGMENT_POLICIES, DROP_PATH_FAMILIES, RECIPE_DEFAULTS, RECIPE_RANGES
 from ..models.names import DEFAULT_MODEL, architecture
-from ..utils.failures import WORKERS_PER_CPU, CliError, UsageError, check_num_workers, first_rank_of_node, path_argument
+from ..utils.failures import (WORKERS_PER_CPU, CliError, UsageError, check_name_lengths, check_num_workers,
+                              first_rank_of_node, path_argument)
 from ..utils.streams import outlive_closed_output
 
 
@@ -221,6 +222,8 @@ def check_values(args):
                        ("resume", "auto or a checkpoint")):
         if getattr(args, name, None) == "":  # an unset shell variable, most likely: not the default said quietly
             raise UsageError(f"--{name} is empty: give {what}, or leave the flag out")
+        if getattr(args, name, None):  # a name too long for the file system: an OSError traceback where it is read
+            check_name_lengths(getattr(args, name), f"--{name}")
     if args.data_on_device == "cache" and args.cache_dir == "off":
         raise UsageError("--data_on_device cache needs the decoded-image cache: drop --cache_dir off")
     if args.device_train_size is not None and args.device_train_size < 1:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..models.names import DEFAULT_MODEL
-from ..utils.failures import UsageError, check_writable
+from ..utils.failures import UsageError, check_name_lengths, check_writable
 from ..utils.files import parse_json
 from ..utils.text import digits, error_line
 
@@ -569,6 +569,9 @@ def check_monitor_support(config):
                              f"then writes in --log_dir's {section})")
         if monitor_enabled(monitor) and monitor.get("output_path"):
             check_writable(monitor["output_path"], f"{section}.output_path")
+        # a job_name longer than the file system allows failed every rank in csvMonitor.setup_log_dir (Errno 36)
+        if monitor_enabled(monitor) and isinstance(job_name, str) and job_name:
+            check_name_lengths(Path(monitor.get("output_path") or ".", job_name), f"{section}.job_name")
 
 
 def check_run(config, args, device_type):
@@ -611,6 +614,7 @@ def check_trainer_support(config, args):
     profiler = config.get("flops_profiler", {})
     if _as_read(profiler.get("enabled")) and profiler.get("output_file"):  # DeepSpeed opens it, making no folder
         output = Path(profiler["output_file"])
+        check_name_lengths(output, "flops_profiler.output_file")  # is_dir raised on a name too long
         if output.is_dir() or not output.parent.is_dir():
             raise UsageError(f"flops_profiler.output_file {output}: " + (
                 "a folder; give a file name" if output.is_dir() else f"{output.parent} is not a folder that exists"))

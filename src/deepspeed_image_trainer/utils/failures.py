@@ -65,14 +65,57 @@ class CliParser(argparse.ArgumentParser):
 
 def path_argument(value):
     """argparse `type=` of a file or folder argument: "" (an unset shell variable, most likely) is refused, where
-    os.scandir("") failed in a traceback and Path("") read or wrote the current folder."""
+    os.scandir("") failed in a traceback and Path("") read or wrote the current folder; so is a path with a name
+    longer than its file system allows (too_long_name)."""
     if value == "":
         raise argparse.ArgumentTypeError("empty: give a path ('' names no file or folder)")
+    problem = too_long_name(value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
     return value
+
+
+def name_max(path):
+    """The longest name (bytes) the file system of `path`'s nearest existing folder allows; 255 where it does not
+    say."""
+    folder = Path(path).absolute()
+    for candidate in (folder, *folder.parents):
+        if os.path.isdir(candidate):  # isdir: False, not an OSError, for a name too long itself
+            try:
+                return os.pathconf(candidate, "PC_NAME_MAX")
+            except (OSError, ValueError, AttributeError):  # no pathconf (Windows) or no limit said
+                break
+    return 255
+
+
+def shortened(path, keep=20):
+    """`path` with each name longer than 2 * `keep` characters cut to its first `keep` ones, for a message."""
+    return os.sep.join(part if len(part) <= 2 * keep else f"{part[:keep]}...({len(os.fsencode(part))} bytes)"
+                       for part in str(path).split(os.sep))
+
+
+def too_long_name(path):
+    """What to say of a path with a name in it longer than its file system allows, or None: every open or
+    makedirs of it failed in an OSError [Errno 36] traceback (or a write's 'free disk space')."""
+    longest = max((len(os.fsencode(part)) for part in Path(path).parts), default=0)
+    if longest <= 14:  # POSIX's least NAME_MAX: no file system to ask
+        return None
+    limit = name_max(path)
+    if longest > limit:
+        return f"{shortened(path)}: a name in it is longer than the file system allows ({limit} bytes)"
+    return None
+
+
+def check_name_lengths(path, flag):
+    """UsageError for a path with a name longer than its file system allows (too_long_name)."""
+    problem = too_long_name(path)
+    if problem:
+        raise UsageError(f"{flag} {problem}")
 
 
 def check_writable(folder, flag):
     """Refuse an output folder that cannot be created or written, before any training; leaves nothing."""
+    check_name_lengths(folder, flag)  # Path.exists raised on it
     folder = Path(folder)
     existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
     if not existing.is_dir():
@@ -115,6 +158,7 @@ def check_num_workers(num_workers):
 def check_output_file(path, flag, suffixes):
     """Refuse an output file name that is taken by what is not a regular file (check_not_taken), has a suffix other
     than `suffixes`, or cannot be written, or is inside a checkpoint folder."""
+    check_name_lengths(path, flag)
     path = Path(path)
     if path.suffix.lower() not in suffixes:
         raise UsageError(f"{flag} {path}: use a file name ending in " + ", ".join(suffixes))
