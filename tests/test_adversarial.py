@@ -186,6 +186,11 @@ FLAGS = [
     (["--checkpoint_dir", "ck", "--deepspeed_config", "CSV_IN_CHECKPOINT"],
      "csv_monitor.output_path ck/epoch_2 is inside --checkpoint_dir ck's epoch_2, which the run replaces whole"),
     (["--checkpoint_dir", "ck", "--log_dir", "ck/last"], "--log_dir ck/last is inside --checkpoint_dir ck's last"),
+    # a link to nothing or a loop: a traceback (FileExistsError in the lock, RuntimeError in resolve())
+    (["--checkpoint_dir", "DANGLING"], "--checkpoint_dir DANGLING: DANGLING is a link to nothing or a link loop"),
+    (["--checkpoint_dir", "LOOP"], "--checkpoint_dir LOOP: LOOP is a link to nothing or a link loop"),
+    (["--log_dir", "LOOP/logs"], "--log_dir LOOP/logs: "),
+    (["--cache_dir", "LOOP", "--data_on_device", "cache"], "--cache_dir LOOP: LOOP is a link to nothing or a link"),
     # later in the run: a negative rate trained on (exit 0), a division by zero ended epoch 2 in a traceback
     (["--deepspeed_config", "STEPLR_NEGATIVE"], "scheduler StepLR gives the learning rate -0.001 at optimizer step 4"),
     (["--deepspeed_config", "POLY_NEGATIVE_POWER"], "scheduler PolynomialLR fails at optimizer step 5 of this run "
@@ -337,6 +342,8 @@ def test_the_launcher_refuses_what_no_run_can_use(tiny_data, tmp_path, monkeypat
         (tmp_path / name).write_text(json.dumps(config))
     (tmp_path / "RANDOM_BYTES").write_bytes(os.urandom(5000))
     (tmp_path / "EMPTY").write_bytes(b"")
+    (tmp_path / "DANGLING").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "LOOP").symlink_to("LOOP")
     torch.save({"module": {"fc.weight": torch.zeros(3, 512)}, "ds_version": "0.19"}, tmp_path / "MODEL_STATES")
     torch.save({"fc.weight": Payload(tmp_path / "ran")}, tmp_path / "PAYLOAD")
     torch.save({"state_dict": {"fc.weight": torch.zeros(3, 512)}, "epoch": 3}, tmp_path / "WRAPPED")

@@ -384,11 +384,16 @@ def test_a_report_name_taken_by_what_is_not_a_file_is_refused_before_measuring(t
     (["--model", "vit_b_16", "--image_size", "30"], "--model vit_b_16 cannot take --image_size 30"),
     (["--output_dir", "FILE"], "is not a folder; choose another --output_dir"),
     (["--output_dir", "/proc/report"], "--output_dir /proc/report: cannot write in /proc ("),  # before measuring
+    # a link to nothing or a loop: measured, then FileExistsError
+    (["--output_dir", "DANGLING"], "DANGLING is a link to nothing or a link loop; remove it or choose another"),
+    (["--output_dir", "LOOP/report"], "LOOP is a link to nothing or a link loop; remove it or choose another"),
     (["--image_size", "100000000"], "--image_size 100000000: a micro-batch of 64 input images alone is"),
 ])
 def test_values_no_report_can_use_are_one_error_line(tmp_path, capsys, argv, message):
     from conftest import assert_usage_error_in_process
 
     (tmp_path / "FILE").write_text("")
-    argv = [str(tmp_path / arg) if arg == "FILE" else arg for arg in argv]
+    (tmp_path / "DANGLING").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "LOOP").symlink_to("LOOP")
+    argv = [str(tmp_path / arg) if arg.split("/")[0] in ("FILE", "DANGLING", "LOOP") else arg for arg in argv]
     assert_usage_error_in_process(memory_profile.main, ["--model", "resnet18", *argv], capsys, message)

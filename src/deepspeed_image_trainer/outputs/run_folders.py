@@ -22,7 +22,7 @@ from pathlib import Path
 from ..data.cache import OFF
 from ..data.check import cache_place
 from ..engine.config import MONITORS, monitor_enabled
-from ..utils.failures import UsageError, check_outside_checkpoints
+from ..utils.failures import UsageError, check_no_broken_link, check_outside_checkpoints
 from .checkpoints import BEST, EXTRA_INFO, LAST, STAGING, read_info, readable
 from .history import HISTORY_FILE
 from .universal import UNIVERSAL
@@ -195,6 +195,7 @@ def check_output_places(args, config):
         if monitor_enabled(monitor) and monitor.get("output_path"):
             places.append((Path(monitor["output_path"]) / str(monitor.get("job_name") or "job"),
                            f"{section}.output_path", monitor["output_path"]))
+    check_no_broken_link(args.checkpoint_dir, "--checkpoint_dir")  # before resolve(), which fails on a loop
     own = Path(args.checkpoint_dir).resolve()
     for folder, flag, given in places:
         resolved = folder.resolve()

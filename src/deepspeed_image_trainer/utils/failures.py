@@ -113,10 +113,21 @@ def check_name_lengths(path, flag):
         raise UsageError(f"{flag} {problem}")
 
 
+def check_no_broken_link(folder, flag, given=None):
+    """Refuse an output folder that is, or lies below, a link to nothing or a link loop: taken for a folder yet to
+    make, it passed the checks and its mkdir failed in a traceback (after the work, in evaluate and memory_profile)."""
+    folder = Path(folder)
+    broken = next((p for p in (folder, *folder.absolute().parents) if p.is_symlink() and not p.exists()), None)
+    if broken is not None:
+        raise UsageError(f"{flag} {given or folder}: {broken} is a link to nothing or a link loop; remove it or "
+                         f"choose another {flag}")
+
+
 def check_writable(folder, flag):
     """Refuse an output folder that cannot be created or written, before any training; leaves nothing."""
     check_name_lengths(folder, flag)  # Path.exists raised on it
     folder = Path(folder)
+    check_no_broken_link(folder, flag)
     existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
     if not existing.is_dir():
         raise UsageError(f"{flag} {folder}: {existing} is not a folder; choose another {flag}")
@@ -187,6 +198,7 @@ CHECKPOINT_DESCRIPTION = "extra_info.json"  # the file that makes a folder a che
 def check_outside_checkpoints(folder, flag, given=None):
     """Refuse an output in (or below) a checkpoint folder, which its run replaces whole when it saves that
     checkpoint again: the next save removed an export, an evaluation or a plot written there."""
+    check_no_broken_link(folder, flag, given)  # first: resolve() raises RuntimeError on a link loop
     resolved = Path(folder).resolve()
     inside = next((f for f in (resolved, *resolved.parents) if (f / CHECKPOINT_DESCRIPTION).is_file()), None)
     if inside is not None:
