@@ -55,7 +55,8 @@ from deepspeed_image_trainer.engine.distributed import (alike_on_each_node, chec
                                                         init_distributed, rank_zero_only, run_on_free_port, shut_down)
 from deepspeed_image_trainer.engine.loop import GradientAccumulation, input_dtype
 from deepspeed_image_trainer.models.build import build_model, check_image_size, construction_args, shape_model
-from deepspeed_image_trainer.utils.failures import CliParser, UsageError, check_writable, path_argument
+from deepspeed_image_trainer.utils.failures import (CliParser, UsageError, check_outside_checkpoints, check_writable,
+                                                    path_argument)
 from deepspeed_image_trainer.utils.files import check_regular, parse_json
 from machine import machine_slug, source_commit, usable_cores
 
@@ -781,6 +782,7 @@ def check_args(args, cuda):
     for name in ("batch_size", "steps", "image_size", "num_classes"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    check_outside_checkpoints(args.output_dir, "--output_dir")  # the checkpoint's next save deleted the report
     check_writable(args.output_dir, "--output_dir")
     check_input_fits(args.batch_size, args.image_size)
     check_image_size(args.model, args.num_classes, args.image_size, args.batch_size)  # on the meta device

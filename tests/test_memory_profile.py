@@ -386,6 +386,7 @@ def test_a_report_name_taken_by_what_is_not_a_file_is_refused_before_measuring(t
     (["--output_dir", "/proc/report"], "--output_dir /proc/report: cannot write in /proc ("),  # before measuring
     # a link to nothing or a loop: measured, then FileExistsError
     (["--output_dir", "DANGLING"], "DANGLING is a link to nothing or a link loop; remove it or choose another"),
+    (["--output_dir", "CHECKPOINT/report"], "is inside the checkpoint"),  # its next save deleted the report
     (["--output_dir", "LOOP/report"], "LOOP is a link to nothing or a link loop; remove it or choose another"),
     (["--image_size", "100000000"], "--image_size 100000000: a micro-batch of 64 input images alone is"),
 ])
@@ -395,5 +396,8 @@ def test_values_no_report_can_use_are_one_error_line(tmp_path, capsys, argv, mes
     (tmp_path / "FILE").write_text("")
     (tmp_path / "DANGLING").symlink_to(tmp_path / "nowhere")
     (tmp_path / "LOOP").symlink_to("LOOP")
-    argv = [str(tmp_path / arg) if arg.split("/")[0] in ("FILE", "DANGLING", "LOOP") else arg for arg in argv]
+    (tmp_path / "CHECKPOINT").mkdir()
+    (tmp_path / "CHECKPOINT/extra_info.json").write_text("{}")
+    argv = [str(tmp_path / arg) if arg.split("/")[0] in ("FILE", "DANGLING", "LOOP", "CHECKPOINT") else arg
+            for arg in argv]
     assert_usage_error_in_process(memory_profile.main, ["--model", "resnet18", *argv], capsys, message)
