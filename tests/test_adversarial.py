@@ -1211,3 +1211,14 @@ def test_an_image_rewritten_during_the_run_is_replaced_by_the_next(tmp_path, cap
     assert image.size == (32, 32) and label == samples[1][1]
     assert "can no longer be read" in capsys.readouterr().err
 
+
+@pytest.mark.parametrize("kind", ["folder", "fifo"])
+def test_export_refuses_a_sidecar_name_taken_by_what_is_not_a_file_before_consolidating(tmp_path, monkeypatch, kind):
+    """A folder at <output>.json: the export consolidated the checkpoint, then failed its write (status 4)."""
+    from deepspeed_image_trainer.inference import export
+
+    sidecar = tmp_path / "m.pt.json"
+    sidecar.mkdir() if kind == "folder" else os.mkfifo(sidecar)
+    monkeypatch.setattr(export, "consolidated_state_dict", lambda *a: pytest.fail("consolidated before the refusal"))
+    with pytest.raises(UsageError, match=f"^--output {tmp_path / 'm.pt'}: {sidecar} is (a folder|not a regular file)"):
+        export.export(tmp_path / "ck", tmp_path / "m.pt")

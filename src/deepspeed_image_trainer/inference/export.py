@@ -23,7 +23,8 @@ from ..data.folders import check_preprocessing
 from ..models.build import check_saved_model, load_weights, model_for_weights
 from ..models.names import MODEL_NAME
 from ..outputs.checkpoints import find_checkpoint, read_info
-from ..utils.failures import CliParser, UsageError, check_output_file, path_argument, stop_on_write_error
+from ..utils.failures import (CliParser, UsageError, check_not_taken, check_output_file, path_argument,
+                              stop_on_write_error)
 from ..utils.files import as_open_would, fingerprint, replace_together, written_beside
 from ..utils.loading import check_checkpoint_files, load_checked
 
@@ -75,6 +76,8 @@ def sidecar_path(output):
 def export(checkpoint, output):
     output = Path(output)
     check_output_file(output, "--output", SUFFIXES)
+    # the sidecar's name too: a folder there failed the write after consolidating (status 4)
+    check_not_taken(sidecar_path(output), "--output", output)
     state_dict, info = consolidated_state_dict(checkpoint)
     # strict: the export must load as it is
     load_weights(model_for_weights(info["model"], len(info["class_names"]), info["image_size"]), state_dict,
