@@ -665,6 +665,10 @@ def check_rows(rows, path, searched):
         elif wrong := next((key for key, value in row.items() if (key.endswith("_gib") or key in ROW_NUMBERS)
                             and not (value is None or _figure(value))), None):
             why = f"has {wrong} {_shown(row[wrong])}, not a number"
+        # memory and parameter counts below 0 are no measurement: the table and chart showed them as they were
+        elif negative := next((key for key, value in row.items() if (key.endswith("_gib") or key == "params")
+                               and value is not None and value < 0), None):
+            why = f"has {negative} {_shown(row[negative])}, below 0"
         elif "error" in row and not (isinstance(row["error"], str) and row["error"].strip()):
             why = f"has error {row['error']!r}, not a message"
         elif searched and "error" not in row and "max_micro_batch" not in row:

@@ -325,9 +325,11 @@ def test_every_configuration_gets_its_largest_batch_its_speed_and_the_reference(
     ({"config": "ZeRO-1", "images_per_s": -math.inf}, "results[0] has images_per_s -inf, not a number"),
     ({"config": "ZeRO-1", "model_states_gib": True}, "results[0] has model_states_gib True, not a number"),
     ({"config": "ZeRO-1", "params": 10**400}, "results[0] has params 10000000000000000000... (401 characters), not "
-                                              "a number")],
+                                              "a number"),
+    ({"config": "ZeRO-1", "host_peak_rss_gib": -5}, "results[0] has host_peak_rss_gib -5, below 0"),
+    ({"config": "ZeRO-1", "params": -1}, "results[0] has params -1, below 0")],
     ids=["config a list", "no config", "a figure in words", "error a number", "Infinity", "NaN", "-Infinity",
-         "true", "past a float"])
+         "true", "past a float", "negative gib", "negative params"])
 def test_an_update_file_whose_rows_cannot_be_merged_is_refused_before_measuring(tmp_path, monkeypatch, capsys,
                                                                                 row, message):
     """A row the report cannot merge or show (config ["x"]: unhashable) ended --update in a traceback when the
