@@ -54,8 +54,8 @@ MODEL_STATE_BYTES_PER_PARAMETER = 16  # fp32 weights, gradients and AdamW's two 
 # had a stream of their own: 16%).
 HOST_BATCHES_AHEAD = 3
 # The policy (--auto_augment) runs on the batches of a chunk of about this many images at once, at most
-# POLICY_CHUNK_BATCHES batches: its launches from the host take about the same time for one batch of 256 as for
-# four (3.3 and 3.5 ms on an H200), a third of a ResNet18 step, in which the host is the bottleneck.
+# POLICY_CHUNK_BATCHES batches: its launches from the host take about as long for four batches of 256 as for one,
+# and a ResNet18 step leaves the host little room (recipe_augmentation.py's "a batch at a time" rows).
 POLICY_CHUNK_IMAGES = 1024
 POLICY_CHUNK_BATCHES = 8
 # torch threads of the thread that gathers host batches: a batch's rows gathered on every core of a 16-core host
