@@ -159,8 +159,8 @@ def recipe_epochs(name):
     return source(result, name) + (
         f"\n{settings['model']}, micro-batch {settings['batch_size']}, {settings['image_size']} px, ZeRO-0 bf16, "
         f"{settings['num_workers']} DataLoader workers; images/s over the epochs after the first:\n\n") + table(
-        ["run", "images/s", "of the plain loop", "recipe / no recipe", "recipe / the plain loop's recipe", "waiting for data"],
-        rows)
+        ["run", "images/s", "of the plain loop", "recipe / no recipe", "recipe / the plain loop's recipe",
+         "waiting for data"], rows)
 
 
 def data_tiers(name):
