@@ -7,6 +7,7 @@ the one place that puts src/ on the import path (a clone runs them without insta
 plain_loop.py alone, the reference a user would write, does it itself."""
 import argparse
 import io
+import itertools
 import json
 import os
 import pstats
@@ -95,9 +96,12 @@ REFERENCES = {
     "torch bf16 channels_last compile": {"dtype": "bf16", "channels_last": True, "compile": True},
     # on several GPUs: DDP with every BatchNorm2d made torch.nn.SyncBatchNorm (the reference of --sync_bn)
     "torch bf16 channels_last SyncBatchNorm": {"dtype": "bf16", "channels_last": True, "sync_bn": True},
+    # fed by the trainer's GPU data path (crops_loader) instead of one synthetic batch: a DDP user who augments
+    # on the GPU as the trainer does
+    "torch bf16 channels_last crops": {"dtype": "bf16", "channels_last": True, "crops": True},
 }
 BF16_REF, FP16_REF = "torch bf16 channels_last", "torch fp16 channels_last"
-SYNC_BN_REF = "torch bf16 channels_last SyncBatchNorm"
+SYNC_BN_REF, CROPS_REF = "torch bf16 channels_last SyncBatchNorm", "torch bf16 channels_last crops"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -138,11 +142,14 @@ def reference_case(settings, args, device):
     if world_size > 1:
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     forward = torch.compile(model) if settings.get("compile") else model
-    images, labels = synthetic_batch(args, device, channels_last=settings["channels_last"])
+    batch = synthetic_batch(args, device, channels_last=settings["channels_last"])
+    loader = (lambda epoch, count: [batch] * count) if not settings.get("crops") else crops_loader(
+        args, device, torch.float32, int(os.environ.get("RANK", "0")), world_size)
+    epochs = iter(range(2))
 
     def steps(count):
         start = time.perf_counter()
-        for _ in range(count):
+        for images, labels in itertools.islice(loader(next(epochs), count), count):
             with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
                 loss = F.cross_entropy(forward(images), labels)
             optimizer.zero_grad(set_to_none=True)

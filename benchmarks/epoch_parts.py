@@ -2,7 +2,8 @@
 synthetic batch (as throughput.py's "step" rows), then with each of what the epoch does besides (the device data
 path's crops of resident uint8 squares, the stop agreement between ranks, the non-finite-loss check, the seeding
 of each micro-batch) and with all of them, beside plain PyTorch (DistributedDataParallel on several GPUs) on the
-same synthetic batch. Each in its own processes (torchrun's on several GPUs).
+same synthetic batch, and plain PyTorch fed by the same crops (a user of DDP who augments on the GPU as the
+trainer does). Each in its own processes (torchrun's on several GPUs).
 
 Prints a table last (images/s, ratio to the reference, milliseconds a step each part adds) and writes JSON to
 benchmarks/results/epoch_parts/epoch_parts_<model>_<gpu>_x<N>.json.
@@ -16,7 +17,7 @@ import time
 
 import torch
 
-from common import (BF16_REF, EPOCH_PARTS, REFERENCES, ROOT, environment, failed, fmt, measurement_parser,
+from common import (BF16_REF, CROPS_REF, EPOCH_PARTS, REFERENCES, ROOT, environment, failed, fmt, measurement_parser,
                     reference_case, run_case_of, settings_of, trainer_case)
 from machine import machine_slug
 
@@ -34,7 +35,7 @@ def get_args_parser():
 
 def child(stage, name, args):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: a smoke test only
-    if name == BF16_REF:
+    if name in (BF16_REF, CROPS_REF):
         result = reference_case(REFERENCES[name], args, device)
     else:
         result = trainer_case(["--zero_stage", str(stage), "--bf16"], args, device, parts=CASES[name])
@@ -57,7 +58,7 @@ def main():
     args.output_dir.mkdir(parents=True, exist_ok=True)
     path = args.output_dir / f"epoch_parts_{args.model}_zero{args.zero_stage}_{machine_slug(env)}_x{args.num_gpus}.json"
     results = {}
-    for name in [BF16_REF, *CASES]:
+    for name in [BF16_REF, CROPS_REF, *CASES]:
         started = time.perf_counter()
         result = run_case_of(__file__, args.zero_stage, name, args)
         results[name] = {**result, "wall_s": round(time.perf_counter() - started, 1)}
@@ -67,15 +68,17 @@ def main():
 
     print(f"\n{env['gpu'] or 'CPU'} x{args.num_gpus} | torch {env['torch']} | DeepSpeed {env['deepspeed']} | "
           f"{args.model}, micro-batch {args.batch_size} per GPU, {args.image_size} px, ZeRO-{args.zero_stage} bf16")
-    print(f"{'measurement':<{len(BF16_REF) + 2}}{'images/s':>9}{'of ref':>8}{'ms/step':>9}{'added ms':>9}")
-    reference, step = results[BF16_REF], results[STEP]
+    width = len(CROPS_REF) + 2
+    print(f"{'measurement':<{width}}{'images/s':>9}{'of ref':>8}{'of crops ref':>13}{'ms/step':>9}{'added ms':>9}")
+    step = results[STEP]
     for name, result in results.items():
         if "error" in result:
-            print(failed(name, result, len(BF16_REF) + 2))
+            print(failed(name, result, width))
             continue
-        of_ref = result["images_per_s"] / reference["images_per_s"] if "images_per_s" in reference else None
+        of_ref, of_crops = (result["images_per_s"] / results[ref]["images_per_s"]
+                            if "images_per_s" in results[ref] else None for ref in (BF16_REF, CROPS_REF))
         added = step_ms(result, args) - step_ms(step, args) if name in CASES and "images_per_s" in step else None
-        print(f"{name:<{len(BF16_REF) + 2}}{result['images_per_s']:>9.0f}{fmt(of_ref):>8}"
+        print(f"{name:<{width}}{result['images_per_s']:>9.0f}{fmt(of_ref):>8}{fmt(of_crops):>13}"
               f"{step_ms(result, args):>9.2f}{fmt(added):>9}")
 
 

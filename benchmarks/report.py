@@ -469,24 +469,32 @@ def scaling(names, kind="real"):
 
 
 def epoch_parts(names):
-    """epoch_parts.py on 1 and N GPUs: the step, then what each of the epoch's parts adds to it, in ms a step."""
+    """epoch_parts.py on 1 and N GPUs: the step, then what each of the epoch's parts adds to it, in ms a step,
+    against the plain loop (DDP on several GPUs) on one batch and, where measured, on the trainer's crops."""
     results = [load(name) for name in names]
     columns, rows = [], {}
     for result in results:
         settings, measured = result["settings"], result["results"]
         gpus = settings["num_gpus"]
         reference = measured.pop(next(iter(measured)))  # the plain loop (DDP on several GPUs) comes first
+        crops = measured.pop("torch bf16 channels_last crops", None)
 
         def ms(r):
             return 1000 * settings["batch_size"] * gpus / r["images_per_s"]
 
+        def of(r, ref):
+            return f"**{r['images_per_s'] / ref['images_per_s']:.2f}**" if ref else ""
+
         columns += [f"{gpus} GPU{'s' if gpus > 1 else ''}: ms a step", "added",
-                    "of the plain loop" if gpus == 1 else "of DDP"]
-        rows.setdefault("plain PyTorch (DDP on several GPUs)", []).extend([f"{ms(reference):.2f}", "", "1"])
+                    "of the plain loop" if gpus == 1 else "of DDP", "of it with crops"]
+        rows.setdefault("plain PyTorch (DDP on several GPUs)", []).extend(
+            [f"{ms(reference):.2f}", "", "1", of(reference, crops)])
+        if crops:
+            rows.setdefault("plain PyTorch, the trainer's crops", []).extend(
+                [f"{ms(crops):.2f}", f"{ms(crops) - ms(reference):+.2f}", of(crops, reference), "1"])
         for label, r in measured.items():
-            of_reference = r["images_per_s"] / reference["images_per_s"]
             rows.setdefault(label, []).extend(
-                [f"{ms(r):.2f}", f"{ms(r) - ms(measured['step']):+.2f}", f"**{of_reference:.2f}**"])
+                [f"{ms(r):.2f}", f"{ms(r) - ms(measured['step']):+.2f}", of(r, reference), of(r, crops)])
     settings = results[0]["settings"]
     return "\n".join(source(result, name) for result, name in zip(results, names)) + (
         f"\n{settings['model']}, micro-batch {settings['batch_size']} per GPU, {settings['image_size']} px, "
