@@ -100,6 +100,8 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         # sections the trainer reads itself: an AttributeError traceback
         "CHECKPOINT_NUMBER": {"checkpoint": 5},
         "WANDB_LIST": {"wandb": []},
+        "CSV_JOB_NUMBER": {"csv_monitor": {"enabled": True, "job_name": 5}},
+        "TENSORBOARD_PATH_LIST": {"tensorboard": {"enabled": False, "output_path": ["a"]}},
         "AUTOTP": {"tensor_parallel": {"autotp_size": 2}},
         "FLOPS_PROC": {"flops_profiler": {"enabled": True, "profile_step": 1, "output_file": "/proc/nope/x.txt"}},
         "CLIP_HUGE": {"gradient_clipping": 10**400},
@@ -235,6 +237,9 @@ FLAGS = [
                                                "ranks, through DeepSpeed's universal checkpoint); remove it"),
     (["--deepspeed_config", "CHECKPOINT_NUMBER"], "checkpoint in the DeepSpeed config must be a JSON object, got 5"),
     (["--deepspeed_config", "WANDB_LIST"], "wandb in the DeepSpeed config must be a JSON object, got []"),
+    (["--deepspeed_config", "CSV_JOB_NUMBER"], "csv_monitor.job_name in the DeepSpeed config must be a string, got 5"),
+    (["--deepspeed_config", "TENSORBOARD_PATH_LIST"], 'tensorboard.output_path in the DeepSpeed config must be a '
+                                                      'string, got ["a"]'),
     (["--deepspeed_config", "AUTOTP"], "tensor_parallel.autotp_size: DeepSpeed's automatic tensor parallelism"),
     (["--deepspeed_config", "FLOPS_PROC"], "flops_profiler.output_file /proc/nope/x.txt: /proc/nope is not a folder"),
     (["--deepspeed_config", "CLIP_HUGE"], "gradient_clipping is a whole number of 401 digits, not a finite number"),

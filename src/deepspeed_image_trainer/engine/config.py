@@ -111,6 +111,10 @@ def _check_types(config):
     for section in ("optimizer", "scheduler"):
         if not isinstance(config.get(section, {}).get("type", ""), str):
             fail(f"{section}.type", "a name", config[section]["type"])
+    for section in MONITORS:  # DeepSpeed's monitors take names: a number or a list was a TypeError in a path join
+        for key in ("output_path", "job_name"):
+            if not isinstance(config.get(section, {}).get(key, ""), str):
+                fail(f"{section}.{key}", "a string", config[section][key])
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         value = config.get(key, AUTO)
         if value != AUTO and (type(value) is not int or value < 1):
