@@ -616,6 +616,8 @@ def earlier_results(args, env, world_size):
         earlier = parse_json(path.read_text())
         measured = {**earlier["environment"], **{f"--{key}": value for key, value in earlier["settings"].items()}}
         results = earlier["results"], earlier.get("reference"), earlier["environment"].get("commands", [])
+        if not (isinstance(results[2], list) and all(isinstance(command, str) for command in results[2])):
+            raise ValueError(f"environment.commands is {_shown(results[2])}, not a list of commands")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise UsageError(f"--update: {path} is not a memory report's JSON ({type(err).__name__}: "
                          f"{str(err).splitlines()[0] if str(err) else ''}); move it away or write to another "
@@ -629,11 +631,35 @@ def earlier_results(args, env, world_size):
         raise UsageError(f"--update: {path} was measured with another {', '.join(differs)}; write to another "
                          "--output_dir")
     check_rows(results[0], path, args.find_max_batch)
+    reference = results[1]
+    if reference is not None and not (isinstance(reference, dict) and _whole(reference.get("batch"))
+                                      and _figure_of("images_per_s", reference.get("images_per_s"))):
+        raise UsageError(f"--update: {path}: its reference {_shown(reference)} is not the plain loop's batch and "
+                         "images/s; move it away or write to another --output_dir")
     return results
 
 
-# What the merge, the table and the chart read of an earlier row as numbers (or null), besides its *_gib figures
-ROW_NUMBERS = ("params", "images_per_s", "ratio_to_reference")
+PRECISIONS = ("fp32", "fp16", "bf16", "autocast-fp16", "autocast-bf16")  # engine.config.precision's names
+# the largest figure a row can hold, by its kind: no rank has a pebibyte, no model 10**13 parameters
+LIMITS = {"gib": 2 ** 20, "count": 10 ** 13}
+# what a row holds besides its figures (any *_gib key, and ROW_FIGURES), as the report writes it: name -> (what it
+# must be, a test of a value); a key of neither kind (another script's) is carried over as it is
+ROW_FIELDS = {
+    "config": ("a configuration's name", lambda v: isinstance(v, str)),
+    "flags": ("a list of flags", lambda v: v is None or isinstance(v, list) and all(isinstance(f, str) for f in v)),
+    "precision": (f"one of {', '.join(PRECISIONS)}", lambda v: v in PRECISIONS),
+    "commit": ("a commit", lambda v: isinstance(v, str)),
+    "error": ("a message", lambda v: isinstance(v, str) and v.strip()),
+    "out_of_memory": ("true or false", lambda v: isinstance(v, bool)),
+    "max_micro_batch": ("a whole number of images", lambda v: _whole(v)),
+    "global_batch": ("a whole number of images", lambda v: v is None or _whole(v)),
+    "tries": ("a list of the search's tries", lambda v: isinstance(v, list) and all(
+        isinstance(t, dict) and _whole(t.get("batch")) and isinstance(t.get("fits"), bool)
+        and all(_figure_of(k, x) for k, x in t.items() if k not in ("batch", "fits")) for t in v)),
+    "per_rank": ("a list of each rank's GiB figures", lambda v: isinstance(v, list) and all(
+        isinstance(r, dict) and all(k.endswith("_gib") and _figure_of(k, x) for k, x in r.items()) for r in v)),
+}
+ROW_FIGURES = ("params", "images_per_s", "ratio_to_reference", "global_batch_images_per_s", "seconds")
 
 
 def _figure(value):
@@ -648,34 +674,47 @@ def _figure(value):
         return False
 
 
+def _whole(value):
+    return type(value) is int and 0 <= value <= LIMITS["count"]
+
+
+def _figure_of(key, value):
+    """Whether `value` can be row figure `key`: null (not measured), or a number from 0 to its kind's limit."""
+    return value is None or (_figure(value) and 0 <= value <= LIMITS["gib" if key.endswith("_gib") else "count"])
+
+
 def _shown(value):
     text = repr(value)
     return text if len(text) <= 40 else f"{text[:20]}... ({len(text)} characters)"
 
 
+def _row_problem(row):
+    """What makes an earlier row one the merge, the table or the chart cannot read, or write back as it should."""
+    if not isinstance(row, dict) or not isinstance(row.get("config"), str):
+        return "is not an object with its configuration's name (config)"
+    for key, value in row.items():
+        if key in ROW_FIELDS and not ROW_FIELDS[key][1](value):
+            return f"has {key} {_shown(value)}, not {ROW_FIELDS[key][0]}"
+        if (key.endswith("_gib") or key in ROW_FIGURES) and not _figure_of(key, value):
+            why = ("not a number" if not _figure(value) else "below 0" if value < 0 else
+                   f"over {LIMITS['gib']:,} GiB" if key.endswith("_gib") else f"over {LIMITS['count']:.0e}")
+            return f"has {key} {_shown(value)}, {why}"
+    return None
+
+
 def check_rows(rows, path, searched):
-    """Refuse an --update file's rows that the merge, the table or the chart cannot read: found only when the
-    report was written, they ended the run in a traceback after measuring, and the measurement was lost."""
+    """Refuse an --update file's rows that the merge, the table or the chart cannot read, or that it would write
+    back wrong: found only when the report was written, they ended the run in a traceback after measuring (the
+    measurement lost), or went into the new report as they were."""
     if not isinstance(rows, list):
         raise UsageError(f"--update: {path}: its results are not a list of rows; move it away or write to another "
                          "--output_dir")
     for at, row in enumerate(rows):
-        if not isinstance(row, dict) or not isinstance(row.get("config"), str):
-            why = "is not an object with its configuration's name (config)"
-        elif wrong := next((key for key, value in row.items() if (key.endswith("_gib") or key in ROW_NUMBERS)
-                            and not (value is None or _figure(value))), None):
-            why = f"has {wrong} {_shown(row[wrong])}, not a number"
-        # memory and parameter counts below 0 are no measurement: the table and chart showed them as they were
-        elif negative := next((key for key, value in row.items() if (key.endswith("_gib") or key == "params")
-                               and value is not None and value < 0), None):
-            why = f"has {negative} {_shown(row[negative])}, below 0"
-        elif "error" in row and not (isinstance(row["error"], str) and row["error"].strip()):
-            why = f"has error {row['error']!r}, not a message"
-        elif searched and "error" not in row and "max_micro_batch" not in row:
+        why = _row_problem(row)
+        if why is None and searched and "error" not in row and "max_micro_batch" not in row:
             why = "has no max_micro_batch"
-        else:
-            continue
-        raise UsageError(f"--update: {path}: results[{at}] {why}; move it away or write to another --output_dir")
+        if why is not None:
+            raise UsageError(f"--update: {path}: results[{at}] {why}; move it away or write to another --output_dir")
 
 
 def write_results(args, rows, world_size, env, reference=None):

@@ -327,13 +327,40 @@ def test_every_configuration_gets_its_largest_batch_its_speed_and_the_reference(
     ({"config": "ZeRO-1", "params": 10**400}, "results[0] has params 10000000000000000000... (401 characters), not "
                                               "a number"),
     ({"config": "ZeRO-1", "host_peak_rss_gib": -5}, "results[0] has host_peak_rss_gib -5, below 0"),
-    ({"config": "ZeRO-1", "params": -1}, "results[0] has params -1, below 0")],
+    ({"config": "ZeRO-1", "params": -1}, "results[0] has params -1, below 0"),
+    # written back as they were, or shown as a 300-digit figure
+    ({"config": "ZeRO-1", "host_peak_rss_gib": 1e300}, "results[0] has host_peak_rss_gib 1e+300, over 1,048,576 GiB"),
+    ({"config": "ZeRO-1", "seconds": "x"}, "results[0] has seconds 'x', not a number"),
+    ({"config": "ZeRO-1", "precision": 5}, "results[0] has precision 5, not one of fp32, fp16, bf16, autocast-fp16, "
+                                           "autocast-bf16"),
+    ({"config": "ZeRO-1", "per_rank": "x"}, "results[0] has per_rank 'x', not a list of each rank's GiB figures"),
+    ({"config": "ZeRO-1", "tries": [{"batch": -2, "fits": True}]}, "results[0] has tries [{'batch': -2, 'fits': "
+                                                                    "True}], not a list of the search's tries")],
     ids=["config a list", "no config", "a figure in words", "error a number", "Infinity", "NaN", "-Infinity",
-         "true", "past a float", "negative gib", "negative params"])
+         "true", "past a float", "negative gib", "negative params", "a pebibyte past", "seconds in words",
+         "precision a number", "per_rank a word", "a negative try"])
 def test_an_update_file_whose_rows_cannot_be_merged_is_refused_before_measuring(tmp_path, monkeypatch, capsys,
                                                                                 row, message):
     """A row the report cannot merge or show (config ["x"]: unhashable) ended --update in a traceback when the
     report was written, after measuring: the measurement was lost."""
+    refused_update(tmp_path, monkeypatch, capsys, {"results": [row]}, message)
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"environment": {"commands": "str"}}, "environment.commands is 'str', not a list of commands"),
+    ({"reference": {"batch": 2, "images_per_s": "fast"}}, "its reference {'batch': 2, 'images_per_s': 'fast'} is "
+                                                          "not the plain loop's batch and images/s")],
+    ids=["commands a word", "reference in words"])
+def test_an_update_file_whose_commands_or_reference_cannot_be_carried_over_is_refused(tmp_path, monkeypatch, capsys,
+                                                                                    edit, message):
+    """The commands, a word, came back as a list of its letters; a reference in words ended the table's ratio in a
+    TypeError after measuring."""
+    refused_update(tmp_path, monkeypatch, capsys, edit, message)
+
+
+def refused_update(tmp_path, monkeypatch, capsys, edit, message):
+    """An earlier report with `edit` (its top-level keys replaced, "environment" merged) is refused by --update,
+    in one line, before measuring, and left as it was."""
     from conftest import assert_usage_error_in_process
 
     argv = ["--model", "resnet18", "--num_classes", "3", "--image_size", "32", "--batch_size", "2", "--steps", "1",
@@ -341,7 +368,9 @@ def test_an_update_file_whose_rows_cannot_be_merged_is_refused_before_measuring(
     memory_profile.write_results(memory_profile.get_args_parser().parse_args(argv), [{"config": "ZeRO-1"}], 1,
                                  memory_profile.environment())
     path = next(tmp_path.glob("memory_resnet18_*.json"))
-    path.write_text(json.dumps({**json.loads(path.read_text()), "results": [row]}))
+    earlier = json.loads(path.read_text())
+    path.write_text(json.dumps({**earlier, **edit, "environment": {**earlier["environment"],
+                                                                   **edit.get("environment", {})}}))
     before = path.read_text()
     for key, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}.items():  # not left set for other tests
         monkeypatch.setenv(key, value)
