@@ -77,9 +77,11 @@ def checked_world_size():
             values[key] = int(os.environ[key])
         except ValueError:
             raise UsageError(f"{key}={os.environ[key]!r} in the environment is not a whole number") from None
-    if values["WORLD_SIZE"] < 1 or not 0 <= values["RANK"] < values["WORLD_SIZE"] or values["LOCAL_RANK"] < 0:
+    if values["LOCAL_RANK"] < 0:  # named on its own: the message below named RANK and WORLD_SIZE, as defaulted
+        raise UsageError(f"LOCAL_RANK={values['LOCAL_RANK']} in the environment: a rank's index on its node is 0 or more")
+    if values["WORLD_SIZE"] < 1 or not 0 <= values["RANK"] < values["WORLD_SIZE"]:
         raise UsageError(f"RANK={values['RANK']} and WORLD_SIZE={values['WORLD_SIZE']} in the environment: the ranks "
-                         "are 0 .. WORLD_SIZE - 1 (and LOCAL_RANK not negative)")
+                         "are 0 .. WORLD_SIZE - 1")
     if not 0 < values["MASTER_PORT"] < 65536:
         raise UsageError(f"MASTER_PORT={values['MASTER_PORT']} in the environment is not a port: use 1 .. 65535")
     check_timeout()
