@@ -78,10 +78,16 @@ def metrics(workdir):
     return [{k: e[k] for k in METRICS} for e in history_of(workdir)["epochs"]]
 
 
+# the data on the device, with the recipe: its policy runs on chunks of batches, and a resume mid-chunk regroups them
+# (the DataLoader tier's stop and resume: test_two_ranks_stopped_mid_epoch_resume_with_each_ranks_batch_norm_statistics)
+ON_DEVICE = ["--data_on_device", "on", "--auto_augment", "ra", "--random_erase", "0.25", "--mixup_alpha", "0.2",
+             "--cutmix_alpha", "1.0", "--label_smoothing", "0.1"]
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_data, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("uninterrupted")
-    result = launch(train_args(tiny_data) + ["--resume", "auto"], workdir)  # nothing to resume: starts fresh
+    result = launch(train_args(tiny_data) + ON_DEVICE + ["--resume", "auto"], workdir)  # nothing to resume: fresh
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Resumed" not in result.stdout
     return workdir
@@ -94,13 +100,13 @@ def test_keep_last_prunes_old_epoch_checkpoints(uninterrupted):
 
 
 def test_kill_9_then_resume_equals_an_uninterrupted_run(tiny_data, tmp_path, uninterrupted):
-    run = start(train_args(tiny_data), tmp_path, tmp_path / "killed.log")
+    run = start(train_args(tiny_data) + ON_DEVICE, tmp_path, tmp_path / "killed.log")
     # epoch 1's checkpoint is written before its line in the history: wait for both
     wait_for(lambda: last_epoch_saved(tmp_path) == 1 and epochs_logged(tmp_path) == 1, run)
     kill_9_everything(run)
     assert len(history_of(tmp_path)["epochs"]) == 1, "the kill came after epoch 2 had finished"
 
-    result = launch(train_args(tiny_data) + ["--resume", "auto"], tmp_path)
+    result = launch(train_args(tiny_data) + ON_DEVICE + ["--resume", "auto"], tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Resumed from checkpoints_deepspeed/last: epoch 2" in result.stdout
     assert [e["epoch"] for e in history_of(tmp_path)["epochs"]] == [1, 2]
@@ -108,21 +114,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tiny_data, tmp_path, uni
     assert history_of(tmp_path)["best"] == history_of(uninterrupted)["best"]
 
 
-# the data on the device, with the recipe: its policy runs on chunks of batches, and a resume mid-chunk regroups them
-ON_DEVICE = ["--data_on_device", "on", "--auto_augment", "ra", "--random_erase", "0.25", "--mixup_alpha", "0.2",
-             "--cutmix_alpha", "1.0", "--label_smoothing", "0.1"]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted_on_device(tiny_data, tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("uninterrupted_on_device")
-    result = launch(train_args(tiny_data) + ON_DEVICE, workdir)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return workdir
-
-
-def test_sigterm_mid_epoch_saves_and_resumes_exactly_with_the_data_on_the_device(tiny_data, tmp_path,
-                                                                                  uninterrupted_on_device):
+def test_sigterm_mid_epoch_saves_and_resumes_exactly_with_the_data_on_the_device(tiny_data, tmp_path, uninterrupted):
     """With the dataset on the device every batch, crop and policy draw of an epoch comes from (seed, rank,
     epoch), and each mixing from its step: a run stopped mid-epoch and resumed ends with the metrics of one that
     never stopped, and goes on on two ranks from the same place."""
@@ -145,8 +137,8 @@ def test_sigterm_mid_epoch_saves_and_resumes_exactly_with_the_data_on_the_device
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"Resumed from checkpoints_deepspeed/last: epoch 2, step {info['interrupted_at']['step']}" in result.stdout
     assert history_of(tmp_path)["config"]["zero_stage"] == 2
-    assert metrics(tmp_path) == metrics(uninterrupted_on_device)
-    assert history_of(tmp_path)["best"] == history_of(uninterrupted_on_device)["best"]
+    assert metrics(tmp_path) == metrics(uninterrupted)
+    assert history_of(tmp_path)["best"] == history_of(uninterrupted)["best"]
     resumed_epoch = history_of(tmp_path)["epochs"][1]  # its time before the stop is in both figures
     assert resumed_epoch["epoch_wall_s"] >= sum(resumed_epoch[key] for key in ("epoch_time_s", "validation_s",
                                                                               "checkpoint_s"))
@@ -161,7 +153,7 @@ def test_sigterm_mid_epoch_saves_and_resumes_exactly_with_the_data_on_the_device
     assert "mid_epoch (saved by 1 rank) for 2 ranks with DeepSpeed's universal checkpoint" in result.stdout
     assert f"epoch 2, step {info['interrupted_at']['step']} of 12" in result.stdout
     assert history_of(two)["config"]["world_size"] == 2 and not (two / "checkpoints_deepspeed/.universal").exists()
-    resumed, whole = metrics(two), metrics(uninterrupted_on_device)
+    resumed, whole = metrics(two), metrics(uninterrupted)
     assert resumed[0] == whole[0] and [e["lr"] for e in resumed] == pytest.approx([e["lr"] for e in whole], rel=1e-9)
     assert all(e["val_images"] == TINY_VAL_IMAGES for e in history_of(two)["epochs"])
 
