@@ -279,10 +279,12 @@ def recipe_runs(rank, port, results, data, workdir):
 
 
 @pytest.mark.slow
-def test_the_recipe_trains_on_every_tier_and_at_zero_0_and_3_on_two_ranks(tiny_data, tmp_path):
-    from conftest import history_of, spawn_ranks
+def test_the_recipe_trains_on_every_tier_and_at_zero_0_and_3_on_two_ranks(tmp_path):
+    from conftest import history_of, make_sample_dataset, spawn_ranks
 
-    statuses = spawn_ranks(recipe_runs, 2, tiny_data, tmp_path)
+    # 16 training images: with --ra_reps 2, two steps a rank (the suite's tiny data took twice as long)
+    make_sample_dataset(tmp_path / "data", num_classes=4, train_per_class=4, val_per_class=1, image_size=32, seed=0)
+    statuses = spawn_ranks(recipe_runs, 2, tmp_path / "data", tmp_path)
     assert statuses == {(tier, stage, rank): 0 for tier, stage in TIER_STAGES for rank in (0, 1)}
     for tier, stage in TIER_STAGES:
         history = history_of(tmp_path / f"{tier}-{stage}")
