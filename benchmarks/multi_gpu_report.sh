@@ -6,6 +6,7 @@
 #   bash benchmarks/multi_gpu_report.sh sync_bn - OUT     # scaling.py: --sync_bn beside DDP with torch's SyncBatchNorm
 #   bash benchmarks/multi_gpu_report.sh accuracy - OUT    # scaling.py: same global batch on 1 and 2 GPUs, with and without --sync_bn
 #   bash benchmarks/multi_gpu_report.sh resume - OUT      # scaling.py: ZeRO-2 and 3 runs saved on 1 GPU resumed on 2, and back
+#   bash benchmarks/multi_gpu_report.sh chain - OUT       # scaling.py: ZeRO-2 and 3 runs stopped mid-epoch, 1 -> 2 -> 1 GPUs
 #   bash benchmarks/multi_gpu_report.sh memory - OUT      # memory_profile.py: vit_h_14 per ZeRO stage on 1 and 2 GPUs
 #   bash benchmarks/multi_gpu_report.sh shard MODEL OUT   # capacity.py: ZeRO-3 on 2 GPUs held to 8 GiB each
 #
@@ -14,7 +15,7 @@
 # regnet_y_128gf. OUT defaults to benchmarks/results. Each part prints its tables last and adds to its JSON (--update).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?steps, epochs, sync_bn, accuracy, resume, memory or shard}
+part=${1:?steps, epochs, sync_bn, accuracy, resume, chain, memory or shard}
 model=${2:--}
 out=${3:-benchmarks/results}
 mkdir -p "$out"
@@ -32,7 +33,7 @@ steps)
 epochs)
     "${scaling[@]}" --model "${model:-resnet18}" --only reference real
     ;;
-sync_bn | accuracy | resume)
+sync_bn | accuracy | resume | chain)
     "${scaling[@]}" --only "$part"
     ;;
 memory)
@@ -49,7 +50,7 @@ shard)
         --output_dir "$out" --update
     ;;
 *)
-    echo "error: the part is steps, epochs, sync_bn, accuracy, resume, memory or shard, not '$part'" >&2
+    echo "error: the part is steps, epochs, sync_bn, accuracy, resume, chain, memory or shard, not '$part'" >&2
     exit 2
     ;;
 esac

@@ -555,6 +555,29 @@ def scaling_accuracy(name):
     return out + (f"\nFailed: {', '.join(failed_runs)}\n" if failed_runs else "")
 
 
+def scaling_chain(name):
+    """scaling.py --only chain: a run stopped mid-epoch on 1 GPU, then on N, finished on 1, beside it uninterrupted."""
+    result = load(name)
+    settings, results = result["settings"], result["results"]
+    n = settings["max_gpus"]
+    rows = []
+    for label, r in results.items():
+        label = re.sub(r"\bN\b", str(n), label.removeprefix("resume mid-epoch: "))
+        if "error" in r:
+            rows.append([label, f"failed: {error_line(r['error'])}", "", "", ""])
+            continue
+        for run, stopped, figures in ((f"{label.split(',')[0]}, uninterrupted (1 GPU)", "", r["uninterrupted"]),
+                                      (label, " then ".join(r["stopped_at"]), r)):
+            rows.append([run, stopped, " · ".join(f"{acc:.2f}" for acc in figures["val_acc_per_epoch"]),
+                         f"**{figures['last_val_acc']:.3f}**", f"{figures['val_loss_per_epoch'][-1]:.3f}"])
+    return source(result, name) + (
+        f"\nThe built-in sample dataset, resnet18 at 96 px, bf16, global batch {settings['accuracy_batch']}: one run "
+        f"of `--epochs {2 * settings['resume_epochs']}` stopped by SIGTERM mid-epoch on one GPU, resumed with "
+        f"`--resume auto` on {n} and stopped mid-epoch again, then resumed on one to its end (the same command but "
+        "for `--num_gpus` and `--batch_size`), beside the same run never stopped:\n\n") + table(
+        ["run", "stopped at", "val acc per epoch", "last val acc", "last val loss"], rows)
+
+
 def zero_memory(names):
     """memory_profile.py per ZeRO stage on 1 and N GPUs: model states beside the ZeRO paper's formula."""
     runs = [load(name) for name in names]

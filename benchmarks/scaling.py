@@ -1,7 +1,8 @@
 """Scaling from 1 to N GPUs of one host, in one run: plain PyTorch DDP as the reference, the trainer's step
 per ZeRO stage and with optimizer offload, end-to-end epochs with the dataset on the GPU (ZeRO 0-3) and
 in the decoded-image cache (ZeRO-2), whether N GPUs reach the validation accuracy of one GPU at the same
-global batch, and runs saved on 1 GPU resumed on N and back (ZeRO-2 and 3, through universal checkpoints).
+global batch, and runs saved on 1 GPU resumed on N and back (ZeRO-2 and 3, through universal checkpoints):
+after an epoch ("resume"), and stopped mid-epoch on 1 GPU, then on N, then finished on 1 ("chain").
 
 Every speed measurement is throughput.py's (same loops, same settings, each in its own processes), run once
 with 1 GPU and once with N; speed-up = images/s on N GPUs / images/s on 1 GPU (micro-batch per GPU fixed),
@@ -10,10 +11,11 @@ benchmarks/results/scaling_<gpu>_x<N>.json (scaling_<model>_<gpu>_x<N>.json for 
 
     python benchmarks/scaling.py                      # 1 and 2 GPUs
     python benchmarks/scaling.py --model vit_b_16 --batch_size 128 --only reference real
-    python benchmarks/scaling.py --only accuracy resume --update
+    python benchmarks/scaling.py --only accuracy resume chain --update
 """
 import json
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -44,6 +46,9 @@ SHARED_SETTINGS = ("model", "batch_size", "image_size", "num_classes", "steps", 
 # A run saved on one GPU count goes on on the other: name -> (ZeRO stage, GPUs before, GPUs after; "N": --max_gpus)
 RESUMES = {f"resume: zero{stage}, {before} → {after} GPUs": (stage, before, after)
            for stage in (2, 3) for before, after in ((1, "N"), ("N", 1))}
+# One run stopped by SIGTERM mid-epoch on 1 GPU, resumed on N and stopped mid-epoch again, then resumed on 1 to its
+# end, beside the same run uninterrupted: name -> ZeRO stage
+CHAINS = {f"resume mid-epoch: zero{stage}, 1 → N → 1 GPUs": stage for stage in (2, 3)}
 
 
 def reference_of(name):
@@ -107,6 +112,57 @@ def resume_run(stage, before, after, args):
             "last_val_acc": history["epochs"][-1]["val_acc"], **per_epoch(history)}
 
 
+def stopped_run(num_gpus, epochs, flags, args, workdir, stop_in):
+    """sample_run's launch, stopped by SIGTERM a step or more into epoch `stop_in` (the ranks agree on the stop
+    within 10 steps and save it); returns (command, where it stopped: "epoch E, step S", or {"error": ...})."""
+    command = [sys.executable, str(ROOT / "launch_deepspeed.py"), "--num_gpus", str(num_gpus),
+               "--train_dir", str(args.sample_data / "train"), "--val_dir", str(args.sample_data / "val"),
+               "--epochs", str(epochs), "--batch_size", str(args.accuracy_batch // num_gpus),
+               "--image_size", "96", "--bf16", "--data_on_device", "on",
+               "--log_dir", str(workdir / "logs"), "--checkpoint_dir", str(workdir / "checkpoints"), *flags]
+    log = workdir / f"stopped_{num_gpus}_{stop_in}.log"
+    with open(log, "w") as out:
+        run = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + args.case_timeout
+    progress = re.compile(rf"Epoch {stop_in} train:[^\r\n]*\| [1-9]\d*/")
+    while not progress.search(log.read_text(errors="replace")):
+        if run.poll() is not None or time.monotonic() > deadline:
+            run.kill()
+            return shown(command), {"error": f"no step of epoch {stop_in} seen: " + log.read_text()[-3000:]}
+        time.sleep(0.02)
+    run.send_signal(signal.SIGTERM)
+    status = run.wait(timeout=args.case_timeout)
+    stopped = re.search(r"Stopped by SIGTERM at (epoch \d+, step \d+)", log.read_text(errors="replace"))
+    if status != 128 + signal.SIGTERM or not stopped:
+        return shown(command), {"error": f"exit status {status}: " + log.read_text(errors="replace")[-3000:]}
+    return shown(command), stopped[1]
+
+
+def chain_run(stage, n, args):
+    """2 x --resume_epochs epochs at ZeRO `stage`: stopped mid-epoch 2 on 1 GPU, resumed on `n` and stopped
+    mid-epoch --resume_epochs + 1, resumed on 1 to the end; beside the same run on 1 GPU never stopped."""
+    epochs, flags = 2 * args.resume_epochs, ["--zero_stage", str(stage), "--save_every", "0"]
+    with tempfile.TemporaryDirectory() as tmp:
+        whole_command, whole = sample_run(1, epochs, flags, args, Path(tmp) / "whole")
+        if "error" in whole:
+            return {"commands": [whole_command], **whole}
+        commands, stops, workdir = [whole_command], [], Path(tmp) / "chain"
+        workdir.mkdir()
+        for num_gpus, stop_in in ((1, 2), (n, args.resume_epochs + 1)):
+            command, stopped = stopped_run(num_gpus, epochs, [*flags, "--resume", "auto"], args, workdir, stop_in)
+            commands.append(command)
+            if isinstance(stopped, dict):
+                return {"commands": commands, **stopped}
+            stops.append(stopped)
+        command, history = sample_run(1, epochs, [*flags, "--resume", "auto"], args, workdir)
+        commands.append(command)
+    if "error" in history:
+        return {"commands": commands, **history}
+    return {"commands": commands, "num_gpus": [1, n, 1], "global_batch": args.accuracy_batch, "stopped_at": stops,
+            "last_val_acc": history["epochs"][-1]["val_acc"], **per_epoch(history),
+            "uninterrupted": {"last_val_acc": whole["epochs"][-1]["val_acc"], **per_epoch(whole)}}
+
+
 def get_args_parser():
     parser = throughput.get_args_parser()
     parser.description = __doc__
@@ -129,18 +185,19 @@ def main():
               or "sync" not in name.lower() and (not only or kind in only)]
     accuracy = [name for name in ACCURACY if not only or name in only or "accuracy" in only]
     resumes = [name for name in RESUMES if not only or name in only or "resume" in only]
-    unknown = only - {"reference", "synthetic", "real", "accuracy", "resume", "sync_bn", *(name for _, name in MEASUREMENTS),
-                      *ACCURACY, *RESUMES}
+    chains = [name for name in CHAINS if not only or name in only or "chain" in only]
+    unknown = only - {"reference", "synthetic", "real", "accuracy", "resume", "chain", "sync_bn",
+                      *(name for _, name in MEASUREMENTS), *ACCURACY, *RESUMES, *CHAINS}
     if unknown:
         sys.exit(f"error: unknown measurement(s): {', '.join(sorted(unknown))}")
-    if (accuracy or resumes) and args.accuracy_batch % args.max_gpus:
+    if (accuracy or resumes or chains) and args.accuracy_batch % args.max_gpus:
         sys.exit(f"error: --accuracy_batch {args.accuracy_batch} must divide by --max_gpus {args.max_gpus}: the same "
                  "global batch on 1 and N GPUs")
     if chosen and not (args.data / "train").is_dir():
         subprocess.run([sys.executable, str(ROOT / "src" / "prepare_data.py"), "sample", "--output", str(args.data),
                         "--num_classes", str(args.num_classes), "--train_per_class", "48", "--val_per_class", "12",
                         "--image_size", "256", "--seed", "0"], check=True, stdout=subprocess.DEVNULL)
-    if accuracy or resumes:
+    if (accuracy or resumes or chains) and not (args.sample_data / "train").is_dir():
         subprocess.run([sys.executable, str(ROOT / "src" / "prepare_data.py"), "sample", "--output",
                         str(args.sample_data)], check=True, stdout=subprocess.DEVNULL)
     env = environment()
@@ -184,6 +241,10 @@ def main():
                                                                   for count in (before, after)), args)}
         print(f"{name}: {json.dumps(results[name])[:300]}", flush=True)
         save()
+    for name in chains:
+        results[name] = {"kind": "chain", **chain_run(CHAINS[name], args.max_gpus, args)}
+        print(f"{name}: {json.dumps(results[name])[:300]}", flush=True)
+        save()
 
     print(f"\n{env['gpu'] or 'CPU'} | torch {env['torch']} | DeepSpeed {env['deepspeed']} | CUDA {env['cuda']} | "
           f"micro-batch {args.batch_size} per GPU, {args.image_size} px")
@@ -194,8 +255,11 @@ def main():
         if "error" in r:
             print(failed(label, r, 40))
             continue
-        if r["kind"] in ("resume", "accuracy"):
-            if r["kind"] == "resume":
+        if r["kind"] in ("resume", "accuracy", "chain"):
+            if r["kind"] == "chain":
+                line = (f"stopped at {' and '.join(r['stopped_at'])}; val acc {r['last_val_acc']:.3f} at the end, "
+                        f"{r['uninterrupted']['last_val_acc']:.3f} uninterrupted")
+            elif r["kind"] == "resume":
                 line = f"resumed at {r['resumed_at']}; val acc {r['val_acc_before']:.3f} before, {r['last_val_acc']:.3f} at the end"
             else:
                 line = (f"best val acc {r['best_val_acc']:.3f}, last {r['last_val_acc']:.3f}, "
