@@ -628,6 +628,7 @@ TABLES = {
     "zero3-vit-b-16": lambda: zero3_settings("zero3_vit_b_16/zero3_settings_vit_b_16_b256_nvidia_h100_80gb_hbm3.json"),
     "scaling-sync-bn": lambda: scaling_sync_bn("scaling_sync_bn/scaling_nvidia_h100_80gb_hbm3_x2.json"),
     "scaling-accuracy": lambda: scaling_accuracy("scaling_accuracy/scaling_nvidia_h100_80gb_hbm3_x2.json"),
+    "scaling-chain": lambda: scaling_chain("scaling_chain/scaling_nvidia_h200_x2.json"),
     "zero-memory": lambda: zero_memory([f"zero_memory/memory_vit_h_14_nvidia_h100_80gb_hbm3_x{n}.json"
                                         for n in (1, 2)]),
     "capacity-8gib-2gpus": lambda: capacity("capacity_8gib", 2),
