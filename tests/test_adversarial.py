@@ -383,6 +383,24 @@ def test_a_cache_folder_from_the_environment_inside_a_checkpoint_is_refused(tiny
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("inside, message", [
+    ("A/ck/last/last/inner", "--checkpoint_dir A/ck/last/last/inner is inside the checkpoint "),
+    ("A/ck/best_model/best", "--checkpoint_dir A/ck/best_model/best is inside "),
+], ids=["in a published checkpoint", "where another run will save one"])
+def test_a_checkpoint_dir_inside_another_runs_checkpoints_is_refused(tiny_data, tmp_path, monkeypatch, capsys, inside,
+                                                                     message):
+    """Another run's next save of last/ (or its first of best_model/) replaced the folder whole, and with it this
+    run's checkpoints."""
+    (tmp_path / "A/ck/last/last").mkdir(parents=True)
+    (tmp_path / "A/ck/last/extra_info.json").write_text("{}")
+    (tmp_path / "A/ck/.lock").write_text("")  # the other run holds A/ck
+    monkeypatch.chdir(tmp_path)
+    assert_usage_error_in_process(launch_deepspeed.main, data_args(tiny_data) + [
+        "--checkpoint_dir", inside, "--log_dir", "logs", "--dry_run"], capsys, message)
+    assert sorted(p.name for p in (tmp_path / "A/ck").iterdir()) == [".lock", "last"]
+    assert not (tmp_path / "logs").exists()
+
+
 def printed_config(out):
     """The DeepSpeed config a --dry_run printed. In a test DeepSpeed's logger writes to the captured stdout too: its
     "Setting accelerator to CPU" line comes first where the dry run is the process's first use of DeepSpeed."""

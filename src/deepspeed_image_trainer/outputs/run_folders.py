@@ -197,6 +197,13 @@ def check_output_places(args, config):
                            f"{section}.output_path", monitor["output_path"]))
     check_no_broken_link(args.checkpoint_dir, "--checkpoint_dir")  # before resolve(), which fails on a loop
     own = Path(args.checkpoint_dir).resolve()
+    # this run's checkpoints in another run's: that run's next save replaced them whole, with its own
+    check_outside_checkpoints(args.checkpoint_dir, "--checkpoint_dir")
+    for parent in own.parents:  # the other run's folder before its first save made it a checkpoint
+        if (parent / LOCK_FILE).is_file() and _checkpoint_managed(own.relative_to(parent).parts[0]):
+            raise UsageError(f"--checkpoint_dir {args.checkpoint_dir} is inside {parent}'s "
+                             f"{own.relative_to(parent).parts[0]}, which the run saving its checkpoints in {parent} "
+                             "replaces whole when it saves: write it elsewhere")
     for folder, flag, given in places:
         resolved = folder.resolve()
         if own in resolved.parents and _checkpoint_managed(resolved.relative_to(own).parts[0]):
