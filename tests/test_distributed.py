@@ -242,6 +242,8 @@ def test_a_rendezvous_that_lost_its_port_starts_again_on_another(monkeypatch):
 @pytest.mark.parametrize("env, message", [
     ({"WORLD_SIZE": "1", "RANK": "3"}, "RANK=3 and WORLD_SIZE=1 in the environment: the ranks are 0 .. WORLD_SIZE - 1"),
     ({"LOCAL_RANK": "-1"}, "LOCAL_RANK=-1 in the environment: a rank's index on its node is 0 or more"),
+    ({"WORLD_SIZE": "2147483648"}, "WORLD_SIZE=2147483648 in the environment is more ranks than torch's process group "
+                                   "can hold (at most 2147483647)"),
     ({"WORLD_SIZE": "abc"}, "WORLD_SIZE='abc' in the environment is not a whole number"),
     ({"MASTER_PORT": "abc"}, "MASTER_PORT='abc' in the environment is not a whole number"),
     ({"MASTER_PORT": "99999"}, "MASTER_PORT=99999 in the environment is not a port: use 1 .. 65535"),

@@ -60,6 +60,9 @@ def init_distributed(on_stop=lambda: None):
     return dist.get_rank(), dist.get_world_size()
 
 
+MAX_RANKS = 2 ** 31 - 1
+
+
 def checked_world_size():
     """WORLD_SIZE, after checking it, RANK, LOCAL_RANK and MASTER_PORT as a launcher sets them (a group of one
     where none did): whole numbers, the rank below the world size (a RANK of 3 in a WORLD_SIZE of 1 waited for
@@ -77,6 +80,9 @@ def checked_world_size():
             values[key] = int(os.environ[key])
         except ValueError:
             raise UsageError(f"{key}={os.environ[key]!r} in the environment is not a whole number") from None
+    if values["WORLD_SIZE"] > MAX_RANKS:  # torch's rendezvous store takes a C++ int: a TypeError traceback there
+        raise UsageError(f"WORLD_SIZE={values['WORLD_SIZE']} in the environment is more ranks than torch's process "
+                         f"group can hold (at most {MAX_RANKS})")
     if values["LOCAL_RANK"] < 0:  # named on its own: the message below named RANK and WORLD_SIZE, as defaulted
         raise UsageError(f"LOCAL_RANK={values['LOCAL_RANK']} in the environment: a rank's index on its node is 0 or more")
     if values["WORLD_SIZE"] < 1 or not 0 <= values["RANK"] < values["WORLD_SIZE"]:
