@@ -653,13 +653,14 @@ ROW_FIELDS = {
     "out_of_memory": ("true or false", lambda v: isinstance(v, bool)),
     "max_micro_batch": ("a whole number of images", lambda v: _whole(v)),
     "global_batch": ("a whole number of images", lambda v: v is None or _whole(v)),
+    "params": ("a whole number of parameters", lambda v: _whole(v)),
     "tries": ("a list of the search's tries", lambda v: isinstance(v, list) and all(
         isinstance(t, dict) and _whole(t.get("batch")) and isinstance(t.get("fits"), bool)
         and all(_figure_of(k, x) for k, x in t.items() if k not in ("batch", "fits")) for t in v)),
     "per_rank": ("a list of each rank's GiB figures", lambda v: isinstance(v, list) and all(
         isinstance(r, dict) and all(k.endswith("_gib") and _figure_of(k, x) for k, x in r.items()) for r in v)),
 }
-ROW_FIGURES = ("params", "images_per_s", "ratio_to_reference", "global_batch_images_per_s", "seconds")
+ROW_FIGURES = ("images_per_s", "ratio_to_reference", "global_batch_images_per_s", "seconds")
 
 
 def _figure(value):
@@ -713,6 +714,8 @@ def check_rows(rows, path, searched):
         why = _row_problem(row)
         if why is None and searched and "error" not in row and "max_micro_batch" not in row:
             why = "has no max_micro_batch"
+        if why is None and row["config"] in (earlier["config"] for earlier in rows[:at]):
+            why = f"is a second row of {row['config']!r} (the report has one a configuration)"
         if why is not None:
             raise UsageError(f"--update: {path}: results[{at}] {why}; move it away or write to another --output_dir")
 

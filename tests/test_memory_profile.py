@@ -320,14 +320,15 @@ def test_every_configuration_gets_its_largest_batch_its_speed_and_the_reference(
     ({"config": "ZeRO-1", "host_peak_rss_gib": "1 GiB"}, "results[0] has host_peak_rss_gib '1 GiB', not a number"),
     ({"config": "ZeRO-1", "error": 5}, "results[0] has error 5, not a message"),
     # json reads NaN and Infinity: the table said "(inf M params)" and the JSON was written back with them
-    ({"config": "ZeRO-1", "params": math.inf}, "results[0] has params inf, not a number"),
+    ({"config": "ZeRO-1", "params": math.inf}, "results[0] has params inf, not a whole number of parameters"),
     ({"config": "ZeRO-1", "peak_host_gib": math.nan}, "results[0] has peak_host_gib nan, not a number"),
     ({"config": "ZeRO-1", "images_per_s": -math.inf}, "results[0] has images_per_s -inf, not a number"),
     ({"config": "ZeRO-1", "model_states_gib": True}, "results[0] has model_states_gib True, not a number"),
     ({"config": "ZeRO-1", "params": 10**400}, "results[0] has params 10000000000000000000... (401 characters), not "
-                                              "a number"),
+                                              "a whole number of parameters"),
     ({"config": "ZeRO-1", "host_peak_rss_gib": -5}, "results[0] has host_peak_rss_gib -5, below 0"),
-    ({"config": "ZeRO-1", "params": -1}, "results[0] has params -1, below 0"),
+    ({"config": "ZeRO-1", "params": -1}, "results[0] has params -1, not a whole number of parameters"),
+    ({"config": "ZeRO-1", "params": 1.5}, "results[0] has params 1.5, not a whole number of parameters"),
     # written back as they were, or shown as a 300-digit figure
     ({"config": "ZeRO-1", "host_peak_rss_gib": 1e300}, "results[0] has host_peak_rss_gib 1e+300, over 1,048,576 GiB"),
     ({"config": "ZeRO-1", "seconds": "x"}, "results[0] has seconds 'x', not a number"),
@@ -337,7 +338,8 @@ def test_every_configuration_gets_its_largest_batch_its_speed_and_the_reference(
     ({"config": "ZeRO-1", "tries": [{"batch": -2, "fits": True}]}, "results[0] has tries [{'batch': -2, 'fits': "
                                                                     "True}], not a list of the search's tries")],
     ids=["config a list", "no config", "a figure in words", "error a number", "Infinity", "NaN", "-Infinity",
-         "true", "past a float", "negative gib", "negative params", "a pebibyte past", "seconds in words",
+         "true", "past a float", "negative gib", "negative params", "fractional params", "a pebibyte past",
+         "seconds in words",
          "precision a number", "per_rank a word", "a negative try"])
 def test_an_update_file_whose_rows_cannot_be_merged_is_refused_before_measuring(tmp_path, monkeypatch, capsys,
                                                                                 row, message):
@@ -349,8 +351,11 @@ def test_an_update_file_whose_rows_cannot_be_merged_is_refused_before_measuring(
 @pytest.mark.parametrize("edit, message", [
     ({"environment": {"commands": "str"}}, "environment.commands is 'str', not a list of commands"),
     ({"reference": {"batch": 2, "images_per_s": "fast"}}, "its reference {'batch': 2, 'images_per_s': 'fast'} is "
-                                                          "not the plain loop's batch and images/s")],
-    ids=["commands a word", "reference in words"])
+                                                          "not the plain loop's batch and images/s"),
+    # shown twice in the table and kept twice in the JSON
+    ({"results": [{"config": "ZeRO-1"}, {"config": "ZeRO-1"}]}, "results[1] is a second row of 'ZeRO-1' (the report "
+                                                                "has one a configuration)")],
+    ids=["commands a word", "reference in words", "a configuration twice"])
 def test_an_update_file_whose_commands_or_reference_cannot_be_carried_over_is_refused(tmp_path, monkeypatch, capsys,
                                                                                     edit, message):
     """The commands, a word, came back as a list of its letters; a reference in words ended the table's ratio in a
