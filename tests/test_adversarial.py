@@ -401,6 +401,25 @@ def test_a_checkpoint_dir_inside_another_runs_checkpoints_is_refused(tiny_data, 
     assert not (tmp_path / "logs").exists()
 
 
+@pytest.mark.parametrize("name", [".universal", ".staging"])
+@pytest.mark.parametrize("kind", ["file", "link"])
+def test_a_file_or_link_where_the_trainer_makes_its_scratch_folders_is_refused(tiny_data, tmp_path, monkeypatch,
+                                                                             capsys, name, kind):
+    """A file (or a link to a scratch disk) at --checkpoint_dir/.universal ended a resume on another number of
+    ranks in a FileExistsError traceback, every time: the conversion removes and makes that folder itself."""
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "scratch").mkdir()
+    if kind == "file":
+        (tmp_path / "ck" / name).write_text("x")
+    else:
+        (tmp_path / "ck" / name).symlink_to(tmp_path / "scratch")
+    monkeypatch.chdir(tmp_path)
+    assert_usage_error_in_process(launch_deepspeed.main, data_args(tiny_data) + [
+        "--checkpoint_dir", "ck", "--log_dir", "logs", "--dry_run"], capsys,
+        f"ck/{name} is a file or a link, where the trainer ")
+    assert os.path.lexists(tmp_path / "ck" / name) and (tmp_path / "scratch").is_dir()
+
+
 def printed_config(out):
     """The DeepSpeed config a --dry_run printed. In a test DeepSpeed's logger writes to the captured stdout too: its
     "Setting accelerator to CPU" line comes first where the dry run is the process's first use of DeepSpeed."""

@@ -199,6 +199,14 @@ def check_output_places(args, config):
     own = Path(args.checkpoint_dir).resolve()
     # this run's checkpoints in another run's: that run's next save replaced them whole, with its own
     check_outside_checkpoints(args.checkpoint_dir, "--checkpoint_dir")
+    for name, use in ((STAGING, "stages each checkpoint"), (UNIVERSAL, "converts a checkpoint for another number "
+                                                                       "of ranks")):
+        # the trainer's own scratch folders, removed and made again: a file or a link there was a FileExistsError
+        # traceback at the resume that needed it (rmtree leaves both)
+        scratch = own / name
+        if os.path.islink(scratch) or os.path.lexists(scratch) and not scratch.is_dir():
+            raise UsageError(f"{Path(args.checkpoint_dir) / name} is a file or a link, where the trainer {use} in a "
+                             "folder of its own that it removes again: move it away")
     for parent in own.parents:  # the other run's folder before its first save made it a checkpoint
         if (parent / LOCK_FILE).is_file() and _checkpoint_managed(own.relative_to(parent).parts[0]):
             raise UsageError(f"--checkpoint_dir {args.checkpoint_dir} is inside {parent}'s "
