@@ -8,6 +8,7 @@ import random
 import shutil
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -418,6 +419,17 @@ def test_a_file_or_link_where_the_trainer_makes_its_scratch_folders_is_refused(t
         "--checkpoint_dir", "ck", "--log_dir", "logs", "--dry_run"], capsys,
         f"ck/{name} is a file or a link, where the trainer ")
     assert os.path.lexists(tmp_path / "ck" / name) and (tmp_path / "scratch").is_dir()
+
+
+def test_a_cache_folder_inside_the_images_it_holds_is_refused(tiny_data, tmp_path, monkeypatch, capsys):
+    """--cache_dir in --train_dir: its entries showed up in every later run as class folders without images."""
+    monkeypatch.chdir(tmp_path)
+    shutil.copytree(tiny_data, tmp_path / "data")
+    assert_usage_error_in_process(launch_deepspeed.main, data_args(Path("data")) + [
+        "--data_on_device", "cache", "--cache_dir", "data/train/c", "--dry_run"], capsys,
+        "--cache_dir data/train/c is inside --train_dir data/train, the images it holds decoded")
+    assert sorted(p.name for p in (tmp_path / "data/train").iterdir()) == sorted(
+        p.name for p in (tiny_data / "train").iterdir())
 
 
 def printed_config(out):

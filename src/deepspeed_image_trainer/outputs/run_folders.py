@@ -190,6 +190,12 @@ def check_output_places(args, config):
     places = [(Path(args.log_dir), "--log_dir", None), (*cache_place(), None)]
     if getattr(args, "cache_dir", None) not in (None, OFF):
         places.append((Path(args.cache_dir), "--cache_dir", None))
+        cache = Path(args.cache_dir).resolve()
+        for flag in ("--train_dir", "--val_dir"):  # its entries showed up as class folders and files of the data
+            data = Path(getattr(args, flag[2:])).resolve()
+            if data == cache or data in cache.parents:
+                raise UsageError(f"--cache_dir {args.cache_dir} is inside {flag} {getattr(args, flag[2:])}, the images "
+                                 "it holds decoded: put the cache elsewhere")
     for section in MONITORS:  # each writes a folder of its job's name into its output_path
         monitor = config.get(section, {})
         if monitor_enabled(monitor) and monitor.get("output_path"):
