@@ -402,12 +402,14 @@ def test_a_checkpoint_dir_inside_another_runs_checkpoints_is_refused(tiny_data, 
     assert not (tmp_path / "logs").exists()
 
 
-@pytest.mark.parametrize("name", [".universal", ".staging"])
-@pytest.mark.parametrize("kind", ["file", "link"])
-def test_a_file_or_link_where_the_trainer_makes_its_scratch_folders_is_refused(tiny_data, tmp_path, monkeypatch,
-                                                                             capsys, name, kind):
+@pytest.mark.parametrize("name, kind", [(".universal", "file"), (".universal", "link"), (".staging", "link"),
+                                        (".ready-last", "file"), (".old-last", "link"), ("last", "file"),
+                                        ("epoch_3", "file")])
+def test_a_file_or_link_where_the_trainer_makes_its_folders_is_refused(tiny_data, tmp_path, monkeypatch, capsys,
+                                                                       name, kind):
     """A file (or a link to a scratch disk) at --checkpoint_dir/.universal ended a resume on another number of
-    ranks in a FileExistsError traceback, every time: the conversion removes and makes that folder itself."""
+    ranks in a FileExistsError traceback, every time: the conversion removes and makes that folder itself; one at
+    .ready-last or .old-last failed every save after an epoch of training (status 4)."""
     (tmp_path / "ck").mkdir()
     (tmp_path / "scratch").mkdir()
     if kind == "file":
@@ -417,7 +419,7 @@ def test_a_file_or_link_where_the_trainer_makes_its_scratch_folders_is_refused(t
     monkeypatch.chdir(tmp_path)
     assert_usage_error_in_process(launch_deepspeed.main, data_args(tiny_data) + [
         "--checkpoint_dir", "ck", "--log_dir", "logs", "--dry_run"], capsys,
-        f"ck/{name} is a file or a link, where the trainer ")
+        f"ck/{name} is a file or a link, where the trainer keeps a folder of its own")
     assert os.path.lexists(tmp_path / "ck" / name) and (tmp_path / "scratch").is_dir()
 
 
@@ -430,6 +432,24 @@ def test_a_cache_folder_inside_the_images_it_holds_is_refused(tiny_data, tmp_pat
         "--cache_dir data/train/c is inside --train_dir data/train, the images it holds decoded")
     assert sorted(p.name for p in (tmp_path / "data/train").iterdir()) == sorted(
         p.name for p in (tiny_data / "train").iterdir())
+
+
+@pytest.mark.parametrize("name", [".lock", ".launch.lock"])
+def test_a_lock_file_that_is_a_link_is_refused_and_what_it_names_kept(tmp_path, name):
+    """The lock (the launcher's, or rank 0's) was opened through the link and emptied: the file it named (a note, a
+    checkpoint's extra_info.json) lost its content, on a refused start too."""
+    from deepspeed_image_trainer.outputs import run_folders
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "notes.txt").write_text("keep me")
+    (tmp_path / "logs" / name).symlink_to(tmp_path / "notes.txt")
+    try:
+        with pytest.raises(UsageError, match=f"logs/{name}, the lock of the run in it, is not a regular file "
+                                             r"\(a folder, FIFO, device or link\): remove it"):
+            run_folders.lock(tmp_path / "logs", "--log_dir", name=name)
+    finally:
+        run_folders.release()
+    assert (tmp_path / "notes.txt").read_text() == "keep me" and (tmp_path / "logs" / name).is_symlink()
 
 
 def printed_config(out):

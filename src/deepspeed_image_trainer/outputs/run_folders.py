@@ -115,13 +115,15 @@ def lock(folder, flag, name=LOCK_FILE, note=None):
     """Hold the lock `name` of `folder` until this process ends (or release()); stop with a message naming the
     holder when it is held. The file says who holds it, and `note` on a second line."""
     folder = Path(folder)
-    if os.path.lexists(folder / name) and not os.path.isfile(folder / name):  # open() failed, or waited on a FIFO
+    # open() failed on a folder, waited on a FIFO, and followed a link: the file it named was emptied and written
+    if os.path.islink(folder / name) or os.path.lexists(folder / name) and not os.path.isfile(folder / name):
         raise UsageError(f"{flag} {folder}: {folder / name}, the lock of the run in it, is not a regular file (a "
-                         "folder, FIFO or device): remove it")
+                         "folder, FIFO, device or link): remove it")
     missing = [path for path in (folder, *folder.parents) if not path.exists()]
     folder.mkdir(parents=True, exist_ok=True)
     _made.extend(reversed(missing))
-    f = open(folder / name, "a+")
+    # O_NOFOLLOW: a link made since the check above is refused by the open itself
+    f = os.fdopen(os.open(folder / name, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o666), "a+")
     if not _locked(f):
         f.close()
         raise _in_use(folder, flag, name)
@@ -205,14 +207,14 @@ def check_output_places(args, config):
     own = Path(args.checkpoint_dir).resolve()
     # this run's checkpoints in another run's: that run's next save replaced them whole, with its own
     check_outside_checkpoints(args.checkpoint_dir, "--checkpoint_dir")
-    for name, use in ((STAGING, "stages each checkpoint"), (UNIVERSAL, "converts a checkpoint for another number "
-                                                                       "of ranks")):
-        # the trainer's own scratch folders, removed and made again: a file or a link there was a FileExistsError
-        # traceback at the resume that needed it (rmtree leaves both)
-        scratch = own / name
-        if os.path.islink(scratch) or os.path.lexists(scratch) and not scratch.is_dir():
-            raise UsageError(f"{Path(args.checkpoint_dir) / name} is a file or a link, where the trainer {use} in a "
-                             "folder of its own that it removes again: move it away")
+    # the folders the trainer makes there: its checkpoints, and its scratch (a save's staging and swaps, a
+    # conversion for another number of ranks), removed and made again: a file there, or a link at a scratch name
+    # (rmtree leaves both), failed every save, or the resume that needed it
+    for entry in (sorted(own.iterdir()) if own.is_dir() else ()):
+        scratch = entry.name.startswith(".")
+        if _checkpoint_managed(entry.name) and (not entry.is_dir() or scratch and entry.is_symlink()):
+            raise UsageError(f"{Path(args.checkpoint_dir) / entry.name} is a file or a link, where the trainer keeps a "
+                             "folder of its own (a checkpoint, or one while it saves or converts one): move it away")
     for parent in own.parents:  # the other run's folder before its first save made it a checkpoint
         if (parent / LOCK_FILE).is_file() and _checkpoint_managed(own.relative_to(parent).parts[0]):
             raise UsageError(f"--checkpoint_dir {args.checkpoint_dir} is inside {parent}'s "
