@@ -452,6 +452,31 @@ def test_a_lock_file_that_is_a_link_is_refused_and_what_it_names_kept(tmp_path, 
     assert (tmp_path / "notes.txt").read_text() == "keep me" and (tmp_path / "logs" / name).is_symlink()
 
 
+@pytest.mark.parametrize("config, message", [
+    ({"flops_profiler": {"enabled": True, "output_file": "A/ck/last/last/mp_rank_00_model_states.pt"}},
+     "flops_profiler.output_file A/ck/last/last/mp_rank_00_model_states.pt is inside the checkpoint"),
+    ({"flops_profiler": {"enabled": True, "output_file": "A/logs/training_history.json"}},
+     "flops_profiler.output_file A/logs/training_history.json: a run keeps its history under that name"),
+    ({"csv_monitor": {"enabled": True, "output_path": "A/logs/csv_monitor", "job_name": "train"}},
+     "csv_monitor.output_path A/logs/csv_monitor is inside "),
+], ids=["profiler into a checkpoint", "profiler onto a history", "monitor into another run's logs"])
+def test_a_json_output_onto_another_runs_files_is_refused(tiny_data, tmp_path, monkeypatch, capsys, config, message):
+    """The profiler's report replaced another run's model states or history; a fresh run's CSV monitor replaced the
+    rows of the run whose log folder its output_path named."""
+    for folder in ("A/ck/last/last", "A/logs/csv_monitor/train"):
+        (tmp_path / folder).mkdir(parents=True)
+    for path in ("A/ck/last/extra_info.json", "A/ck/last/last/mp_rank_00_model_states.pt",
+                 "A/logs/training_history.json", "A/logs/csv_monitor/train/Epoch_val_acc.csv"):
+        (tmp_path / path).write_text("A's")
+    (tmp_path / "j.json").write_text(json.dumps(config))
+    before = digests(tmp_path / "A")
+    monkeypatch.chdir(tmp_path)
+    assert_usage_error_in_process(launch_deepspeed.main, data_args(tiny_data) + [
+        "--checkpoint_dir", "B/ck", "--log_dir", "B/logs", "--deepspeed_config", "j.json", "--dry_run"], capsys,
+        message)
+    assert digests(tmp_path / "A") == before
+
+
 def printed_config(out):
     """The DeepSpeed config a --dry_run printed. In a test DeepSpeed's logger writes to the captured stdout too: its
     "Setting accelerator to CPU" line comes first where the dry run is the process's first use of DeepSpeed."""

@@ -198,11 +198,20 @@ def check_output_places(args, config):
             if data == cache or data in cache.parents:
                 raise UsageError(f"--cache_dir {args.cache_dir} is inside {flag} {getattr(args, flag[2:])}, the images "
                                  "it holds decoded: put the cache elsewhere")
+    log_dir = Path(args.log_dir).resolve()
     for section in MONITORS:  # each writes a folder of its job's name into its output_path
         monitor = config.get(section, {})
         if monitor_enabled(monitor) and monitor.get("output_path"):
             places.append((Path(monitor["output_path"]) / str(monitor.get("job_name") or "job"),
                            f"{section}.output_path", monitor["output_path"]))
+            # another run's log folder: a fresh run replaces the monitor's rows there, that run's with them
+            resolved = Path(monitor["output_path"]).resolve()
+            other = next((folder for folder in (resolved, *resolved.parents) if folder not in (
+                log_dir, *log_dir.parents) and (folder / HISTORY_FILE).is_file()), None)
+            if other is not None:
+                raise UsageError(f"{section}.output_path {monitor['output_path']} is inside {other}, another run's "
+                                 "log folder (its history is there), whose monitor files this run would replace: "
+                                 "write it elsewhere, or leave output_path out (then under --log_dir)")
     check_no_broken_link(args.checkpoint_dir, "--checkpoint_dir")  # before resolve(), which fails on a loop
     own = Path(args.checkpoint_dir).resolve()
     # this run's checkpoints in another run's: that run's next save replaced them whole, with its own
