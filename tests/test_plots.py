@@ -1,5 +1,6 @@
 """src/utils.py: the curves figure of one run or of several, from synthetic histories (no training)."""
 import json
+import math
 
 import matplotlib.pyplot as plt
 import pytest
@@ -128,7 +129,12 @@ def test_compare_cli_writes_one_png(tmp_path, capsys):
     (lambda h: h["epochs"][1].update(val_acc=1.5), "epochs[1].val_acc is 1.5, not an accuracy"),
     (lambda h: h["epochs"][2].update(val_loss=-1e300), "epochs[2].val_loss is -1e\\+300, below 0"),
     (lambda h: h.update(epochs={"a": 1}), "its epochs are not a list of records"),
-    (lambda h: h.pop("epochs"), 'no "epochs" in it')])
+    (lambda h: h.pop("epochs"), 'no "epochs" in it'),
+    # each a traceback before: digits() of an infinity, best without its val_acc, a config of null
+    (lambda h: h["epochs"][0].update(val_acc=math.inf), "epochs[0].val_acc is inf, not an accuracy"),
+    (lambda h: h["epochs"][0].update(val_loss=-math.inf), "epochs[0].val_loss is -inf, below 0"),
+    (lambda h: h.update(best={"epoch": "x"}), 'best is {"epoch": "x"}, not its epoch and val_acc'),
+    (lambda h: h.update(config=None), "config is null, not an object")])
 def test_a_history_with_values_of_the_wrong_kind_is_one_error(tmp_path, damage, message):
     history = synthetic_history(3, best_epoch=2)
     damage(history)
@@ -137,6 +143,19 @@ def test_a_history_with_values_of_the_wrong_kind_is_one_error(tmp_path, damage, 
     with pytest.raises(UsageError, match=f"{path} is not a training history file \\({message}\\)".replace(
             "[", "\\[").replace("]", "\\]")):
         main(["--history", str(path), "--output", str(tmp_path / "curves.png")])
+
+
+def test_labels_and_names_with_dollar_signs_are_drawn_as_they_are(tmp_path):
+    """matplotlib read "$\\frac$" in a --labels name (or a run's folder name) as maths: a ParseSyntaxException."""
+    paths = []
+    for name in ("$\\frac{a}$", "$x_$"):
+        path = tmp_path / name / "training_history.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps(synthetic_history(2, best_epoch=1)))
+        paths.append(str(path))
+    main(["--history", *paths, "--output", str(tmp_path / "runs.png")])
+    main(["--history", paths[0], "--labels", "$\\frac$", "--output", str(tmp_path / "one.png")])
+    assert all((tmp_path / name).read_bytes()[:4] == b"\x89PNG" for name in ("runs.png", "one.png"))
 
 
 def test_a_history_path_that_is_a_folder_or_binary_says_so(tmp_path):

@@ -49,6 +49,14 @@ def load_history(path):
     best_acc = best.get("val_acc") if isinstance(best, dict) else None
     if best_acc is not None and not (_number(best_acc) and 0 <= best_acc <= 1):  # plotted as the star
         raise UsageError(f"{path} is not a training history file (best.val_acc is {_shown(best_acc) if _number(best_acc) else json.dumps(best_acc)}, not an accuracy)")
+    # the star at best's epoch needs both; config names the run in the title (null: an AttributeError)
+    if best is not None and not (isinstance(best, dict) and (best.get("epoch") is None or (
+            _number(best.get("epoch")) and best_acc is not None))):
+        raise UsageError(f"{path} is not a training history file (best is {json.dumps(best)[:80]}, not its epoch "
+                         "and val_acc)")
+    if not isinstance(history.get("config", {}), dict):
+        raise UsageError(f"{path} is not a training history file (config is {json.dumps(history['config'])[:80]}, "
+                         "not an object)")
     return history
 
 
@@ -61,7 +69,14 @@ MAX_PLOTTED = 1e300  # matplotlib's axis limits overflow (a singular transform) 
 
 
 def _shown(value):
-    return f"{value:g}" if abs(value) <= sys.float_info.max else f"a whole number of {digits(value)} digits"
+    return f"{value:g}" if isinstance(value, float) or abs(value) <= sys.float_info.max else (
+        f"a whole number of {digits(value)} digits")  # inf and nan are floats: digits() has no answer for them
+
+
+def plain(text):
+    """`text` drawn as it is: drawable, and its $ signs not taken for the start of matplotlib's maths ($\\frac$
+    in a run's name was a ParseSyntaxException)."""
+    return drawable(text).replace("$", r"\$")
 
 
 def _number(value):
@@ -110,7 +125,7 @@ def curves_figure(histories, labels=None):
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    labels = [label and drawable(label) for label in labels] if labels else [None] * len(histories)
+    labels = [label and plain(label) for label in labels] if labels else [None] * len(histories)
     panels = [panel for panel in PANELS if panel[0] in ("loss", "acc", "lr") or _recorded(histories, panel[0])]
     ncols = min(3, len(panels))
     nrows = math.ceil(len(panels) / ncols)
@@ -156,8 +171,8 @@ def curves_figure(histories, labels=None):
     axes["lr"].ticklabel_format(axis="y", style="sci", scilimits=(0, 0))
     if len(histories) == 1:
         config = histories[0].get("config", {})
-        fig.suptitle(f"{labels[0] or config.get('model', 'model')}: {config.get('precision', '')} "
-                     f"ZeRO-{config.get('zero_stage', '?')}, {config.get('world_size', '?')} rank(s)")
+        fig.suptitle(plain(f"{labels[0] or config.get('model', 'model')}: {config.get('precision', '')} "
+                           f"ZeRO-{config.get('zero_stage', '?')}, {config.get('world_size', '?')} rank(s)"))
     else:
         fig.suptitle(f"{len(histories)} runs: " + ", ".join(str(label) for label in labels))
     return fig
