@@ -650,6 +650,9 @@ EXPORT_DAMAGE = [("model.pt", "random bytes", "is damaged or not a torch file"),
                  ("model.pt.json", "10**400 pixels", "image_size a whole number of 401 digits: one input image"),
                  ("model.pt.json", "a class twice", "class_names names a class twice"),
                  ("model.pt.json", "a ratio of 400 digits", "its preprocessing is not one this trainer writes"),
+                 # built for the sidecar's size before the weights are read: ViT's AssertionError, a traceback
+                 ("model.pt.json", "a model that cannot take its size", "its metadata names vit_h_14 at 32 px, which "
+                                                                        "that model cannot take"),
                  ("model.safetensors", "random bytes", "is damaged or not a safetensors file")]
 
 
@@ -674,6 +677,8 @@ def test_a_damaged_export_or_sidecar_is_refused(export_of_a_run, tiny_data, caps
         path.write_text(json.dumps({**sidecar, "image_size": 10**6}))
     elif how == "10**400 pixels":  # an OverflowError in predict
         path.write_text(json.dumps({**sidecar, "image_size": 10**400}))
+    elif how == "a model that cannot take its size":
+        path.write_text(json.dumps({**sidecar, "model": "vit_h_14"}))
     elif how == "a ratio of 400 digits":  # an OverflowError in the preprocessing check
         path.write_text(json.dumps({**sidecar, "preprocessing": {**sidecar["preprocessing"], "resize_ratio": 10**400}}))
     elif how == "a class twice":  # predict named two outputs alike; evaluate blamed the data folder

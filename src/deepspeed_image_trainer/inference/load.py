@@ -13,7 +13,7 @@ from ..models.names import MODEL_NAME
 from ..utils.failures import UsageError
 from ..utils.files import fingerprint, parse_json
 from ..utils.loading import load_checked, tensors_by_name, unloadable_tensor
-from ..utils.text import digits
+from ..utils.text import digits, error_line
 from .export import consolidated_state_dict, sidecar_path
 
 
@@ -42,7 +42,12 @@ def load_model(path, device):
     else:
         raise UsageError(f"--model {path}: no such file or checkpoint folder")
     classes = len(metadata["class_names"])
-    model = model_for_weights(metadata.get("model", MODEL_NAME), classes, metadata["image_size"])
+    name = metadata.get("model", MODEL_NAME)
+    try:
+        model = model_for_weights(name, classes, metadata["image_size"])
+    except (ValueError, AssertionError) as err:  # ViT and MaxViT check the size as they are built: a traceback
+        raise UsageError(f"--model {path}: its metadata names {name} at {metadata['image_size']} px, which that model "
+                         f"cannot take ({error_line(err)}): its .json sidecar belongs to another export") from None
     head = head_module(model, classes)
     saved = state_dict.get(next(f"{name}.weight" for name, module in model.named_modules() if module is head))
     if torch.is_tensor(saved) and saved.ndim and saved.shape[0] != classes:
