@@ -1,3 +1,4 @@
+import os
 import sys
 
 import pytest
@@ -80,12 +81,35 @@ def test_split_refuses_to_overwrite_existing_data(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["sample", "--num_classes", "500"], "--num_classes must be between 2 and 90"),
     (["split", ".", "--val_fraction", "1.5"], "--val_fraction must be between 0 and 1"),
+    # each a traceback, a write into a checkpoint or the source, or the machine's memory before
+    (["sample", "--image_size", "100000"], "--image_size 16 .. 4096"),
+    (["sample", "--output", "raw/cat/0.jpg"], "--output raw/cat/0.jpg is not a folder"),
+    (["sample", "--output", "ck/last/data"], "--output ck/last/data is inside the checkpoint"),
+    (["split", "raw", "--output", "raw/out"], "--output raw/out is inside raw, the folder it splits"),
+    (["split", "raw", "--output", "raw"], "--output raw is inside raw, the folder it splits"),
 ])
 def test_cli_errors_are_one_line_with_status_2(tmp_path, monkeypatch, capsys, argv, message):
     from deepspeed_image_trainer.data.prepare import main
 
+    make_raw(tmp_path / "raw", {"cat": 2, "dog": 2})
+    (tmp_path / "ck/last").mkdir(parents=True)
+    (tmp_path / "ck/last/extra_info.json").write_text("{}")
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
     monkeypatch.chdir(tmp_path)
     assert_usage_error_in_process(main, argv, capsys, message)
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before
+
+
+def test_split_copies_the_images_and_leaves_out_what_is_not_a_file(tmp_path):
+    """A FIFO (shutil.SpecialFileError) or a link to nothing (FileNotFoundError) named like an image ended the
+    split in a traceback, half written; training and the check skip both."""
+    raw = tmp_path / "raw"
+    make_raw(raw, {"cat": 4, "dog": 4})
+    os.mkfifo(raw / "cat/fifo.jpg")
+    (raw / "dog/gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    counts = split_dataset(raw, tmp_path / "out", val_fraction=0.5, seed=0)
+    assert counts == {"train": 4, "val": 4}
+    assert not any(p.name in ("fifo.jpg", "gone.jpg") for p in (tmp_path / "out").rglob("*"))
 
 
 def test_the_check_refuses_a_cache_folder_inside_a_checkpoint(tmp_path, monkeypatch, capsys):

@@ -6,6 +6,7 @@
 """
 import argparse
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -31,6 +32,7 @@ SHAPES = ("circle", "square", "triangle", "diamond", "cross", "ring")
 COLOURS = ((220, 40, 40), (40, 180, 60), (50, 80, 230), (235, 200, 30), (200, 60, 200))
 BACKGROUNDS = ("plain", "horizontal", "vertical")
 SAMPLE_MARKER = "sample_dataset.json"  # the settings a sample dataset was drawn with
+MAX_SAMPLE_SIZE = 4096  # a drawn image of 100000 px took more memory than the machine had (killed, no message)
 
 
 def split_dataset(raw_dir, output, val_fraction, seed):
@@ -41,11 +43,16 @@ def split_dataset(raw_dir, output, val_fraction, seed):
     class_dirs = sorted(d for d in raw_dir.iterdir() if d.is_dir()) if raw_dir.is_dir() else []
     if not class_dirs:
         raise UsageError(f"{raw_dir}: expected one folder per class")
+    _check_output(output, "--output")
+    if output.resolve() == raw_dir.resolve() or raw_dir.resolve() in output.resolve().parents:
+        raise UsageError(f"--output {output} is inside {raw_dir}, the folder it splits: its train/ and val/ would be "
+                         "taken for classes of it; write it elsewhere")
     _refuse_to_overwrite(output)
     rng = random.Random(seed)
     counts = {"train": 0, "val": 0}
     for class_dir in class_dirs:
-        files = sorted(f for f in class_dir.iterdir() if f.suffix.lower() in IMG_EXTENSIONS)
+        # regular files only: a FIFO or a link to nothing (which training skips) ended the copy in a traceback
+        files = sorted(f for f in class_dir.iterdir() if f.suffix.lower() in IMG_EXTENSIONS and f.is_file())
         rng.shuffle(files)
         n_val = min(max(1, round(len(files) * val_fraction)), len(files) - 1) if len(files) > 1 else 0
         for split, subset in (("val", files[:n_val]), ("train", files[n_val:])):
@@ -98,9 +105,11 @@ def make_sample_dataset(output, num_classes, train_per_class, val_per_class, ima
     """
     if not 2 <= num_classes <= len(ANIMALS_90):
         raise UsageError(f"--num_classes must be between 2 and {len(ANIMALS_90)}, got {num_classes}")
-    if train_per_class < 1 or val_per_class < 1 or image_size < 16:
-        raise UsageError("--train_per_class and --val_per_class must be >= 1 and --image_size >= 16")
+    if train_per_class < 1 or val_per_class < 1 or not 16 <= image_size <= MAX_SAMPLE_SIZE:
+        raise UsageError("--train_per_class and --val_per_class must be >= 1 and --image_size 16 .. "
+                         f"{MAX_SAMPLE_SIZE}")
     output = Path(output)
+    _check_output(output, "--output")
     settings = {"num_classes": num_classes, "train_per_class": train_per_class,
                 "val_per_class": val_per_class, "image_size": image_size, "seed": seed}
     counts = {"train": num_classes * train_per_class, "val": num_classes * val_per_class}
@@ -125,6 +134,14 @@ def _marked(marker):
         return parse_json(marker.read_bytes())
     except (OSError, ValueError):
         return None
+
+
+def _check_output(output, flag):
+    """Refuse an --output that is a file (a traceback when the class folders were made under it) or inside a
+    checkpoint, which the run's next save replaces whole."""
+    if os.path.lexists(output) and not output.is_dir():
+        raise UsageError(f"{flag} {output} is not a folder: give a folder for train/ and val/")
+    check_outside_checkpoints(output, flag)
 
 
 def _refuse_to_overwrite(output):
