@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..models.names import DEFAULT_MODEL
-from ..utils.failures import UsageError, check_name_lengths, check_outside_checkpoints, check_writable
+from ..utils.failures import UsageError, check_name_lengths, check_writable
 from ..utils.files import parse_json
 from ..utils.text import digits, error_line
 
@@ -528,8 +528,6 @@ def lr_schedule(config):
     return next((name for name, (known, _) in LR_SCHEDULES.items() if known == kind), kind)
 
 
-# the files a run writes in its --log_dir under fixed names (outputs.history, outputs.run_folders)
-RUN_FILES = {"training_history.json": "history", "ds_config.json": "DeepSpeed config"}
 # DeepSpeed's monitors, by their section of the JSON: the package each needs (none of them a dependency here)
 MONITOR_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "comet": "comet_ml"}
 
@@ -625,11 +623,6 @@ def check_trainer_support(config, args):
             raise UsageError(f"flops_profiler.output_file {output}: " + (
                 "a folder; give a file name" if output.is_dir() else f"{output.parent} is not a folder that exists"))
         check_writable(output.parent, "flops_profiler.output_file")
-        # the profiler's text replaced what was there: a checkpoint's file, a run's history or config
-        check_outside_checkpoints(output.parent, "flops_profiler.output_file", output)
-        if output.name in RUN_FILES:
-            raise UsageError(f"flops_profiler.output_file {output}: a run keeps its {RUN_FILES[output.name]} under "
-                             "that name, which the profiler's report would replace; choose another name")
     autotuning = config.get("autotuning")
     # read as DeepSpeed's engine reads it (any true value): it then times a few steps and calls exit(), status 0
     if isinstance(autotuning, dict) and autotuning.get("enabled"):

@@ -212,6 +212,15 @@ def check_output_places(args, config):
                 raise UsageError(f"{section}.output_path {monitor['output_path']} is inside {other}, another run's "
                                  "log folder (its history is there), whose monitor files this run would replace: "
                                  "write it elsewhere, or leave output_path out (then under --log_dir)")
+    profiler = config.get("flops_profiler", {})
+    if monitor_enabled(profiler) and profiler.get("output_file"):
+        # its text report replaced what was there: a checkpoint's file, a run's history or config
+        output = Path(profiler["output_file"])
+        check_outside_checkpoints(output.parent, "flops_profiler.output_file", output)
+        if output.name in (HISTORY_FILE, DS_CONFIG):
+            raise UsageError(f"flops_profiler.output_file {output}: a run keeps its "
+                             f"{'history' if output.name == HISTORY_FILE else 'DeepSpeed config'} under that name, "
+                             "which the profiler's report would replace; choose another name")
     check_no_broken_link(args.checkpoint_dir, "--checkpoint_dir")  # before resolve(), which fails on a loop
     own = Path(args.checkpoint_dir).resolve()
     # this run's checkpoints in another run's: that run's next save replaced them whole, with its own
