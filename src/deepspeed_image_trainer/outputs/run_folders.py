@@ -188,23 +188,44 @@ def check_output_places(args, config):
     cache and the default decoded one) in a checkpoint folder, this run's (existing or not) or another's: the
     checkpoint's next save replaced it whole (the CSV monitor's run then ended in a traceback, the cache was gone
     at every run's save), and a log folder made as --checkpoint_dir/last passed for an earlier run's damaged
-    checkpoint (the data check's cache file written there did too)."""
+    checkpoint (the data check's cache file written there did too). And the places of _check_cache_dir,
+    _check_json_outputs and _check_checkpoint_dir."""
     places = [(Path(args.log_dir), "--log_dir", None), (*cache_place(), None)]
     if getattr(args, "cache_dir", None) not in (None, OFF):
         places.append((Path(args.cache_dir), "--cache_dir", None))
-        cache = Path(args.cache_dir).resolve()
-        for flag in ("--train_dir", "--val_dir"):  # its entries showed up as class folders and files of the data
-            data = Path(getattr(args, flag[2:])).resolve()
-            if data == cache or data in cache.parents:
-                raise UsageError(f"--cache_dir {args.cache_dir} is inside {flag} {getattr(args, flag[2:])}, the images "
-                                 "it holds decoded: put the cache elsewhere")
+        _check_cache_dir(args)
+    places += _check_json_outputs(args, config)
+    own = _check_checkpoint_dir(args)
+    for folder, flag, given in places:
+        resolved = folder.resolve()
+        if own in resolved.parents and _checkpoint_managed(resolved.relative_to(own).parts[0]):
+            raise UsageError(f"{flag} {given or folder} is inside --checkpoint_dir {args.checkpoint_dir}'s "
+                             f"{resolved.relative_to(own).parts[0]}, which the run replaces whole when it saves: "
+                             "write it elsewhere")
+        check_outside_checkpoints(folder, flag, given)
+
+
+def _check_cache_dir(args):
+    """A --cache_dir inside the images it holds: its entries showed up as class folders and files of the data."""
+    cache = Path(args.cache_dir).resolve()
+    for flag in ("--train_dir", "--val_dir"):
+        data = Path(getattr(args, flag[2:])).resolve()
+        if data == cache or data in cache.parents:
+            raise UsageError(f"--cache_dir {args.cache_dir} is inside {flag} {getattr(args, flag[2:])}, the images "
+                             "it holds decoded: put the cache elsewhere")
+
+
+def _check_json_outputs(args, config):
+    """Refuse a JSON monitor's output_path in another run's log folder (a fresh run replaces the monitor's rows
+    there, that run's with them), and a flops profiler report onto a checkpoint's file or a run's history or
+    config (its text replaced them); returns the monitors' folders, for the checkpoint checks."""
+    places = []
     log_dir = Path(args.log_dir).resolve()
     for section in MONITORS:  # each writes a folder of its job's name into its output_path
         monitor = config.get(section, {})
         if monitor_enabled(monitor) and monitor.get("output_path"):
             places.append((Path(monitor["output_path"]) / str(monitor.get("job_name") or "job"),
                            f"{section}.output_path", monitor["output_path"]))
-            # another run's log folder: a fresh run replaces the monitor's rows there, that run's with them
             resolved = Path(monitor["output_path"]).resolve()
             other = next((folder for folder in (resolved, *resolved.parents) if folder not in (
                 log_dir, *log_dir.parents) and (folder / HISTORY_FILE).is_file()), None)
@@ -214,37 +235,35 @@ def check_output_places(args, config):
                                  "write it elsewhere, or leave output_path out (then under --log_dir)")
     profiler = config.get("flops_profiler", {})
     if monitor_enabled(profiler) and profiler.get("output_file"):
-        # its text report replaced what was there: a checkpoint's file, a run's history or config
         output = Path(profiler["output_file"])
         check_outside_checkpoints(output.parent, "flops_profiler.output_file", output)
         if output.name in (HISTORY_FILE, DS_CONFIG):
             raise UsageError(f"flops_profiler.output_file {output}: a run keeps its "
                              f"{'history' if output.name == HISTORY_FILE else 'DeepSpeed config'} under that name, "
                              "which the profiler's report would replace; choose another name")
+    return places
+
+
+def _check_checkpoint_dir(args):
+    """--checkpoint_dir resolved, after refusing it inside another run's checkpoint (that run's next save replaced
+    this run's checkpoints whole, with its own), also where a run holding a folder above will save one, and a
+    file (or a link at a scratch name) where the trainer makes its folders: its checkpoints and its scratch (a
+    save's staging and swaps, a conversion for another number of ranks), removed and made again; rmtree leaves a
+    file or link, and every save, or the resume that needed it, failed."""
     check_no_broken_link(args.checkpoint_dir, "--checkpoint_dir")  # before resolve(), which fails on a loop
     own = Path(args.checkpoint_dir).resolve()
-    # this run's checkpoints in another run's: that run's next save replaced them whole, with its own
     check_outside_checkpoints(args.checkpoint_dir, "--checkpoint_dir")
-    # the folders the trainer makes there: its checkpoints, and its scratch (a save's staging and swaps, a
-    # conversion for another number of ranks), removed and made again: a file there, or a link at a scratch name
-    # (rmtree leaves both), failed every save, or the resume that needed it
-    for entry in (sorted(own.iterdir()) if own.is_dir() else ()):
-        scratch = entry.name.startswith(".")
-        if _checkpoint_managed(entry.name) and (not entry.is_dir() or scratch and entry.is_symlink()):
-            raise UsageError(f"{Path(args.checkpoint_dir) / entry.name} is a file or a link, where the trainer keeps a "
-                             "folder of its own (a checkpoint, or one while it saves or converts one): move it away")
     for parent in own.parents:  # the other run's folder before its first save made it a checkpoint
         if (parent / LOCK_FILE).is_file() and _checkpoint_managed(own.relative_to(parent).parts[0]):
             raise UsageError(f"--checkpoint_dir {args.checkpoint_dir} is inside {parent}'s "
                              f"{own.relative_to(parent).parts[0]}, which the run saving its checkpoints in {parent} "
                              "replaces whole when it saves: write it elsewhere")
-    for folder, flag, given in places:
-        resolved = folder.resolve()
-        if own in resolved.parents and _checkpoint_managed(resolved.relative_to(own).parts[0]):
-            raise UsageError(f"{flag} {given or folder} is inside --checkpoint_dir {args.checkpoint_dir}'s "
-                             f"{resolved.relative_to(own).parts[0]}, which the run replaces whole when it saves: "
-                             "write it elsewhere")
-        check_outside_checkpoints(folder, flag, given)
+    for entry in (sorted(own.iterdir()) if own.is_dir() else ()):
+        scratch = entry.name.startswith(".")
+        if _checkpoint_managed(entry.name) and (not entry.is_dir() or scratch and entry.is_symlink()):
+            raise UsageError(f"{Path(args.checkpoint_dir) / entry.name} is a file or a link, where the trainer keeps a "
+                             "folder of its own (a checkpoint, or one while it saves or converts one): move it away")
+    return own
 
 
 def check_output_files(args):
