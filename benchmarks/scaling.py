@@ -56,14 +56,19 @@ def reference_of(name):
     return SYNC_BN_REF if "sync" in name.lower() else DDP
 
 
+def sample_command(num_gpus, epochs, flags, args, workdir):
+    """launch_deepspeed.py's command on the built-in sample dataset at the global batch --accuracy_batch, its logs
+    and checkpoints in `workdir`."""
+    return [sys.executable, str(ROOT / "launch_deepspeed.py"), "--num_gpus", str(num_gpus),
+            "--train_dir", str(args.sample_data / "train"), "--val_dir", str(args.sample_data / "val"),
+            "--epochs", str(epochs), "--batch_size", str(args.accuracy_batch // num_gpus),
+            "--image_size", "96", "--bf16", "--data_on_device", "on",
+            "--log_dir", str(workdir / "logs"), "--checkpoint_dir", str(workdir / "checkpoints"), *flags]
+
+
 def sample_run(num_gpus, epochs, flags, args, workdir):
-    """launch_deepspeed.py on the built-in sample dataset at the global batch --accuracy_batch, its logs and
-    checkpoints in `workdir`: (command, history), or (command, {"error": ...})."""
-    command = [sys.executable, str(ROOT / "launch_deepspeed.py"), "--num_gpus", str(num_gpus),
-               "--train_dir", str(args.sample_data / "train"), "--val_dir", str(args.sample_data / "val"),
-               "--epochs", str(epochs), "--batch_size", str(args.accuracy_batch // num_gpus),
-               "--image_size", "96", "--bf16", "--data_on_device", "on",
-               "--log_dir", str(workdir / "logs"), "--checkpoint_dir", str(workdir / "checkpoints"), *flags]
+    """sample_command run to its end: (command, history), or (command, {"error": ...})."""
+    command = sample_command(num_gpus, epochs, flags, args, workdir)
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=args.case_timeout)
     except subprocess.TimeoutExpired:
@@ -113,13 +118,9 @@ def resume_run(stage, before, after, args):
 
 
 def stopped_run(num_gpus, epochs, flags, args, workdir, stop_in):
-    """sample_run's launch, stopped by SIGTERM a step or more into epoch `stop_in` (the ranks agree on the stop
+    """sample_command started, and stopped by SIGTERM a step or more into epoch `stop_in` (the ranks agree on the stop
     within 10 steps and save it); returns (command, where it stopped: "epoch E, step S", or {"error": ...})."""
-    command = [sys.executable, str(ROOT / "launch_deepspeed.py"), "--num_gpus", str(num_gpus),
-               "--train_dir", str(args.sample_data / "train"), "--val_dir", str(args.sample_data / "val"),
-               "--epochs", str(epochs), "--batch_size", str(args.accuracy_batch // num_gpus),
-               "--image_size", "96", "--bf16", "--data_on_device", "on",
-               "--log_dir", str(workdir / "logs"), "--checkpoint_dir", str(workdir / "checkpoints"), *flags]
+    command = sample_command(num_gpus, epochs, flags, args, workdir)
     log = workdir / f"stopped_{num_gpus}_{stop_in}.log"
     with open(log, "w") as out:
         run = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
