@@ -15,7 +15,7 @@ from PIL import Image, ImageDraw
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..utils.failures import CliParser, UsageError, check_outside_checkpoints, path_argument
-from ..utils.files import parse_json
+from ..utils.files import parse_json, within
 from .check import cache_place, check_folders
 
 # The 90 class folders of the Animals-90 dataset; the sample dataset borrows them as class names.
@@ -44,7 +44,7 @@ def split_dataset(raw_dir, output, val_fraction, seed):
     if not class_dirs:
         raise UsageError(f"{raw_dir}: expected one folder per class")
     _check_output(output, "--output")
-    if output.resolve() == raw_dir.resolve() or raw_dir.resolve() in output.resolve().parents:
+    if within(output, raw_dir):
         raise UsageError(f"--output {output} is inside {raw_dir}, the folder it splits: its train/ and val/ would be "
                          "taken for classes of it; write it elsewhere")
     _refuse_to_overwrite(output)

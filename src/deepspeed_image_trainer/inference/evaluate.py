@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from ..data.folders import image_folder
 from ..utils.failures import (WORKERS_PER_CPU, CliParser, UsageError, check_counts, check_not_taken, check_num_workers,
                               check_outside_checkpoints, check_writable, path_argument)
-from ..utils.files import write_json_atomic
+from ..utils.files import within, write_json_atomic
 from ..utils.text import drawable
 from .load import (DECODES, decoded_log_probabilities, default_device, eval_transform, load_model,
                    predict_log_probabilities, trained_decode)
@@ -81,8 +81,7 @@ def main(argv=None):
     args = get_args_parser().parse_args(argv)
     check_counts(args, batch_size=1, num_workers=0)
     check_num_workers(args.num_workers)
-    output_dir, data_dir = Path(args.output_dir).resolve(), Path(args.data_dir).resolve()
-    if data_dir == output_dir or data_dir in output_dir.parents:  # the next evaluation read its png as an image
+    if within(args.output_dir, args.data_dir):  # the next evaluation read its png as an image
         raise UsageError(f"--output_dir {args.output_dir} is inside --data_dir {args.data_dir}, the images it "
                          "evaluates: write it elsewhere")
     check_outside_checkpoints(args.output_dir, "--output_dir")  # first: check_writable makes a file in the folder

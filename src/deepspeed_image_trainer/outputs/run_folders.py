@@ -23,6 +23,7 @@ from ..data.cache import OFF
 from ..data.check import cache_place
 from ..engine.config import MONITORS, monitor_enabled
 from ..utils.failures import UsageError, check_no_broken_link, check_outside_checkpoints
+from ..utils.files import within
 from .checkpoints import BEST, EXTRA_INFO, LAST, STAGING, read_info, readable
 from .history import HISTORY_FILE
 from .universal import UNIVERSAL
@@ -207,10 +208,8 @@ def check_output_places(args, config):
 
 def _check_cache_dir(args):
     """A --cache_dir inside the images it holds: its entries showed up as class folders and files of the data."""
-    cache = Path(args.cache_dir).resolve()
     for flag in ("--train_dir", "--val_dir"):
-        data = Path(getattr(args, flag[2:])).resolve()
-        if data == cache or data in cache.parents:
+        if within(args.cache_dir, getattr(args, flag[2:])):
             raise UsageError(f"--cache_dir {args.cache_dir} is inside {flag} {getattr(args, flag[2:])}, the images "
                              "it holds decoded: put the cache elsewhere")
 

@@ -45,6 +45,12 @@ def write_atomic(path, data):
         raise
 
 
+def within(path, folder):
+    """Whether `path` is `folder` or lies inside it, links and '..' resolved."""
+    path, folder = Path(path).resolve(), Path(folder).resolve()
+    return path == folder or folder in path.parents
+
+
 def check_regular(path):
     """An OSError, as for a file that cannot be opened, when `path` exists and is not a regular file: opening a
     FIFO waits for its other end for good."""
