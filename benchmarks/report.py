@@ -529,6 +529,12 @@ def scaling_sync_bn(name):
          f"synced over unsynced on {n} GPUs", f"peak GiB ({n} GPUs)"], rows)
 
 
+def curve_cells(run):
+    """A sample-data run's cells: its val acc per epoch, its last val acc and its last val loss."""
+    return [" · ".join(f"{acc:.2f}" for acc in run["val_acc_per_epoch"]), f"**{run['last_val_acc']:.3f}**",
+            f"{run['val_loss_per_epoch'][-1]:.3f}"]
+
+
 def scaling_accuracy(name):
     """scaling.py --only accuracy resume: the same global batch on 1 and N GPUs, and runs resumed on the other count."""
     result = load(name)
@@ -537,12 +543,8 @@ def scaling_accuracy(name):
     gpus = (lambda text: re.sub(r"\bN\b", str(n), text))
     accuracy = [[gpus(label.removeprefix("accuracy: ")),
                  f"{settings['accuracy_batch'] // r['num_gpus']} × {r['num_gpus']}",
-                 " · ".join(f"{acc:.2f}" for acc in r["val_acc_per_epoch"]), f"**{r['last_val_acc']:.3f}**",
-                 f"{r['val_loss_per_epoch'][-1]:.3f}"]
-                for label, r in results.items() if r["kind"] == "accuracy" and "error" not in r]
-    resumed = [[gpus(label.removeprefix("resume: ")), r["resumed_at"],
-                " · ".join(f"{acc:.2f}" for acc in r["val_acc_per_epoch"]), f"**{r['last_val_acc']:.3f}**",
-                f"{r['val_loss_per_epoch'][-1]:.3f}"]
+                 *curve_cells(r)] for label, r in results.items() if r["kind"] == "accuracy" and "error" not in r]
+    resumed = [[gpus(label.removeprefix("resume: ")), r["resumed_at"], *curve_cells(r)]
                for label, r in results.items() if r["kind"] == "resume" and "error" not in r]
     failed_runs = [label for label, r in results.items() if "error" in r]
     out = source(result, name) + (
@@ -568,8 +570,7 @@ def scaling_chain(name):
             continue
         for run, stopped, figures in ((f"{label.split(',')[0]}, uninterrupted (1 GPU)", "", r["uninterrupted"]),
                                       (label, " then ".join(r["stopped_at"]), r)):
-            rows.append([run, stopped, " · ".join(f"{acc:.2f}" for acc in figures["val_acc_per_epoch"]),
-                         f"**{figures['last_val_acc']:.3f}**", f"{figures['val_loss_per_epoch'][-1]:.3f}"])
+            rows.append([run, stopped, *curve_cells(figures)])
     return source(result, name) + (
         f"\nThe built-in sample dataset, resnet18 at 96 px, bf16, global batch {settings['accuracy_batch']}: one run "
         f"of `--epochs {2 * settings['resume_epochs']}` stopped by SIGTERM mid-epoch on one GPU, resumed with "
