@@ -87,11 +87,15 @@ def test_split_refuses_to_overwrite_existing_data(tmp_path):
     (["sample", "--output", "ck/last/data"], "--output ck/last/data is inside the checkpoint"),
     (["split", "raw", "--output", "raw/out"], "--output raw/out is inside raw, the folder it splits"),
     (["split", "raw", "--output", "raw"], "--output raw is inside raw, the folder it splits"),
+    (["sample", "--output", "d/train"], "--output d/train is inside the dataset"),
+    (["split", "raw", "--output", "d/val/cat/new"], "--output d/val/cat/new is inside the dataset"),
 ])
 def test_cli_errors_are_one_line_with_status_2(tmp_path, monkeypatch, capsys, argv, message):
     from deepspeed_image_trainer.data.prepare import main
 
     make_raw(tmp_path / "raw", {"cat": 2, "dog": 2})
+    make_raw(tmp_path / "d/train", {"cat": 1})
+    make_raw(tmp_path / "d/val", {"cat": 1})
     (tmp_path / "ck/last").mkdir(parents=True)
     (tmp_path / "ck/last/extra_info.json").write_text("{}")
     before = sorted(str(p) for p in tmp_path.rglob("*"))

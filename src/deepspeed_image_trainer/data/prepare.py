@@ -137,11 +137,17 @@ def _marked(marker):
 
 
 def _check_output(output, flag):
-    """Refuse an --output that is a file (a traceback when the class folders were made under it) or inside a
-    checkpoint, which the run's next save replaces whole."""
+    """Refuse an --output that is a file (a traceback when the class folders were made under it), inside a
+    checkpoint, which the run's next save replaces whole, or inside another dataset's train/ or val/."""
     if os.path.lexists(output) and not output.is_dir():
         raise UsageError(f"{flag} {output} is not a folder: give a folder for train/ and val/")
     check_outside_checkpoints(output, flag)
+    for dataset in Path(output).resolve().parents:
+        # inside another dataset's train/ or val/, its train/ and val/ would become two classes of that dataset
+        if (dataset / "train").is_dir() and (dataset / "val").is_dir() and (
+                within(output, dataset / "train") or within(output, dataset / "val")):
+            raise UsageError(f"{flag} {output} is inside the dataset {dataset}: its train/ and val/ would be taken "
+                             "for classes of it; write it elsewhere")
 
 
 def _refuse_to_overwrite(output):
