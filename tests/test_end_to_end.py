@@ -271,6 +271,48 @@ def test_predict_agrees_with_evaluate(exported, tiny_data, tmp_path, trained, ca
     assert capsys.readouterr().out.startswith(f"{one_image}: {predictions[0]['predictions'][0]['class']} ")
 
 
+def test_onnx_and_torchscript_exports_compute_the_state_dict_exports_logits_at_any_batch_size(
+        exported, tiny_data, tmp_path, monkeypatch, capsys):
+    import onnxruntime
+
+    from deepspeed_image_trainer.inference import export
+    from deepspeed_image_trainer.inference.load import eval_transform, load_model
+
+    workdir, model_file = exported
+    model, metadata = load_model(model_file, torch.device("cpu"))
+    images = torch.stack([image for image, _ in ImageFolder(tiny_data / "val", transform=eval_transform(metadata))])
+    with torch.no_grad():
+        expected = model(images)
+    checkpoint = str(workdir / "checkpoints_deepspeed/best_model")
+    export.main([checkpoint, "--output", str(tmp_path / "model.onnx")])
+    export.main([checkpoint, "--output", str(tmp_path / "model.ts"), "--format", "torchscript"])
+    assert "onnx, logits within" in capsys.readouterr().out
+    session = onnxruntime.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    scripted = torch.jit.load(str(tmp_path / "model.ts"))
+    for batch in (images[:1], images):  # the batch size the export traced was 3
+        got = torch.from_numpy(session.run(["logits"], {"images": batch.numpy()})[0])
+        assert torch.allclose(got, expected[:len(batch)], rtol=1e-4, atol=1e-5)
+        with torch.no_grad():
+            assert torch.allclose(scripted(batch), expected[:len(batch)], rtol=1e-5, atol=1e-6)
+    sidecar = json.loads((tmp_path / "model.onnx.json").read_text())
+    assert sidecar["format"] == "onnx" and sidecar["class_names"] == metadata["class_names"]
+    assert sidecar["checked"]["by"] == "onnxruntime" and not list(tmp_path.glob(".*"))  # no temporary files left
+    monkeypatch.chdir(tmp_path)
+    from deepspeed_image_trainer.inference import predict
+
+    assert_usage_error_in_process(predict.main, ["--model", "model.onnx", str(tiny_data / "val")], capsys,
+                                  "--model model.onnx is exported as onnx")
+    assert_usage_error_in_process(export.main, [checkpoint, "--output", "m.onnx", "--format", "torchscript"], capsys,
+                                  "--output m.onnx: use a file name ending in .pt, .pth, .ts")
+    before = (tmp_path / "model.ts").read_bytes()
+    # a program that computes otherwise (as an exporter's wrong conversion would)
+    monkeypatch.setattr(export, "_write_torchscript",
+                        lambda model, images, path: (path.write_bytes(b"x"), (model(images) + 1, "torch.jit.load"))[1])
+    assert_usage_error_in_process(export.main, [checkpoint, "--output", "model.ts", "--format", "torchscript"], capsys,
+                                  "the torchscript export's logits differ from PyTorch's")
+    assert (tmp_path / "model.ts").read_bytes() == before and not list(tmp_path.glob(".*"))
+
+
 def test_predict_and_evaluate_bad_input(exported, tmp_path, monkeypatch, capsys):
     from deepspeed_image_trainer.inference import evaluate, predict
 

@@ -296,7 +296,7 @@ STAGES = (2, 3)
 FAMILY_TRAIN_IMAGES, FAMILY_VAL_IMAGES = 4 * TINY_CLASSES, 2 * TINY_CLASSES
 
 
-def slim_transformers():
+def slim_transformers(monkeypatch=None):
     """torchvision's ViT-B/16, Swin T, Swin V2 T and ConvNeXt Tiny built from their own classes at a fraction of
     their width and depth, in this process: their 28 to 86 M parameters took two thirds of this test's time in
     checkpoints and exports, and the trainer's handling of each family (its blocks as ZeRO-3 leaves, its norms,
@@ -312,7 +312,8 @@ def slim_transformers():
         "swin_v2_t": lambda **kw: SwinTransformer([4, 4], 24, [2, 2, 2, 2], [1, 2, 4, 8], [8, 8], 0.2,
                                                   block=SwinTransformerBlockV2, downsample_layer=PatchMergingV2, **kw),
         "convnext_tiny": lambda **kw: ConvNeXt([CNBlockConfig(24, 48, 1), CNBlockConfig(48, 96, 1),
-                                                CNBlockConfig(96, 192, 1), CNBlockConfig(192, None, 1)], 0.1, **kw)})
+                                                CNBlockConfig(96, 192, 1), CNBlockConfig(192, None, 1)], 0.1, **kw)},
+                  monkeypatch)
 
 
 def train_export_evaluate_predict(process, _, results, data, workdir, halves, sizes):
@@ -438,3 +439,43 @@ def test_a_pretrained_torchvision_model_fine_tunes_on_two_ranks_at_zero3_exports
     with pytest.raises(UsageError, match=f"has {TINY_CLASSES} outputs but its class names list 2"):
         evaluate.main(["--model", str(tmp_path / "model.safetensors"), "--data_dir", str(tiny_data / "val"),
                        "--output_dir", str(tmp_path / "eval"), "--num_workers", "0"])
+
+
+def test_a_transformer_exports_to_onnx_and_torchscript_with_a_dynamic_batch(tmp_path, monkeypatch):
+    """test_end_to_end exports ResNet18 from a checkpoint; this a ViT's patching and attention (slim, as in the
+    family runs) through the same writer (Swin's windows export too: 19 s here)."""
+    import onnxruntime
+
+    from deepspeed_image_trainer.inference.export import _export_program
+    from deepspeed_image_trainer.models.build import model_for_weights, plain_norms
+
+    slim_transformers(monkeypatch)
+    torch.manual_seed(0)
+    name = "vit_b_16"
+    model = plain_norms(model_for_weights(name, TINY_CLASSES, 32))
+    for parameter in model.parameters():  # ViT's head starts at zero: logits of 0 would match anything
+        torch.nn.init.normal_(parameter, std=0.2)
+    model.eval()
+    images = torch.randn(5, 3, 32, 32)
+    with torch.no_grad():
+        expected = model(images)
+    for kind, file in (("onnx", "m.onnx"), ("torchscript", "m.ts")):
+        metadata = _export_program(model, kind, tmp_path / file, {"image_size": 32, "class_names": ["a", "b", "c"]})
+        assert metadata["checked"]["max_abs_difference"] < 1e-4
+        assert json.loads((tmp_path / f"{file}.json").read_text())["checked"] == metadata["checked"]
+    session = onnxruntime.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"])
+    scripted = torch.jit.load(str(tmp_path / "m.ts"))
+    for batch in (images[:1], images):
+        got = torch.from_numpy(session.run(["logits"], {"images": batch.numpy()})[0])
+        assert torch.allclose(got, expected[:len(batch)], rtol=1e-4, atol=1e-5), name
+        with torch.no_grad():
+            assert torch.allclose(scripted(batch), expected[:len(batch)], rtol=1e-4, atol=1e-5), name
+
+    import importlib.util
+
+    from deepspeed_image_trainer.inference.export import check_format_support
+    from deepspeed_image_trainer.utils.failures import UsageError
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # an installation without the exporter
+    with pytest.raises(UsageError, match="^--format onnx needs the onnx and onnxscript packages, .*: pip install onnx"):
+        check_format_support("onnx")

@@ -2,17 +2,22 @@
 
     python src/export_model.py checkpoints_deepspeed/best_model --output model.pt
     python src/export_model.py checkpoints_deepspeed/epoch_10 --output model.safetensors
+    python src/export_model.py checkpoints_deepspeed/best_model --output model.onnx        # ONNX, any batch size
+    python src/export_model.py checkpoints_deepspeed/best_model --output model.ts --format torchscript
 
 ZeRO 1-3 checkpoints are consolidated by DeepSpeed's own zero_to_fp32 (the fp32 master weights,
 gathered from every rank's shard); a ZeRO-0 checkpoint holds the whole model already. Batch-norm
 statistics are the ones the checkpoint was validated with. Class names, image size and the source
 checkpoint go into `<output>.json` beside the file (and into the metadata of a .safetensors file).
+An ONNX or TorchScript export is the model in eval mode taking normalised fp32 images (N, 3, size, size), any N,
+checked against the PyTorch model on the same images before it is published (ONNX: when onnxruntime is installed).
 """
 import argparse
 import contextlib
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -20,15 +25,21 @@ from pathlib import Path
 import torch
 
 from ..data.folders import check_preprocessing
-from ..models.build import check_saved_model, load_weights, model_for_weights
+from ..models.build import check_saved_model, load_weights, model_for_weights, plain_norms
 from ..models.names import MODEL_NAME
 from ..outputs.checkpoints import find_checkpoint, read_info
 from ..utils.failures import (CliParser, UsageError, check_not_taken, check_output_file, path_argument,
                               stop_on_write_error)
 from ..utils.files import as_open_would, fingerprint, replace_together, written_beside
 from ..utils.loading import check_checkpoint_files, load_checked
+from ..utils.text import error_line
 
 SUFFIXES = (".pt", ".pth", ".safetensors")
+# --format: its file name suffixes; state_dict unless the name ends in .onnx or --format says otherwise
+FORMATS = {"state_dict": SUFFIXES, "onnx": (".onnx",), "torchscript": (".pt", ".pth", ".ts")}
+ONNX_SINGLE_FILE_BYTES = 1.8 * 2**30  # protobuf's 2 GiB limit: larger models keep their weights in <output>.data
+# How far the exported model's logits may be from PyTorch's on the same images (fp32; kernels differ in order)
+EXPORT_TOLERANCE = {"rtol": 1e-3, "atol": 1e-4}
 
 
 def consolidated_state_dict(checkpoint):
@@ -73,20 +84,45 @@ def sidecar_path(output):
     return Path(output).with_suffix(Path(output).suffix + ".json")
 
 
-def export(checkpoint, output):
+def output_format(output, given=None):
+    """The export format for `output`: `given` (--format), else onnx for a .onnx name and a state_dict otherwise."""
+    if given is not None:
+        return given
+    return "onnx" if Path(output).suffix.lower() == ".onnx" else "state_dict"
+
+
+def check_format_support(kind):
+    """One line when the packages `kind` needs are missing (the ONNX exporter's, which the trainer does not need)."""
+    import importlib.util
+
+    if kind == "onnx":
+        missing = [name for name in ("onnx", "onnxscript") if importlib.util.find_spec(name) is None]
+        if missing:
+            raise UsageError(f"--format onnx needs the {' and '.join(missing)} package{'s' * (len(missing) > 1)}, "
+                             f"which torch.onnx exports with: pip install {' '.join(missing)}")
+
+
+def export(checkpoint, output, kind=None):
     output = Path(output)
-    check_output_file(output, "--output", SUFFIXES)
+    kind = output_format(output, kind)
+    check_output_file(output, "--output", FORMATS[kind])
+    check_format_support(kind)
     # the sidecar's name too: a folder there failed the write after consolidating (status 4)
     check_not_taken(sidecar_path(output), "--output", output)
+    if kind == "onnx":
+        check_not_taken(onnx_data_path(output), "--output", output)
     state_dict, info = consolidated_state_dict(checkpoint)
     # strict: the export must load as it is
-    load_weights(model_for_weights(info["model"], len(info["class_names"]), info["image_size"]), state_dict,
-                 info["folder"])
+    model = model_for_weights(info["model"], len(info["class_names"]), info["image_size"])
+    load_weights(model, state_dict, info["folder"])
     preprocessing = check_preprocessing(info.get("preprocessing"), Path(info["folder"]) / "extra_info.json")
     metadata = {"model": info["model"], "pretrained": info.get("pretrained"), "preprocessing": preprocessing,
                 "image_size": info["image_size"], "class_names": info["class_names"],
                 "source_checkpoint": info["folder"], "epoch": info["epoch"], "metrics": info.get("metrics"),
                 "data_tier": info.get("data_tier")}
+    if kind != "state_dict":
+        metadata["format"] = kind
+        return _export_program(plain_norms(model).eval(), kind, output, metadata)
     # Both files are written beside their names, then renamed over them together: a failed export leaves an
     # earlier one (model and sidecar) as it was.
     with stop_on_write_error("export", "--output", retry="export again"):  # a folder that takes no file (/proc)
@@ -113,17 +149,114 @@ def export(checkpoint, output):
     return metadata
 
 
+def onnx_data_path(output):
+    """Where an ONNX export too large for one file keeps its weights (the name torch.onnx gives them)."""
+    return Path(output).with_name(Path(output).name + ".data")
+
+
+def _export_program(model, kind, output, metadata):
+    """Write `model` as an ONNX or TorchScript program with a dynamic batch size to a temporary folder beside
+    `output`, check it against `model` on the same images, then rename its files and the sidecar over the
+    earlier ones together (as the state_dict's): a failed or wrong export leaves an earlier one as it was."""
+    size = metadata["image_size"]
+    images = torch.randn(3, 3, size, size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(images)
+    with stop_on_write_error("export", "--output", retry="export again"):
+        output.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}."))
+    try:
+        written = work / output.name
+        with stop_on_write_error("export", "--output", retry="export again"):
+            if kind == "onnx":
+                got, checked_by = _write_onnx(model, images, written)
+            else:
+                got, checked_by = _write_torchscript(model, images, written)
+            difference = (got - expected).abs().max().item() if got is not None else None
+            if got is not None and not torch.allclose(got, expected, **EXPORT_TOLERANCE):
+                raise UsageError(f"the {kind} export's logits differ from PyTorch's by up to {difference:.3g} on "
+                                     f"the same images (checked with {checked_by}); the earlier export is intact")
+            metadata["checked"] = {"by": checked_by, "max_abs_difference": difference}
+            files = [(written, output)]
+            if onnx_data_path(written).exists():
+                files.append((onnx_data_path(written), onnx_data_path(output)))
+            for path, _ in files:
+                as_open_would(path)
+            sidecar = {**metadata, "model_file": fingerprint(written)}
+            files.append((written_beside(sidecar_path(output), json.dumps(sidecar, indent=2).encode()),
+                          sidecar_path(output)))
+            replace_together(files)
+            if len(files) == 2:  # an earlier, larger export's weights: nothing reads them now
+                onnx_data_path(output).unlink(missing_ok=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        for path in output.parent.glob(f".{sidecar_path(output).name}.*.tmp"):
+            path.unlink(missing_ok=True)
+    return metadata
+
+
+def _write_onnx(model, images, path):
+    """torch.onnx's exporter (torch.export based) with the batch dimension dynamic; the logits onnxruntime
+    computes from the file, or None when onnxruntime is not installed."""
+    import importlib.util
+    import warnings
+
+    large = sum(t.numel() * t.element_size() for t in model.state_dict().values()) > ONNX_SINGLE_FILE_BYTES
+    # The exporter reports its progress on stdout, which may carry JSON: send it to stderr.
+    with contextlib.redirect_stdout(sys.stderr), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            torch.onnx.export(model, (images,), str(path), dynamo=True, external_data=large, verbose=False,
+                              input_names=["images"], output_names=["logits"],
+                              dynamic_shapes=({0: torch.export.Dim("batch", min=1)},))
+        except Exception as err:  # noqa: BLE001 - the exporter fails many ways (an op without ONNX form)
+            if isinstance(err, OSError):
+                raise
+            raise UsageError(f"torch.onnx cannot export {type(model).__name__} ({error_line(err)}); "
+                             "export a state_dict (--output model.pt) instead") from None
+    if importlib.util.find_spec("onnxruntime") is None:
+        return None, None
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return torch.from_numpy(session.run(None, {"images": images.numpy()})[0]), "onnxruntime"
+
+
+def _write_torchscript(model, images, path):
+    """torch.jit.script's program (the batch size free, as in the model); the logits torch.jit.load's copy computes."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit is deprecated in favour of torch.export; it still runs anywhere
+        try:
+            scripted = torch.jit.script(model)
+        except Exception as err:  # noqa: BLE001 - TorchScript's compiler refuses Python it does not know
+            raise UsageError(f"TorchScript cannot compile {type(model).__name__} ({error_line(err)}); "
+                             "export ONNX (--output model.onnx) or a state_dict instead") from None
+        scripted.save(str(path))
+        with torch.no_grad():
+            return torch.jit.load(str(path), map_location="cpu")(images), "torch.jit.load"
+
+
 def get_args_parser():
     parser = CliParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=path_argument,
                         help="checkpoint folder (e.g. checkpoints_deepspeed/best_model) or its tag folder")
-    parser.add_argument("--output", type=path_argument, required=True, help="model.pt or model.safetensors")
+    parser.add_argument("--output", type=path_argument, required=True,
+                        help="model.pt or model.safetensors (a state_dict), model.onnx, or with --format "
+                             "torchscript model.ts")
+    parser.add_argument("--format", choices=tuple(FORMATS), default=None,
+                        help="state_dict (default), onnx (default for a .onnx name) or torchscript")
     return parser
 
 
 def main(argv=None):
     args = get_args_parser().parse_args(argv)
-    metadata = export(args.checkpoint, args.output)
+    metadata = export(args.checkpoint, args.output, args.format)
     output = Path(args.output)  # the file written: "m.pt/" writes m.pt
-    print(f"wrote {output} ({len(metadata['class_names'])} classes, {metadata['image_size']} px) "
+    checked = metadata.get("checked") or {}
+    how = (f", {metadata['format']}, logits within {checked['max_abs_difference']:.2g} of PyTorch's"
+           if checked.get("by") else f", {metadata['format']}, not run (pip install onnxruntime to check it)"
+           if "format" in metadata else "")
+    print(f"wrote {output} ({len(metadata['class_names'])} classes, {metadata['image_size']} px{how}) "
           f"and {sidecar_path(output)} from {metadata['source_checkpoint']}")

@@ -35,6 +35,9 @@ def load_model(path, device):
         state_dict, metadata = consolidated_state_dict(path)
     elif path.is_file():
         metadata = _metadata(path)
+        if metadata.get("format", "state_dict") != "state_dict":
+            raise UsageError(f"--model {path} is exported as {metadata['format']}, which runs outside PyTorch's "
+                             "modules: give the state_dict export (.pt, .safetensors) or the checkpoint folder")
         state_dict = _weights(path)
         if "model_file" in metadata and metadata["model_file"] != fingerprint(path):  # sidecars since it was added
             raise UsageError(f"--model {path} is not the file {sidecar_path(path)} was written with (an export "

@@ -166,6 +166,16 @@ def fp32_norms(model):
     return swapped
 
 
+def plain_norms(model):
+    """`model` with torch's own normalisation layers back in place of the fp32 ones (the same for fp32 weights),
+    for an exporter: TorchScript cannot compile their rank synchronisation."""
+    plain = {fp32: torch_class for torch_class, fp32 in FP32_NORMS.items()}
+    for module in model.modules():
+        if type(module) in plain:
+            module.__class__ = plain[type(module)]
+    return model
+
+
 class ResNet18Animals90(ResNet):
     """torchvision's ResNet18 (same state_dict keys) with fp32 batch norm and `num_classes` outputs.
 
