@@ -134,12 +134,15 @@ def _as_rank(rank, fn, port, results, args):
 def tiny_engine(model, parameters=None, *, micro_batch=4, lr=1e-3, optimizer=None, zero=None, **sections):
     """deepspeed.initialize over `model` (or its `parameters`, groups included) with a small config: torch's AdamW
     (as the trainer picks on a CPU: DeepSpeed's CPUAdam or FusedAdam would compile first, a minute each on a
-    fresh machine) at `lr` plus `optimizer`'s params, ZeRO `zero` (default stage 0), and the other `sections`
-    as given (scheduler, bf16, gradient_clipping, ...). Every rank of the process group calls this."""
+    fresh machine) at `lr` plus `optimizer`'s params (or `optimizer` itself when it has a type), ZeRO `zero`
+    (default stage 0), and the other `sections` as given (scheduler, bf16, gradient_clipping, ...). Every rank of
+    the process group calls this."""
     import deepspeed
 
+    optimizer = optimizer or {}
     config = {"train_micro_batch_size_per_gpu": micro_batch,
-              "optimizer": {"type": "AdamW", "params": {"lr": lr, "torch_adam": True, **(optimizer or {})}},
+              "optimizer": optimizer if "type" in optimizer else
+              {"type": "AdamW", "params": {"lr": lr, "torch_adam": True, **optimizer}},
               "zero_optimization": zero or {"stage": 0}, **sections}
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters() if parameters is None
                                       else parameters, config=config)

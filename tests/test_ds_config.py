@@ -1,6 +1,7 @@
 import argparse
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -55,10 +56,54 @@ def test_defaults():
 def test_an_optimizer_from_the_json_gets_only_the_settings_it_takes(kind, settings, optimizer_class):
     config = build(base={"optimizer": {"type": kind, "params": {"lr": 0.01, **settings}}})
     params = config["optimizer"]["params"]
-    assert params == {"lr": 0.01, "weight_decay": 0.05, **settings}  # no AdamW betas or eps
+    sgd = {"nesterov": False} if kind == "SGD" else {}  # --nesterov's default; the JSON's momentum stands
+    assert params == {"lr": 0.01, "weight_decay": 0.05, **settings, **sgd}  # no AdamW betas or eps
     assert config["zero_allow_untested_optimizer"] is True  # see test_sgd_from_the_json_trains_under_zero
     if optimizer_class is not None:  # as DeepSpeed builds it: the class with the config's params
         optimizer_class([torch.nn.Parameter(torch.zeros(1))], **params)
+
+
+@pytest.mark.parametrize("argv, optimizer", [
+    (("--optimizer", "sgd"), {"type": "SGD", "params": {"lr": 0.001, "weight_decay": 0.05, "momentum": 0.9,
+                                                        "nesterov": False}}),
+    (("--optimizer", "sgd", "--momentum", "0.8", "--nesterov", "--weight_decay", "1e-4"),
+     {"type": "SGD", "params": {"lr": 0.001, "weight_decay": 1e-4, "momentum": 0.8, "nesterov": True}}),
+    (("--optimizer", "lion"), {"type": "Lion", "params": {"lr": 0.001, "weight_decay": 0.05, "betas": [0.9, 0.999]}}),
+    (("--optimizer", "lamb"), {"type": "Lamb", "params": {"lr": 0.001, "weight_decay": 0.05, "betas": [0.9, 0.999],
+                                                          "eps": 1e-8}}),
+])
+def test_the_optimizer_flags_name_the_optimizer_deepspeed_builds(argv, optimizer):
+    config = build(*argv)
+    assert config["optimizer"] == optimizer and config["zero_allow_untested_optimizer"] is True
+    # a JSON's SGD section takes the flags given, keeps its own values otherwise
+    json_sgd = {"optimizer": {"type": "sgd", "params": {"momentum": 0.5}}}
+    assert build("--nesterov", "--optimizer", "sgd", base=json_sgd)["optimizer"]["params"]["momentum"] == 0.5
+    assert build("--momentum", "0.7", "--optimizer", "sgd", base=json_sgd)["optimizer"]["params"]["momentum"] == 0.7
+
+
+@pytest.mark.parametrize("argv, base, message", [
+    (("--optimizer", "sgd"), {"optimizer": {"type": "AdamW"}}, "--optimizer sgd and the JSON's optimizer.type AdamW"),
+    (("--momentum", "0.5"), None, "--momentum is SGD's: add --optimizer sgd (this run uses adamw)"),
+    (("--optimizer", "lion", "--nesterov"), None, "--nesterov is SGD's"),
+    (("--optimizer", "sgd", "--momentum", "1"), None, "--momentum must be in [0, 1), got 1.0"),
+    (("--optimizer", "sgd", "--momentum", "0", "--nesterov"), None, "--nesterov needs a momentum"),
+])
+def test_optimizer_flags_that_cannot_be_are_refused(argv, base, message):
+    from deepspeed_image_trainer.cli.options import check_values
+
+    with pytest.raises(UsageError, match=re.escape(message)):
+        check_values(make_args(*argv))
+        build(*argv, base=base)
+
+
+def test_deepspeeds_cuda_optimizers_are_refused_on_a_cpu():
+    from deepspeed_image_trainer.engine.config import built_optimizer
+
+    for kind, offload in (("lamb", False), ("lamb", True), ("lion", False)):
+        config = build("--optimizer", kind, "--zero_stage", "2", *(["--offload_optimizer"] * offload))
+        with pytest.raises(UsageError, match=f"^--optimizer {kind}: optimizer .* a CUDA op: it needs a GPU"):
+            built_optimizer(config, f"--optimizer {kind}", "cpu")
+    built_optimizer(build("--optimizer", "lion", "--zero_stage", "2", "--offload_optimizer"), "x", "cpu")  # CPU Lion
 
 
 def test_the_optimizers_given_betas_and_eps_are_ones_deepspeed_builds():

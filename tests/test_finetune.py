@@ -62,6 +62,35 @@ def on_rank(rank, port, results):
             result[epoch] = {"body_moved": moved(before[0], after[0]), "head_moved": moved(before[1], after[1]),
                              "rates": rates}
         results[name] = result
+        results[("sgd", name)] = sgd_steps(zero)
+
+
+SGD_FLAGS = ("--optimizer", "sgd", "--momentum", "0.8", "--nesterov", "--learning_rate", "0.05",
+             "--weight_decay", "0.01")
+
+
+def sgd_steps(zero):
+    """(the engine's parameters, torch.optim.SGD's) after 3 steps on the same batches from the same weights, the
+    engine's optimizer section as --optimizer sgd --nesterov makes it."""
+    from test_ds_config import build
+
+    section = build(*SGD_FLAGS)["optimizer"]
+    engine, reference = tiny_engine(small_model(), optimizer=section, zero=zero, zero_allow_untested_optimizer=True), \
+        small_model()
+    torch_sgd = torch.optim.SGD(reference.parameters(), **section["params"])
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        images, labels = torch.randn(4, 3, 8, 8, generator=generator), torch.tensor([0, 1, 2, 0])
+        for model, step in ((engine, None), (reference, torch_sgd)):
+            loss = F.cross_entropy(model(images), labels)
+            if step is None:
+                engine.backward(loss)
+                engine.step()
+            else:
+                step.zero_grad()
+                loss.backward()
+                step.step()
+    return sum(parameters(engine), []), [p.detach().clone() for p in reference.parameters()]
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +106,16 @@ def test_the_body_waits_while_frozen_then_learns_at_its_scaled_rate(runs, name):
     assert all(body == 0 for _, body in frozen["rates"]) and any(head > 0 for head, _ in frozen["rates"])
     assert after["head_moved"] and after["body_moved"]
     assert all(body == pytest.approx(head * SCALE) and head > 0 for head, body in after["rates"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ZERO))
+def test_sgd_with_nesterov_momentum_steps_as_torchs_at_every_zero_stage(runs, name):
+    engine, reference = runs[("sgd", name)]  # both in the model's order (its body is all but the last layer)
+    assert len(engine) == len(reference)
+    for got, expected in zip(engine, reference):
+        assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), name
+    assert moved(reference, [p.detach() for p in small_model().parameters()])  # the steps moved it
 
 
 def test_the_head_is_the_layer_that_gives_the_logits():

@@ -122,6 +122,7 @@ def test_wrapper_script_passes_arguments_through(tiny_data, tmp_path):
 BAD_INPUT = [
     (["--train_dir", "nowhere"], "image folder not found: nowhere"),
     (["--fp16"], "fp16 needs a GPU"),
+    (["--optimizer", "lamb"], "--optimizer lamb: optimizer Lamb is DeepSpeed's FusedLamb, a CUDA op: it needs a GPU"),
     (["--zero_stage", "2", "--offload_param"], "offload_param needs ZeRO stage 3"),
     (["--zero_stage", "0", "--offload_optimizer"], "offload_optimizer needs ZeRO stage 1, 2 or 3"),
     (["--coalesce_grad_reduction", "on", "--zero_stage", "0", "--gradient_accumulation_steps", "2"],

@@ -9,6 +9,7 @@ import sys
 import traceback
 
 from ..data.recipe import AUTO_AUGMENT_POLICIES, DROP_PATH_FAMILIES, RECIPE_DEFAULTS, RECIPE_RANGES
+from ..engine.config import OPTIMIZERS
 from ..models.names import DEFAULT_MODEL, architecture
 from ..utils.failures import (WORKERS_PER_CPU, CliError, UsageError, check_name_lengths, check_num_workers,
                               first_rank_of_node, path_argument)
@@ -54,8 +55,13 @@ def add_training_args(parser):
                             "...; python launch_deepspeed.py --list_models lists them); resnet18 is ResNet18Animals90")
     train.add_argument("--epochs", type=int, default=50)
     train.add_argument("--batch_size", type=int, default=16, help="micro-batch per GPU (per rank)")
-    train.add_argument("--learning_rate", type=float, default=0.001, help="peak AdamW learning rate")
-    train.add_argument("--weight_decay", type=float, default=0.05, help="AdamW weight decay")
+    train.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw",
+                       help="adamw, sgd (torch's, with --momentum and --nesterov), lamb or lion (DeepSpeed's: "
+                            "FusedLamb and FusedLion on a GPU, CPU Lion with --offload_optimizer)")
+    train.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum (torchvision's default)")
+    train.add_argument("--nesterov", action="store_true", help="SGD with Nesterov momentum")
+    train.add_argument("--learning_rate", type=float, default=0.001, help="peak learning rate")
+    train.add_argument("--weight_decay", type=float, default=0.05, help="the optimizer's weight decay")
     train.add_argument("--clip_grad", type=float, default=0.0,
                        help="clip the global gradient norm to this value (0: no clipping, as in torchvision's "
                             "and timm's references; costs a GPU sync per step)")
@@ -216,6 +222,13 @@ def check_values(args):
     check_num_workers(args.num_workers)
     if args.learning_rate <= 0:
         raise UsageError(f"--learning_rate must be positive, got {args.learning_rate}")
+    if not 0 <= args.momentum < 1:  # at 1 or more SGD's velocity never decays: the updates grow without bound
+        raise UsageError(f"--momentum must be in [0, 1), got {args.momentum}")
+    for name in ("momentum", "nesterov"):
+        if name in getattr(args, "explicit", ()) and args.optimizer != "sgd":
+            raise UsageError(f"--{name} is SGD's: add --optimizer sgd (this run uses {args.optimizer})")
+    if args.nesterov and args.momentum == 0:
+        raise UsageError("--nesterov needs a momentum: --momentum 0 makes it plain SGD")
     # flags that take a word as well as a path; those that take a path alone refuse "" in argparse (path_argument)
     for name, what in (("pretrained", "a weights name (DEFAULT, IMAGENET1K_V1, ...) or a file"),
                        ("cache_dir", "a folder, or off"), ("deepspeed_config", "a JSON file"),

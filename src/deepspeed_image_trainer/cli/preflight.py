@@ -6,7 +6,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..engine.config import build_ds_config, check_run, check_with_deepspeed, steps_per_epoch
+from ..engine.config import build_ds_config, built_optimizer, check_run, check_with_deepspeed, steps_per_epoch
 from ..engine.distributed import rank_zero_only
 from ..engine.finetune import fine_tuning
 from ..outputs.checkpoints import check_resumable, find_checkpoint, read_info, saved_precision, saved_stage
@@ -113,10 +113,13 @@ def preflight(args, base, *, world_size, device_type, class_names, num_train_ima
     run_folders.check_output_places(args, ds_config)
     run_folders.check_output_files(args)
     check_csv_files(ds_config)
+    groups = 2 if fine_tuning(args) else 1  # head, body
     if args.deepspeed_config:
         check_with_deepspeed(ds_config, args.deepspeed_config, device_type, args.epochs * steps_per_epoch(
             num_train_images, world_size, ds_config["train_micro_batch_size_per_gpu"],
-            ds_config["gradient_accumulation_steps"]), parameter_groups=2 if fine_tuning(args) else 1)  # head, body
+            ds_config["gradient_accumulation_steps"]), parameter_groups=groups)
+    else:  # --optimizer's: DeepSpeed's Lamb and Lion are CUDA ops (Lion has a CPU version under offload)
+        built_optimizer(ds_config, f"--optimizer {args.optimizer}", device_type, groups)
     record = run_record(args, ds_config, class_names)
     resumed_info = (check_resumable(resume_from, world_size, record["zero_stage"], resume_settings(record),
                                     read_shards) if resume_from is not None else None)

@@ -405,15 +405,25 @@ def _skip_unused_grad_norm(config):
 # JSON leaves them out; an optimizer not named takes neither (SGD's constructor refuses them). DeepSpeed 0.19
 # has no 1-bit optimizers (OneBitAdam, ZeroOneAdam, OneBitLamb) any more: check_with_deepspeed refuses them.
 ADAM_SETTINGS = {"betas": [0.9, 0.999], "eps": 1e-8}
+# --optimizer -> the type DeepSpeed's engine builds: torch's AdamW and SGD, DeepSpeed's Lamb and Lion
+OPTIMIZERS = {"adamw": "AdamW", "sgd": "SGD", "lamb": "Lamb", "lion": "Lion"}
 MAX_LR = 1e6
 OPTIMIZER_SETTINGS = {**dict.fromkeys(("adam", "adamw", "lamb"), ("betas", "eps")),
                       "lion": ("betas",), "adagrad": ("eps",)}
 
 
 def _resolve_optimizer(config, args, device_type):
-    optimizer = config.setdefault("optimizer", {"type": "AdamW", "params": {}})
-    optimizer.setdefault("type", "AdamW")  # a JSON's optimizer section that gives params only
+    kind = OPTIMIZERS[getattr(args, "optimizer", "adamw")]
+    optimizer = config.setdefault("optimizer", {"type": kind, "params": {}})
+    optimizer.setdefault("type", kind)  # a JSON's optimizer section that gives params only
+    if "optimizer" in args.explicit and str(optimizer["type"]).lower() != kind.lower():
+        raise UsageError(f"--optimizer {args.optimizer} and the JSON's optimizer.type {optimizer['type']}: give one "
+                         "(the JSON's params are for its own optimizer)")
     params = optimizer.setdefault("params", {})
+    if str(optimizer["type"]).lower() == "sgd":
+        for key in ("momentum", "nesterov"):
+            if key not in params or key in args.explicit:
+                params[key] = getattr(args, key, {"momentum": 0.9, "nesterov": False}[key])
     json_lr = params.get("lr", AUTO) != AUTO  # the JSON's own number, before the flags fill in "auto"
     takes = OPTIMIZER_SETTINGS.get(str(optimizer.get("type", "")).lower(), ())
     auto_values = {"lr": args.learning_rate, "weight_decay": args.weight_decay,
