@@ -382,6 +382,11 @@ def test_a_cache_folder_from_the_environment_inside_a_checkpoint_is_refused(tiny
     assert_usage_error_in_process(launch_deepspeed.main, argv, capsys,
                                   f"$TRAINER_CACHE_DIR {tmp_path / 'ck/last'} is inside --checkpoint_dir ck's last")
     assert not any(tmp_path.iterdir())
+    (tmp_path / "loop").symlink_to("loop2")
+    (tmp_path / "loop2").symlink_to("loop")  # a RuntimeError traceback from Path.resolve before
+    monkeypatch.setenv("TRAINER_CACHE_DIR", str(tmp_path / "loop/s"))
+    assert_usage_error_in_process(launch_deepspeed.main, argv, capsys,
+                                  f"$TRAINER_CACHE_DIR {tmp_path / 'loop/s'}: {tmp_path / 'loop'} is a link to nothing")
 
 
 @pytest.mark.parametrize("inside, message", [

@@ -325,3 +325,8 @@ def test_predict_and_evaluate_bad_input(exported, tmp_path, monkeypatch, capsys)
                                   "missing.jpg: no such image or folder")
     assert_usage_error_in_process(evaluate.main, ["--data_dir", str(tmp_path / "val"), "--model", "missing.pt"], capsys,
                                   "no such file or checkpoint folder")
+    (tmp_path / "loop").symlink_to("loop2")
+    (tmp_path / "loop2").symlink_to("loop")  # Path.resolve's RuntimeError before the check that names it
+    assert_usage_error_in_process(evaluate.main, ["--data_dir", str(tmp_path / "val"), "--model", str(model_file),
+                                                  "--output_dir", "loop"], capsys,
+                                  "--output_dir loop: loop is a link to nothing or a link loop")

@@ -144,6 +144,8 @@ BAD_INPUT = [
     (["--deepspeed_config", "WRONG_TYPE"], 'zero_optimization in the DeepSpeed config must be a JSON object, got 2'),
     (["--deepspeed_config", "DEEPCOMPILE", "--compile"], "DeepCompile (compile.deepcompile with --compile) is not"),
     (["--checkpoint_dir", "FILE/checkpoints"], "is not a folder; choose another --checkpoint_dir"),
+    # each a RuntimeError traceback from Path.resolve before the check that names the loop
+    (["--cache_dir", "LOOP", "--data_on_device", "off"], "--cache_dir LOOP: LOOP is a link to nothing or a link loop"),
     (["--hostfile", "HOSTFILE", "--master_addr", "no.such.host.invalid"],  # the ranks retried it for 10 minutes
      "--master_addr 'no.such.host.invalid' is not an address this machine can find"),
 ]
@@ -156,6 +158,8 @@ def bad_input_argv(tmp_path, tiny_data, extra):
              "HOSTFILE": "localhost slots=1\n"}
     for name, text in files.items():
         (tmp_path / name).write_text(text)
+    (tmp_path / "LOOP").symlink_to("LOOP2")
+    (tmp_path / "LOOP2").symlink_to("LOOP")
     return data_args(tiny_data) + [str(tmp_path / arg) if arg.split("/")[0] in files else arg for arg in extra]
 
 

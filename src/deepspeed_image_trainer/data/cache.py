@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..utils.failures import UsageError, check_writable
+from ..utils.failures import UsageError, check_no_broken_link, check_writable
 from ..utils.files import (as_open_would, check_regular, fingerprint, parse_json, regular_text,
                            write_json_atomic)
 
@@ -47,7 +47,13 @@ def cache_root(setting):
 
 def check_usable(args):
     """--data_on_device cache asks for the cache: a --cache_dir that cannot hold it (a file, a read-only place)
-    stops the run here, where the run would otherwise go on without one."""
+    stops the run here, where the run would otherwise go on without one. On every tier, a cache folder that is
+    (or lies below) a link to nothing or a link loop stops it too, before the data check reads its results there."""
+    from .check import cache_place
+
+    check_no_broken_link(*cache_place())
+    if args.cache_dir not in (None, OFF):
+        check_no_broken_link(args.cache_dir, "--cache_dir")
     if args.data_on_device != "cache":
         return
     try:

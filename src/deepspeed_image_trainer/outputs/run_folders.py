@@ -194,6 +194,9 @@ def check_output_places(args, config):
     places = [(Path(args.log_dir), "--log_dir", None), (*cache_place(), None)]
     if getattr(args, "cache_dir", None) not in (None, OFF):
         places.append((Path(args.cache_dir), "--cache_dir", None))
+    for folder, flag, given in places:  # first: resolve() raises RuntimeError on a link loop
+        check_no_broken_link(folder, flag, given)
+    if getattr(args, "cache_dir", None) not in (None, OFF):
         _check_cache_dir(args)
     places += _check_json_outputs(args, config)
     own = _check_checkpoint_dir(args)

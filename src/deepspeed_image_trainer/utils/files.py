@@ -46,8 +46,9 @@ def write_atomic(path, data):
 
 
 def within(path, folder):
-    """Whether `path` is `folder` or lies inside it, links and '..' resolved."""
-    path, folder = Path(path).resolve(), Path(folder).resolve()
+    """Whether `path` is `folder` or lies inside it, links and '..' resolved (a link loop as far as it goes:
+    Path.resolve raised RuntimeError on one, a traceback before the check that names it)."""
+    path, folder = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
     return path == folder or folder in path.parents
 
 
