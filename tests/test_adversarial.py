@@ -528,8 +528,10 @@ def test_the_readme_dry_run_works_without_a_dataset(tmp_path, monkeypatch, capsy
                                                                  "--gradient_accumulation_steps 1 does not make it"),
     (["--learning_rate", "0.01"], "--learning_rate 0.001 (this run: 0.01)"),
     (["--image_size", "48"], "--image_size 32 (this run: 48)"),
-    (["--backbone_lr_scale", "0.5"], "--backbone_lr_scale or --freeze_backbone_epochs: one parameter group (this "
+    (["--backbone_lr_scale", "0.5"], "--transformer_embedding_decay): one parameter group (this "
                                      "run: head and body in parameter groups of their own)"),
+    (["--layer_decay", "0.7", "--norm_weight_decay", "0"], "--transformer_embedding_decay): one parameter group (this "
+                                                           "run: groups by --norm_weight_decay 0, --layer_decay 0.7)"),
     (["--train_dir", "OTHER_CLASSES"], "the classes of --train_dir 3 classes (antelope, badger, bat) (this run: "
                                        "4 classes"),
     (["--freeze_backbone_epochs", "1"], "--freeze_backbone_epochs 0 (this run: 1)"),

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from deepspeed_image_trainer.data.prepare import make_sample_dataset
-from deepspeed_image_trainer.engine.finetune import (BodyLearningRate, head_module, parameter_groups,
+from deepspeed_image_trainer.engine.finetune import (GroupLearningRates, head_module, parameter_groups,
                                                     whole_run_frozen)
 from deepspeed_image_trainer.utils.loading import check_checkpoint_files, load_checked
 
@@ -23,6 +23,21 @@ def small_model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, CLASSES))
+
+
+def block_model():
+    """small_model with two of ResNet's blocks between its stem and its head: layers 1 and 2 of --layer_decay."""
+    from torchvision.models.resnet import BasicBlock
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(), BasicBlock(4, 4),
+                               BasicBlock(4, 4), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                               torch.nn.Linear(4, CLASSES))
+
+
+# the fine-tuning flags with layer decay and no decay on norm layers: 7 groups over block_model
+GROUPED = SimpleNamespace(backbone_lr_scale=SCALE, freeze_backbone_epochs=1, layer_decay=0.5, norm_weight_decay=0.0,
+                          bias_weight_decay=None, transformer_embedding_decay=None)
 
 
 def parameters(engine):
@@ -43,12 +58,15 @@ def moved(before, after):
 def on_rank(rank, port, results):
     join_process_group(rank, port)
     for name, zero in ZERO.items():
-        model = small_model()
-        engine = tiny_engine(model, parameter_groups(model, CLASSES), lr=0.01, optimizer={"weight_decay": 0.05},
+        model = block_model()
+        groups = parameter_groups(model, CLASSES, GROUPED)
+        engine = tiny_engine(model, groups, lr=0.01, optimizer={"weight_decay": 0.05},
                              zero=zero, scheduler={"type": "WarmupLR", "params": {
                                  "warmup_min_lr": 0, "warmup_max_lr": 0.01, "warmup_num_steps": 4}})
-        body_lr = BodyLearningRate(engine, SCALE, freeze_backbone_epochs=1)
-        result = {}
+        body_lr = GroupLearningRates(engine, groups, SCALE, freeze_backbone_epochs=1)
+        result = {"weight_decay": [group["weight_decay"] for group in engine.optimizer.param_groups],
+                  "groups": [{"layer_scale": g["layer_scale"], "body": g["body"], "weight_decay": g.get("weight_decay")}
+                             for g in groups]}
         for epoch in (1, 2):
             body_lr.set_epoch(epoch)
             before = parameters(engine)
@@ -100,12 +118,17 @@ def runs():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(ZERO))
-def test_the_body_waits_while_frozen_then_learns_at_its_scaled_rate(runs, name):
-    frozen, after = runs[name][1], runs[name][2]
+def test_the_body_waits_while_frozen_then_learns_at_its_scaled_and_layer_decayed_rates(runs, name):
+    frozen, after, groups = runs[name][1], runs[name][2], runs[name]["groups"]
     assert frozen["head_moved"] and not frozen["body_moved"]
-    assert all(body == 0 for _, body in frozen["rates"]) and any(head > 0 for head, _ in frozen["rates"])
+    assert all(rate == 0 for rates in frozen["rates"] for rate in rates[1:]) and any(r[0] > 0 for r in frozen["rates"])
     assert after["head_moved"] and after["body_moved"]
-    assert all(body == pytest.approx(head * SCALE) and head > 0 for head, body in after["rates"])
+    # each group at the scheduler's rate x its layer's scale (x the body's): stem, 2 blocks, head; norms apart
+    assert sorted({g["layer_scale"] for g in groups}) == [0.125, 0.25, 0.5, 1.0] and len(groups) == 7
+    for rates in after["rates"]:
+        assert rates[0] > 0 and rates == pytest.approx(
+            [rates[0] * g["layer_scale"] * (SCALE if g["body"] else 1) for g in groups])
+    assert runs[name]["weight_decay"] == [0.05 if g["weight_decay"] is None else g["weight_decay"] for g in groups]
 
 
 @pytest.mark.slow
@@ -128,6 +151,66 @@ def test_the_head_is_the_layer_that_gives_the_logits():
         groups = parameter_groups(model, 5)
         assert len(groups[0]["params"]) == 2 and len(groups[0]["params"]) + len(groups[1]["params"]) == len(
             list(model.parameters()))
+
+
+# For one model of each family --layer_decay names: (parameter, its layer, its weight decay group) with
+# --layer_decay 0.5 --norm_weight_decay 0 --transformer_embedding_decay 0.01 (None: --weight_decay's group).
+# Layers as timm numbers them: the stem 0, the repeated blocks 1..L, a downsampling layer the next block's,
+# the final norm and the head L + 1.
+FAMILY_LAYERS = {
+    ("vit_b_16", 224): (13, [("conv_proj.weight", 0, None), ("class_token", 0, 0.01), ("encoder.pos_embedding", 0, 0.01),
+                             ("encoder.layers.encoder_layer_0.mlp.0.weight", 1, None),
+                             ("encoder.layers.encoder_layer_11.ln_1.weight", 12, 0.0), ("encoder.ln.bias", 13, 0.0),
+                             ("heads.head.weight", 13, None)]),
+    ("swin_t", 224): (13, [("features.0.0.weight", 0, None), ("features.1.0.attn.relative_position_bias_table", 1, 0.01),
+                           ("features.2.reduction.weight", 3, None), ("features.2.norm.weight", 3, 0.0),
+                           ("features.7.1.mlp.0.weight", 12, None), ("norm.weight", 13, 0.0), ("head.bias", 13, None)]),
+    ("maxvit_t", 224): (12, [("stem.0.0.weight", 0, None), ("blocks.0.layers.0.layers.MBconv.proj.1.weight", 1, None),
+                             ("blocks.2.layers.4.layers.MBconv.layers.pre_norm.weight", 9, 0.0),
+                             ("classifier.2.weight", 12, 0.0), ("classifier.5.weight", 12, None)]),
+    ("convnext_tiny", 64): (19, [("features.0.0.weight", 0, None), ("features.1.0.block.0.weight", 1, None),
+                                 ("features.2.1.weight", 4, None), ("features.7.2.layer_scale", 18, None),
+                                 ("classifier.0.weight", 19, 0.0), ("classifier.2.weight", 19, None)]),
+    ("efficientnet_b0", 64): (17, [("features.0.1.weight", 0, 0.0), ("features.1.0.block.0.0.weight", 1, None),
+                                   ("features.7.0.block.3.0.weight", 16, None), ("features.8.0.weight", 17, None),
+                                   ("classifier.1.weight", 17, None)]),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_LAYERS), ids=[name for name, _ in FAMILY_LAYERS])
+def test_layer_decay_and_weight_decay_put_each_parameter_in_its_group(family):
+    from deepspeed_image_trainer.models.build import shape_model
+
+    name, size = family
+    top, expected = FAMILY_LAYERS[family]
+    model = shape_model(name, 5, size)  # the meta device: shapes only
+    args = SimpleNamespace(backbone_lr_scale=0.1, freeze_backbone_epochs=0, layer_decay=0.5, norm_weight_decay=0.0,
+                           bias_weight_decay=None, transformer_embedding_decay=0.01)
+    groups = parameter_groups(model, 5, args)
+    named = {id(p): n for n, p in model.named_parameters()}
+    where = {named[id(p)]: group for group in groups for p in group["params"]}
+    assert sorted(where) == sorted(named.values())  # each once
+    head = [named[id(p)] for p in head_module(model, 5).parameters()]
+    assert [named[id(p)] for p in groups[0]["params"]] == head and groups[0]["layer_scale"] == 1  # logged lr: head's
+    assert not groups[0]["body"] and all(group["body"] for group in groups[1:])
+    for parameter, layer, decay in expected:
+        group = where[parameter]
+        assert group["layer_scale"] == 0.5 ** (top - layer), parameter
+        assert group.get("weight_decay") == decay, parameter
+    # biases with --bias_weight_decay before their norm layer's decay, as torchvision's set_weight_decay
+    biased = parameter_groups(model, 5, SimpleNamespace(**{**vars(args), "bias_weight_decay": 0.2}))
+    decay = {named[id(p)]: group.get("weight_decay") for group in biased for p in group["params"]}
+    assert all(value == 0.2 for n, value in decay.items() if n.endswith(".bias"))
+
+
+def test_layer_decay_needs_repeated_blocks():
+    from deepspeed_image_trainer.models.build import shape_model
+    from deepspeed_image_trainer.utils.failures import UsageError
+
+    args = SimpleNamespace(backbone_lr_scale=1.0, freeze_backbone_epochs=0, layer_decay=0.5, norm_weight_decay=None,
+                           bias_weight_decay=None, transformer_embedding_decay=None)
+    with pytest.raises(UsageError, match="^--layer_decay: AlexNet has no repeated blocks"):
+        parameter_groups(shape_model("alexnet", 5, 64), 5, args)
 
 
 def test_a_freeze_over_the_whole_run_is_said():

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..data.check import check_data, decodes_every_file
 from ..engine.config import load_base_config, num_parameters
+from ..engine.finetune import grouping, parameter_groups
 from ..engine.distributed import check_address, check_port_free, check_timeout, free_port
 from ..engine.interrupt import FINISHED_ENV, die_with_parent_call, finished, stopped_before_training
 from ..engine.timing import LAUNCHED_AT_ENV, SPAWNED_AT_ENV
@@ -234,8 +235,10 @@ def main(argv=None, launched_at=None):
         class_names, num_train_images = data_check.classes, data_check.train.num_images
     num_params = num_parameters(len(class_names))
     take_saved_weights_name(args)
-    if args.model != DEFAULT_MODEL or args.pretrained or args.batch_size == 1:  # the training script's checks,
-        from ..models.build import checked_model, not_downloaded                 # before any process starts
+    groups = 1
+    # the training script's checks of the model, before any process starts (and its parameter groups counted)
+    if args.model != DEFAULT_MODEL or args.pretrained or args.batch_size == 1 or grouping(args):
+        from ..models.build import checked_model, not_downloaded
 
         # downloads torchvision's weights once, here, rather than in every rank; a dry run writes nothing
         weights = weights_to_load(args)
@@ -246,9 +249,11 @@ def main(argv=None, launched_at=None):
         shapes = checked_model(args.model, len(class_names), args.image_size,
                                norm_batch_size(args.batch_size, args.sync_bn, world_size), weights)
         num_params = sum(p.numel() for p in shapes.parameters())
+        groups = len(parameter_groups(shapes, len(class_names), args)) if grouping(args) else 1
     base = load_base_config(args.deepspeed_config)
     checked = preflight(args, base, world_size=world_size, device_type=device_type, class_names=class_names,
-                        num_train_images=num_train_images, num_params=num_params, read_shards=True)
+                        num_train_images=num_train_images, num_params=num_params, read_shards=True,
+                        parameter_groups=groups)
     config, resume_from = checked.ds_config, checked.resume_from
     if checked.finished:
         print(checked.finished)

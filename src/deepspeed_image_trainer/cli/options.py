@@ -75,6 +75,16 @@ def add_training_args(parser):
                             "--learning_rate (fine-tuning pretrained weights: 0.1, say)")
     train.add_argument("--freeze_backbone_epochs", type=int, default=0, metavar="N",
                        help="train the classifier head alone for the first N epochs (the body's learning rate is 0)")
+    train.add_argument("--layer_decay", type=float, default=None, metavar="R",
+                       help="timm's layer-wise learning-rate decay: the head at --learning_rate, each block below "
+                            "it R times the one above (ViT, Swin, MaxViT, ConvNeXt, EfficientNet and other models "
+                            "of repeated blocks; 0.65-0.75 for ViT fine-tuning)")
+    train.add_argument("--norm_weight_decay", type=float, default=None, metavar="WD",
+                       help="weight decay of normalisation layers' weights and biases (torchvision's recipes: 0)")
+    train.add_argument("--bias_weight_decay", type=float, default=None, metavar="WD",
+                       help="weight decay of every bias (before --norm_weight_decay)")
+    train.add_argument("--transformer_embedding_decay", type=float, default=None, metavar="WD",
+                       help="weight decay of class tokens, position embeddings and relative position bias tables")
     train.add_argument("--label_smoothing", type=float, default=0.0,
                        help="label smoothing of the training loss, in [0, 1); validation loss stays plain "
                             "cross-entropy")
@@ -222,6 +232,13 @@ def check_values(args):
     check_num_workers(args.num_workers)
     if args.learning_rate <= 0:
         raise UsageError(f"--learning_rate must be positive, got {args.learning_rate}")
+    for name in ("norm_weight_decay", "bias_weight_decay", "transformer_embedding_decay"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise UsageError(f"--{name} must be a finite number >= 0, got {value}")
+    if args.layer_decay is not None and not 0 < args.layer_decay <= 1:
+        raise UsageError(f"--layer_decay must be in (0, 1] (each layer's rate that times the one above), "
+                         f"got {args.layer_decay}")
     if not 0 <= args.momentum < 1:  # at 1 or more SGD's velocity never decays: the updates grow without bound
         raise UsageError(f"--momentum must be in [0, 1), got {args.momentum}")
     for name in ("momentum", "nesterov"):

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from ..engine.config import build_ds_config, built_optimizer, check_run, check_with_deepspeed, steps_per_epoch
 from ..engine.distributed import rank_zero_only
-from ..engine.finetune import fine_tuning
 from ..outputs.checkpoints import check_resumable, find_checkpoint, read_info, saved_precision, saved_stage
 from ..outputs import run_folders
 from ..outputs.monitor import check_csv_files
@@ -90,10 +89,12 @@ def keep_saved_global_batch(args, base, resume_from, world_size):
                      f"does not make it; resume with {how}")
 
 
-def preflight(args, base, *, world_size, device_type, class_names, num_train_images, num_params, read_shards=False):
+def preflight(args, base, *, world_size, device_type, class_names, num_train_images, num_params, read_shards=False,
+              parameter_groups=1):
     """Stop with one line on what this run cannot do; `base`: the user's JSON as read (load_base_config);
     `read_shards`: read every file of the checkpoint resumed as its rank will (the launcher, before any rank
-    starts: a rank that could not would stop alone, its peers waiting in DeepSpeed's load)."""
+    starts: a rank that could not would stop alone, its peers waiting in DeepSpeed's load); `parameter_groups`:
+    how many the optimizer takes (finetune.parameter_groups)."""
     skipped = []
     resume_from = find_checkpoint(args.resume, args.checkpoint_dir, skipped) if args.resume else None
     kept = keep_saved_global_batch(args, base, resume_from, world_size) if resume_from is not None else None
@@ -113,13 +114,12 @@ def preflight(args, base, *, world_size, device_type, class_names, num_train_ima
     run_folders.check_output_places(args, ds_config)
     run_folders.check_output_files(args)
     check_csv_files(ds_config)
-    groups = 2 if fine_tuning(args) else 1  # head, body
     if args.deepspeed_config:
         check_with_deepspeed(ds_config, args.deepspeed_config, device_type, args.epochs * steps_per_epoch(
             num_train_images, world_size, ds_config["train_micro_batch_size_per_gpu"],
-            ds_config["gradient_accumulation_steps"]), parameter_groups=groups)
+            ds_config["gradient_accumulation_steps"]), parameter_groups=parameter_groups)
     else:  # --optimizer's: DeepSpeed's Lamb and Lion are CUDA ops (Lion has a CPU version under offload)
-        built_optimizer(ds_config, f"--optimizer {args.optimizer}", device_type, groups)
+        built_optimizer(ds_config, f"--optimizer {args.optimizer}", device_type, parameter_groups)
     record = run_record(args, ds_config, class_names)
     resumed_info = (check_resumable(resume_from, world_size, record["zero_stage"], resume_settings(record),
                                     read_shards) if resume_from is not None else None)

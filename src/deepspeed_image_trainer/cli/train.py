@@ -26,7 +26,7 @@ from ..engine.config import load_base_config, precision, resolve_scheduler
 from ..engine.distributed import (agreed, alike_on_each_node, all_reduce, any_rank, checked_world_size, differing,
                                   init_distributed, local_device, patient_group, rank_zero_only, restore_own_buffers,
                                   shut_down)
-from ..engine.finetune import BodyLearningRate, fine_tuning, parameter_groups, whole_run_frozen
+from ..engine.finetune import GroupLearningRates, grouping, parameter_groups, whole_run_frozen
 from ..engine.interrupt import StopOnSignal, die_with_parent_call, say_finished, stopped_at_once
 from ..engine.loop import evaluate, input_dtype, peak_gpu_memory_gib, replace_lr_scheduler, train_one_epoch
 from ..engine.memory import advise_on_out_of_memory, zero3_note
@@ -60,7 +60,7 @@ class Run:
     val_loader: object
     micro_batches: int  # a rank's, each epoch
     samples_per_micro_batch: int  # over all ranks: a position any world size can take up
-    body_lr: BodyLearningRate | None
+    body_lr: GroupLearningRates | None
     history: TrainingHistory
     saver: CheckpointSaver
     health: StepHealth
@@ -173,9 +173,16 @@ def build(args, clock):
     model = build_model(args.model, len(train_set.classes), args.image_size, weights, args.drop_path)
     model_name = saved_name(args.model)
     num_params = sum(p.numel() for p in model.parameters())
+    # the optimizer's parameter groups, when flags cut them (fine-tuning, layer decay, weight decay by kind)
+    groups = agreed(lambda: parameter_groups(model, len(train_set.classes), args) if grouping(args) else None)
     checked = agreed(lambda: preflight(args, base_config, world_size=world_size, device_type=device_type,
                                        class_names=train_set.classes, num_train_images=len(train_set),
-                                       num_params=num_params))
+                                       num_params=num_params, parameter_groups=len(groups or [None])))
+    # for the history, before the engine takes the groups' parameters (ZeRO's optimizers empty the lists)
+    decay = checked.ds_config["optimizer"]["params"].get("weight_decay")
+    group_summary = [{"tensors": len(group["params"]), "weights": sum(p.numel() for p in group["params"]),
+                      "layer_scale": group["layer_scale"], "body": group["body"],
+                      "weight_decay": group.get("weight_decay", decay)} for group in groups or ()] or None
     if checked.finished:
         say(checked.finished)
         shut_down()
@@ -234,8 +241,8 @@ def build(args, clock):
                                       device=device, dtype=dtype, train_size=args.device_train_size,
                                       records=data_check.records, preprocessing=inputs, tier=tier, cache_root=cache,
                                       repetitions=args.ra_reps, recipe=recipe_of(args))
-        # Head and body in parameter groups of their own only when fine-tuning controls ask for them.
-        parameters = parameter_groups(model, len(train_set.classes)) if fine_tuning(args) else model.parameters()
+        # parameter groups of their own only when flags ask for them
+        parameters = groups if groups else model.parameters()
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameters,
                                                **engine_scheduler(ds_config))
         if args.compile:
@@ -276,8 +283,7 @@ def build(args, clock):
     if scheduler != ds_config["scheduler"]:
         ds_config["scheduler"] = scheduler  # the history records the steps that run
         replace_lr_scheduler(engine, scheduler, ds_config["optimizer"]["params"]["lr"])
-    body_lr = (BodyLearningRate(engine, args.backbone_lr_scale, args.freeze_backbone_epochs)
-               if fine_tuning(args) else None)
+    body_lr = GroupLearningRates(engine, groups, args.backbone_lr_scale, args.freeze_backbone_epochs) if groups else None
     samples_per_micro_batch = micro_batch * world_size  # over all ranks: a position any world size can take up
 
     # The history's config: the run's record (outputs/record.py), where it ran and on what data
@@ -288,7 +294,8 @@ def build(args, clock):
         "checkpoint_writes": "background" if device_type == "cuda" else "inline",
         "device_train_size": train_square_size(args.image_size, args.device_train_size, inputs) if on_device else None,
         "data_check": data_check.summary(),
-        "training": {**checked.record["training"], "coalesce_grad_reduction": coalesced},
+        "training": {**checked.record["training"], "coalesce_grad_reduction": coalesced,
+                     "groups": group_summary},
         "deepspeed": ds_config,  # the scheduler resized above
     }
     history = TrainingHistory(Path(args.log_dir) / HISTORY_FILE, run_config)

@@ -1,13 +1,17 @@
-"""Fine-tuning controls: a learning rate for the pretrained body scaled against the new head's
-(--backbone_lr_scale), and the head alone for the first epochs (--freeze_backbone_epochs).
+"""The optimizer's parameter groups: a learning rate for the pretrained body scaled against the new head's
+(--backbone_lr_scale), the head alone for the first epochs (--freeze_backbone_epochs), timm's layer-wise
+learning-rate decay (--layer_decay) and torchvision's weight decay by kind of parameter (--norm_weight_decay,
+--bias_weight_decay, --transformer_embedding_decay).
 
-Both work through the optimizer's parameter groups, head first (its learning rate is the one the history
-logs), body second with a scale applied after every scheduler step: DeepSpeed's schedulers set every
-group to the same value, and ZeRO 1-3 and offload keep groups as they are. A frozen body has scale 0: its
+All work through the optimizer's parameter groups, head first (its learning rate is the one the history
+logs), each with a scale applied after every scheduler step: DeepSpeed's schedulers set every group to the
+same value, and ZeRO 1-3 and offload keep groups as they are. A frozen body has scale 0: its
 gradients are still computed (ZeRO's buffers are built for every parameter at setup, so requires_grad
 cannot change afterwards), but AdamW moves no weight whose learning rate is 0, weight decay included.
 """
 from torch import nn
+
+from ..utils.failures import UsageError
 
 
 def head_module(model, num_classes):
@@ -23,6 +27,36 @@ def fine_tuning(args):
     return args.backbone_lr_scale != 1 or args.freeze_backbone_epochs > 0
 
 
+# The flags that cut the parameters into groups of their own weight decay (torchvision's set_weight_decay)
+DECAY_FLAGS = ("norm_weight_decay", "bias_weight_decay", "transformer_embedding_decay")
+# The parameters --transformer_embedding_decay takes, by name: torchvision's keys, and ViT's own name for its
+# position embedding (pos_embedding), which torchvision's "position_embedding" does not match
+EMBEDDING_NAMES = ("class_token", "position_embedding", "pos_embedding", "relative_position_bias_table")
+# Normalisation layers whose parameters --norm_weight_decay takes (torchvision's norm_classes; LayerNorm2d and the
+# trainer's fp32 layers are subclasses)
+NORM_CLASSES = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm, nn.modules.instancenorm._InstanceNorm,
+                nn.LocalResponseNorm)
+
+
+def grouping(args):
+    """What the run's parameter groups are cut by: None (one group, as without any of these flags), else the
+    flags' values, which a resumed run must share (its optimizer's state is cut the same way)."""
+    decays = {name: getattr(args, name, None) for name in DECAY_FLAGS}
+    layer_decay = getattr(args, "layer_decay", None)
+    if not fine_tuning(args) and layer_decay is None and all(value is None for value in decays.values()):
+        return None
+    return {"head_and_body": fine_tuning(args), **decays, "layer_decay": layer_decay}
+
+
+def groups_setting(args):
+    """The groups as a run's record keeps them: fine_tuning(args), a bool, as runs recorded it before the layer
+    and weight-decay groups (their checkpoints then resume as before), unless those cut them: grouping(args)."""
+    cut = grouping(args)
+    if cut is None or (cut["layer_decay"] is None and all(cut[name] is None for name in DECAY_FLAGS)):
+        return fine_tuning(args)
+    return cut
+
+
 def whole_run_frozen(args):
     """A line when the body stays frozen for the whole run (a linear probe: allowed, but likely a slip), or None."""
     if args.freeze_backbone_epochs >= args.epochs:
@@ -31,19 +65,89 @@ def whole_run_frozen(args):
     return None
 
 
-def parameter_groups(model, num_classes):
-    """[head group, body group] for the optimizer."""
+def layer_ids(model, block_classes):
+    """{parameter name: layer} for timm's layer-wise decay: the repeated blocks (modules of `block_classes`, the
+    outermost) numbered 1..L in the model's order, what comes before the first block (stem, embeddings) 0, what
+    lies between two blocks (a downsampling layer) the next block's number, what follows the last (the final
+    norm, the head) L + 1. None when the model has no such block."""
+    blocks = {}
+    for name, module in model.named_modules():
+        if isinstance(module, block_classes) and not any(name.startswith(f"{outer}.") for outer in blocks):
+            blocks[name] = len(blocks) + 1
+    if not blocks:
+        return None
+    names = [name for name, _ in model.named_parameters()]
+    owner = [next((number for block, number in blocks.items() if name.startswith(f"{block}.")), None)
+             for name in names]
+    ids, following = {}, len(blocks) + 1
+    for name, number in reversed(list(zip(names, owner))):  # from the end: the next block's number is known
+        following = number if number is not None else following
+        ids[name] = number if number is not None else following
+    first = next(i for i, number in enumerate(owner) if number is not None)
+    return {**ids, **{name: 0 for name in names[:first]}}
+
+
+def repeated_blocks():
+    """The classes of torchvision's repeated blocks (ZeRO-3's leaf modules): the layers of --layer_decay."""
+    import importlib
+
+    from .config import ZERO3_LEAF_BLOCKS
+
+    return tuple(getattr(importlib.import_module(path.rsplit(".", 1)[0]), path.rsplit(".", 1)[1])
+                 for path in ZERO3_LEAF_BLOCKS)
+
+
+def parameter_groups(model, num_classes, args=None, block_classes=()):
+    """The optimizer's parameter groups, head first (its learning rate is the one the history logs): without
+    `args`, [head, body]; with them, cut by head or body (when fine-tuning), by layer (--layer_decay over the
+    modules of `block_classes`) and by weight decay (--norm_weight_decay, --bias_weight_decay,
+    --transformer_embedding_decay, as torchvision's set_weight_decay: a bias by its name before a norm layer's).
+    Each group: params, weight_decay where a flag sets it, and layer_scale, the layer decay's factor on its
+    learning rate, and body, whether --backbone_lr_scale applies (both read by GroupLearningRates)."""
     head = {id(p) for p in head_module(model, num_classes).parameters()}
-    return [{"params": [p for p in model.parameters() if id(p) in head], "lr_scale": 1.0},
-            {"params": [p for p in model.parameters() if id(p) not in head], "lr_scale": 1.0}]
+    cut = grouping(args) if args is not None else {"head_and_body": True, "layer_decay": None}
+    layers = None
+    if cut.get("layer_decay") is not None:
+        layers = layer_ids(model, block_classes or repeated_blocks())
+        if layers is None:
+            raise UsageError(f"--layer_decay: {type(model).__name__} has no repeated blocks to count layers by "
+                             "(AlexNet, VGG): leave it out")
+    groups, seen = {}, set()
+    for module_name, module in model.named_modules():
+        for name, parameter in module.named_parameters(recurse=False):
+            if id(parameter) in seen:  # shared by two modules: one group
+                continue
+            seen.add(id(parameter))
+            decay = None
+            if cut.get("bias_weight_decay") is not None and name == "bias":
+                decay = cut["bias_weight_decay"]
+            elif cut.get("transformer_embedding_decay") is not None and name in EMBEDDING_NAMES:
+                decay = cut["transformer_embedding_decay"]
+            elif cut.get("norm_weight_decay") is not None and isinstance(module, NORM_CLASSES):
+                decay = cut["norm_weight_decay"]
+            is_head = id(parameter) in head and cut["head_and_body"]
+            layer = layers[f"{module_name}.{name}" if module_name else name] if layers else None
+            groups.setdefault((not is_head, layer, decay), []).append(parameter)
+    top = max((layer for _, layer, _ in groups if layer is not None), default=0)
+    ordered = sorted(groups, key=lambda key: (key[0], -1 if key[1] is None else top - key[1],
+                                              -1 if key[2] is None else key[2]))
+    return [{"params": groups[key], **({"weight_decay": key[2]} if key[2] is not None else {}),
+             "layer_scale": 1.0 if key[1] is None else cut["layer_decay"] ** (top - key[1]),
+             "body": key[0] and cut["head_and_body"]} for key in ordered]
 
 
-class BodyLearningRate:
-    """Scales the body group's learning rate after each step of `engine`'s scheduler, which it wraps in
-    engine.lr_scheduler (None: a fixed rate); set_epoch chooses the scale."""
+class GroupLearningRates:
+    """Sets each parameter group's learning rate after each step of `engine`'s scheduler, which it wraps in
+    engine.lr_scheduler (None: a fixed rate): the scheduler's rate x the group's layer scale x, for the body,
+    the body's scale (0 while frozen, then --backbone_lr_scale), which set_epoch chooses. The scales are the
+    groups' as built, in their order: a resumed optimizer's groups are the saved ones, and carry what the run
+    that saved them set (older runs' groups have neither key)."""
 
-    def __init__(self, engine, backbone_lr_scale, freeze_backbone_epochs):
+    def __init__(self, engine, groups, backbone_lr_scale, freeze_backbone_epochs):
         self.optimizer, self.scale, self.frozen_epochs = engine.optimizer, backbone_lr_scale, freeze_backbone_epochs
+        self.layer_scales = [group.get("layer_scale", 1.0) for group in groups]
+        self.body = [group.get("body", index > 0) for index, group in enumerate(groups)]
+        self.body_lr_scale = 1.0
         for group in self.optimizer.param_groups:
             group.setdefault("unscaled_lr", group["lr"])
         if engine.lr_scheduler is not None:
@@ -61,17 +165,17 @@ class BodyLearningRate:
         self._apply()
 
     def _apply(self):
-        for group in self.optimizer.param_groups:
-            group["lr"] = group["unscaled_lr"] * group["lr_scale"]
+        for group, layer_scale, body in zip(self.optimizer.param_groups, self.layer_scales, self.body):
+            group["lr"] = group["unscaled_lr"] * layer_scale * (self.body_lr_scale if body else 1.0)
 
     def set_epoch(self, epoch):
         """The body's scale for `epoch` (counted from 1): 0 while frozen, then --backbone_lr_scale."""
-        self.optimizer.param_groups[1]["lr_scale"] = 0.0 if epoch <= self.frozen_epochs else self.scale
+        self.body_lr_scale = 0.0 if epoch <= self.frozen_epochs else self.scale
         self._apply()
 
     def body_scale(self):
-        """The body's scale this epoch: its learning rate over the head's."""
-        return self.optimizer.param_groups[1]["lr_scale"]
+        """The body's scale this epoch: its learning rate over the head's (before any layer decay)."""
+        return self.body_lr_scale
 
 
 class ScaledSteps:

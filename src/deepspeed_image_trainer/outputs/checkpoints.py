@@ -357,19 +357,24 @@ def saved_precision(folder):
 # What a resumed run must share with the run it continues (the data it learns, the model's input, and what
 # the saved optimizer and scheduler state were built for), with the flag that sets each. --epochs may change.
 SETTINGS_FLAGS = {"model": "--model", "class_names": "the classes of --train_dir", "image_size": "--image_size",
-                  "optimizer": "the DeepSpeed config's optimizer.type",
+                  "optimizer": "--optimizer (the DeepSpeed config's optimizer.type)",
                   "train_batch_size": "the global batch (--batch_size x ranks x --gradient_accumulation_steps)",
                   "learning_rate": "--learning_rate", "weight_decay": "--weight_decay", "lr_schedule": "--lr_schedule",
                   "warmup_epochs": "--warmup_epochs", "label_smoothing": "--label_smoothing", "precision": "precision",
                   "backbone_lr_scale": "--backbone_lr_scale", "freeze_backbone_epochs": "--freeze_backbone_epochs",
-                  "parameter_groups": "--backbone_lr_scale or --freeze_backbone_epochs:"}
+                  "parameter_groups": "the parameter groups (--backbone_lr_scale, --freeze_backbone_epochs, "
+                                      "--layer_decay, --norm_weight_decay, --bias_weight_decay, "
+                                      "--transformer_embedding_decay):"}
 GROUPS = {False: "one parameter group", True: "head and body in parameter groups of their own"}
 
 
 def _shown(key, value, other=None):
     """A setting's value in a message, quoted where the other side is not a string (an edited "0.001")."""
     if key == "parameter_groups":
-        return GROUPS[value]
+        if isinstance(value, dict):  # see finetune.grouping
+            return "groups by " + ", ".join(("head and body" if name == "head_and_body" else f"--{name} {setting:g}")
+                                            for name, setting in value.items() if setting not in (None, False))
+        return GROUPS.get(value, str(value))
     if key == "class_names":
         return f"{len(value)} classes ({listed(value, 4)})"
     return json.dumps(value) if isinstance(value, str) and not isinstance(other, str) else str(value)

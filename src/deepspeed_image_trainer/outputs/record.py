@@ -4,7 +4,7 @@ extra_info.json takes its part of that config (checkpoint_info), and a resumed r
 it continues on what resume_settings picks from it (outputs/checkpoints.py's SETTINGS_FLAGS)."""
 from ..data.recipe import recipe_of
 from ..engine.config import lr_schedule, precision
-from ..engine.finetune import fine_tuning
+from ..engine.finetune import groups_setting
 from ..models.names import saved_name
 
 # What each checkpoint's extra_info.json says of its run, taken from the history's config.
@@ -29,7 +29,7 @@ def run_record(args, ds_config, class_names):
                          "early_stopping_patience": args.early_stopping_patience,
                          "backbone_lr_scale": args.backbone_lr_scale,
                          "freeze_backbone_epochs": args.freeze_backbone_epochs,
-                         "parameter_groups": fine_tuning(args),
+                         "parameter_groups": groups_setting(args),
                          "augmentation": recipe_of(args), "ra_reps": args.ra_reps, "mixup_alpha": args.mixup_alpha,
                          "cutmix_alpha": args.cutmix_alpha, "drop_path": args.drop_path},
             "deepspeed": ds_config}
