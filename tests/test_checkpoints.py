@@ -170,6 +170,16 @@ def test_another_world_size_resumes_but_not_an_old_mid_epoch_position(tmp_path):
     with pytest.raises(UsageError, match=r"saved with ZeRO stage 3 \(this run: 2\)"):
         check_resumable(folder, 2, 2, {})
     info = json.loads((folder / EXTRA_INFO).read_text())
+    # ds_to_universal converts Adam's moments only (KeyError: 'exp_avg' in a rank for SGD's, Lion's)
+    for optimizer, convertible in (("SGD", False), ("Lion", False), ("adamw", True), ("Lamb", True)):
+        (folder / EXTRA_INFO).write_text(json.dumps({**info, "settings": {"optimizer": optimizer}}))
+        assert check_resumable(folder, 2, 3, {"optimizer": optimizer})["epoch"] == 2
+        if convertible:
+            assert check_resumable(folder, 1, 3, {"optimizer": optimizer})["epoch"] == 2
+        else:
+            with pytest.raises(UsageError, match=f"converts the state of Adam's moments only, not {optimizer}'s; "
+                                                 r"resume on 2 rank\(s\)"):
+                check_resumable(folder, 1, 3, {"optimizer": optimizer})
     (folder / EXTRA_INFO).write_text(json.dumps({**info, "interrupted_at": {"epoch": 3, "step": 5, "samples": 40}}))
     assert check_resumable(folder, 4, 3, {})["epoch"] == 2
     (folder / EXTRA_INFO).write_text(json.dumps({**info, "interrupted_at": {"epoch": 3, "step": 5}}))

@@ -410,6 +410,12 @@ def check_resumable(folder, world_size, zero_stage, settings, read_shards=False)
     if differs:
         raise UsageError(f"cannot resume from {folder}: it was saved with " + "; ".join(differs)
                          + ". Resume with the run's own flags, or start a new run (--overwrite, or other folders)")
+    optimizer = str(saved.get("optimizer", "AdamW"))
+    if universal.needed(info, world_size) and optimizer.lower() not in universal.CONVERTIBLE_OPTIMIZERS:
+        raise UsageError(f"cannot resume from {folder} on {world_size} rank(s): it was saved by "
+                         f"{info.get('world_size')} at ZeRO stage {info.get('zero_stage')}, and DeepSpeed's "
+                         f"universal checkpoint converts the state of Adam's moments only, not {optimizer}'s; resume "
+                         f"on {info.get('world_size')} rank(s)")
     missing = missing_files(folder, info)
     if missing:
         raise UsageError(f"cannot resume from {folder}: {len(missing)} of its files are missing "

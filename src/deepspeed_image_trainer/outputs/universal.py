@@ -25,6 +25,11 @@ from ..utils.loading import check_checkpoint_files, load_checked
 UNIVERSAL = ".universal"  # in --checkpoint_dir: where a checkpoint is converted, for the one resume that needs it
 
 
+# The optimizers whose ZeRO state ds_to_universal converts: it reads exp_avg and exp_avg_sq, Adam's moments
+# (DeepSpeed 0.19.8; SGD's momentum_buffer, Lion's exp_avg alone: KeyError)
+CONVERTIBLE_OPTIMIZERS = ("adam", "adamw", "lamb")
+
+
 def needed(info, world_size):
     """Whether a checkpoint described by `info` must go through a universal checkpoint on `world_size` ranks."""
     return info.get("zero_stage", 0) > 0 and info.get("world_size") != world_size
