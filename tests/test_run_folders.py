@@ -177,7 +177,8 @@ def test_a_lock_or_an_output_file_that_is_not_a_file_is_one_line(tmp_path, make)
             lock(tmp_path, "--log_dir", name)
     args = argparse.Namespace(log_dir=str(tmp_path / "logs"), checkpoint_dir=str(tmp_path / "ck"), overwrite=False)
     run_folders.check_output_files(args)  # nothing there yet
-    for name, what in (("training_history.json", "history"), ("ds_config.json", "DeepSpeed config")):
+    for name, what in (("training_history.json", "history"), ("ds_config.json", "DeepSpeed config"),
+                       ("args.yaml", "flags")):
         (tmp_path / "logs").mkdir(exist_ok=True)
         make(tmp_path / "logs" / name)
         with pytest.raises(UsageError, match=rf"logs/{name}, where the run writes its {what}, is not a regular file"):

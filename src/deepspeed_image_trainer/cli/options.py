@@ -1,5 +1,6 @@
 """Command-line flags shared by launch_deepspeed.py and src/train_deepspeed.py, and the CLI error edge."""
 import argparse
+import difflib
 import gc
 import math
 import multiprocessing
@@ -7,6 +8,7 @@ import os
 import signal
 import sys
 import traceback
+from pathlib import Path
 
 from ..data.recipe import AUTO_AUGMENT_POLICIES, DROP_PATH_FAMILIES, RECIPE_DEFAULTS, RECIPE_RANGES
 from ..engine.config import OPTIMIZERS
@@ -14,6 +16,7 @@ from ..models.names import DEFAULT_MODEL, architecture
 from ..utils.failures import (WORKERS_PER_CPU, CliError, UsageError, check_name_lengths, check_num_workers,
                               first_rank_of_node, path_argument)
 from ..utils.streams import outlive_closed_output
+from ..utils.text import error_line
 
 
 def zero_stage(value):
@@ -25,6 +28,9 @@ def zero_stage(value):
 
 
 def add_training_args(parser):
+    parser.add_argument("--config", type=path_argument, default=None, metavar="FILE",
+                        help="a recipe: flag values in YAML or JSON ({flag: value}, as a run's <log_dir>/args.yaml "
+                             "writes them); flags given on the command line override it")
     data = parser.add_argument_group("Dataset")
     data.add_argument("--train_dir", type=path_argument, default="data/train",
                       help="ImageFolder root of the training set")
@@ -185,16 +191,103 @@ def add_training_args(parser):
 
 
 def parse_args(make_parser, argv=None):
-    """Parse argv with make_parser() and record in `args.explicit` the flags the user actually gave."""
+    """Parse argv with make_parser() and record in `args.explicit` the flags the user actually gave, a --config
+    recipe's flags among them (read as if given before the command line's, which override them)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = make_parser()
+    given = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    given.add_argument("--config", action="append", type=path_argument, default=[])
+    known, _ = given.parse_known_args(argv)
+    config = known.config[-1] if known.config else None
+    if config is not None:
+        argv = recipe_argv(parser, config) + argv
     args = parser.parse_args(argv)
+    if args.config != config:  # an abbreviation (--conf) that the pre-parse did not take for --config
+        raise UsageError(f"give --config in full (read {args.config} as --config)")
     bare = make_parser()
     for action in bare._actions:
         action.default = argparse.SUPPRESS
-    args.explicit = set(vars(bare.parse_args(argv)))
+    args.explicit = set(vars(bare.parse_args(argv))) - {"config"}
     check_values(args)
     return args
+
+
+# What a recipe cannot set: itself, and what is not a training setting
+NOT_IN_RECIPES = ("config", "help", "dry_run", "list_models", "launch_token", "local_rank")
+
+
+def resolved_flags(args):
+    """{"given": the flags the run was given (on the command line or by its recipe), "defaults": the other flags'
+    values}: the given ones as a recipe trains this run again, the defaults staying defaults (a --deepspeed_config's
+    values win over a default, not over a flag); a resume or an overwrite is the command line's to ask for."""
+    skipped = (*NOT_IN_RECIPES, "explicit", "resume", "overwrite")
+    values = {name: list(value) if isinstance(value, tuple) else value for name, value in vars(args).items()
+              if name not in skipped}
+    return {"given": {name: value for name, value in values.items() if name in args.explicit},
+            "defaults": {name: value for name, value in values.items() if name not in args.explicit}}
+
+
+MAX_RECIPE_BYTES = 1 << 20
+
+
+def recipe_argv(parser, path):
+    """The command-line arguments a --config file's {flag: value} stand for (`parser`'s flags only), in the file's
+    order: argparse then checks each value as given on the command line."""
+    from ..utils.files import check_regular, parse_json
+
+    where = f"--config {path}"
+    try:
+        check_regular(path)
+        if os.path.getsize(path) > MAX_RECIPE_BYTES:
+            raise UsageError(f"{where}: larger than {MAX_RECIPE_BYTES >> 20} MiB; a recipe is a short list of flags")
+        with open(path, "rb") as f:
+            text = f.read()
+    except OSError as err:
+        raise UsageError(f"{where}: cannot read it ({err.strerror or err})") from None
+    suffix = Path(path).suffix.lower()
+    if suffix not in (".yaml", ".yml", ".json"):
+        raise UsageError(f"{where}: expected a .yaml, .yml or .json file")
+    try:
+        if suffix == ".json":
+            values = parse_json(text)
+        else:
+            import yaml
+
+            values = yaml.safe_load(text)  # plain data only: no Python objects from the file
+    except Exception as err:  # noqa: BLE001 - each parser's own errors (yaml.YAMLError, ValueError, RecursionError)
+        raise UsageError(f"{where}: not valid {'JSON' if suffix == '.json' else 'YAML'} ({error_line(err)})") from None
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise UsageError(f"{where}: expected a mapping of flags to values (learning_rate: 0.001), got "
+                         f"{type(values).__name__}")
+    actions = {action.dest: action for action in parser._actions if action.option_strings}
+    argv = []
+    for key, value in values.items():
+        name = str(key).replace("-", "_").lstrip("_")
+        action = actions.get(name)
+        if action is None or name in NOT_IN_RECIPES:
+            close = difflib.get_close_matches(name, [n for n in actions if n not in NOT_IN_RECIPES], n=1)
+            raise UsageError(f"{where}: {key!r} is not a flag a recipe can set"
+                             + (f" (did you mean {close[0]}?)" if close else ""))
+        flag = f"--{name}"
+        if value is None:  # the flag's default
+            continue
+        if isinstance(action, argparse._StoreTrueAction) or isinstance(action, argparse.BooleanOptionalAction):
+            if not isinstance(value, bool):
+                raise UsageError(f"{where}: {name} takes true or false, got {value!r}")
+            if value or isinstance(action, argparse.BooleanOptionalAction):
+                argv.append(flag if value else f"--no-{name}")
+        elif action.nargs in ("+", "*"):
+            items = value if isinstance(value, list) else [value]
+            if not all(isinstance(item, (str, int, float)) and not isinstance(item, bool) for item in items):
+                raise UsageError(f"{where}: {name} takes a list of values, got {value!r}")
+            argv += [flag, *map(str, items)]
+        elif isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            argv += [flag, str(value)]
+        else:
+            raise UsageError(f"{where}: {name} takes one value, got {value!r}")
+    return argv
 
 
 def memory_gib():

@@ -42,7 +42,7 @@ from ..outputs.monitor import prepare_csv_files, write_epoch_events
 from ..outputs.record import checkpoint_info
 from ..utils.failures import CliParser, UsageError, check_writable, stop_on_write_error
 from ..utils.text import listed
-from .options import add_training_args, norm_batch_size, parse_args
+from .options import add_training_args, norm_batch_size, parse_args, resolved_flags
 from .preflight import preflight, take_saved_weights_name, weights_to_load
 
 
@@ -294,6 +294,7 @@ def build(args, clock):
         "checkpoint_writes": "background" if device_type == "cuda" else "inline",
         "device_train_size": train_square_size(args.image_size, args.device_train_size, inputs) if on_device else None,
         "data_check": data_check.summary(),
+        "args": resolved_flags(args),  # written beside the history as args.yaml too
         "training": {**checked.record["training"], "coalesce_grad_reduction": coalesced,
                      "groups": group_summary},
         "deepspeed": ds_config,  # the scheduler resized above

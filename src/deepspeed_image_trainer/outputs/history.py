@@ -4,9 +4,10 @@ from pathlib import Path
 
 from ..engine.distributed import rank_zero_only
 from ..utils.failures import stop_on_write_error
-from ..utils.files import parse_json, write_json_atomic
+from ..utils.files import parse_json, write_atomic, write_json_atomic
 
 HISTORY_FILE = "training_history.json"  # in --log_dir
+ARGS_FILE = "args.yaml"  # beside it: the run's flags, a recipe (--config)
 
 # epoch_time_s: the training loop; data_wait_s: the part of it spent waiting for batches; compute_s: the rest.
 # validation_s and checkpoint_s after the loop (checkpoint_s: the copy of the state to host memory, and any
@@ -86,4 +87,19 @@ class TrainingHistory:
     @rank_zero_only
     @stop_on_write_error("training history", "--log_dir")
     def save(self, data=None):
-        write_json_atomic(self.path, self.data if data is None else data)
+        data = self.data if data is None else data
+        flags = data["config"].get("args")
+        if flags is not None:  # beside the history, as it: a recipe of this run (--config)
+            write_atomic(self.path.with_name(ARGS_FILE), recipe_text(flags).encode())
+        write_json_atomic(self.path, data)
+
+
+def recipe_text(flags):
+    """args.yaml: the flags a run was given, as YAML, then its defaults commented out (resolved_flags)."""
+    import yaml
+
+    defaults = yaml.safe_dump(flags["defaults"], sort_keys=False).splitlines()
+    return ("# this run's flags: python launch_deepspeed.py --config <this file> trains it again\n"
+            + (yaml.safe_dump(flags["given"], sort_keys=False) if flags["given"] else "")
+            + "# the defaults it ran with (left to the trainer, as a --deepspeed_config's values win over them):\n"
+            + "".join(f"# {line}\n" for line in defaults))

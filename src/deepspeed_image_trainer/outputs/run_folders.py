@@ -25,7 +25,7 @@ from ..engine.config import MONITORS, monitor_enabled
 from ..utils.failures import UsageError, check_no_broken_link, check_outside_checkpoints
 from ..utils.files import within
 from .checkpoints import BEST, EXTRA_INFO, LAST, STAGING, read_info, readable
-from .history import HISTORY_FILE
+from .history import ARGS_FILE, HISTORY_FILE
 from .universal import UNIVERSAL
 
 LOCK_FILE = ".lock"  # rank 0's
@@ -271,7 +271,8 @@ def _check_checkpoint_dir(args):
 def check_output_files(args):
     """Refuse a folder, FIFO or device where the run writes its history and DeepSpeed config: the first write by
     rename failed after an epoch of training (status 4), and a resume's read of a FIFO history waited for good."""
-    for path, what in ((Path(args.log_dir) / HISTORY_FILE, "history"), (config_path(args), "DeepSpeed config")):
+    for path, what in ((Path(args.log_dir) / HISTORY_FILE, "history"), (config_path(args), "DeepSpeed config"),
+                       (Path(args.log_dir) / ARGS_FILE, "flags")):
         if os.path.lexists(path) and not os.path.isfile(path):
             raise UsageError(f"{path}, where the run writes its {what}, is not a regular file (a folder, FIFO or "
                              "device): remove it, or choose another --log_dir")
