@@ -392,7 +392,12 @@ def test_a_cache_folder_from_the_environment_inside_a_checkpoint_is_refused(tiny
 @pytest.mark.parametrize("inside, message", [
     ("A/ck/last/last/inner", "--checkpoint_dir A/ck/last/last/inner is inside the checkpoint "),
     ("A/ck/best_model/best", "--checkpoint_dir A/ck/best_model/best is inside "),
-], ids=["in a published checkpoint", "where another run will save one"])
+    # the other run's next save or start removed its scratch folders, and what was written in them
+    ("A/ck/.staging/ck", "--checkpoint_dir A/ck/.staging/ck is inside "),
+    ("A/ck/.ready-last/ck", "--checkpoint_dir A/ck/.ready-last/ck is inside "),
+    ("LOG:A/ck/.staging/l", "--log_dir A/ck/.staging/l is inside "),
+], ids=["in a published checkpoint", "where another run will save one", "in its staging", "in a save's next",
+        "a log folder in its staging"])
 def test_a_checkpoint_dir_inside_another_runs_checkpoints_is_refused(tiny_data, tmp_path, monkeypatch, capsys, inside,
                                                                      message):
     """Another run's next save of last/ (or its first of best_model/) replaced the folder whole, and with it this
@@ -401,8 +406,10 @@ def test_a_checkpoint_dir_inside_another_runs_checkpoints_is_refused(tiny_data, 
     (tmp_path / "A/ck/last/extra_info.json").write_text("{}")
     (tmp_path / "A/ck/.lock").write_text("")  # the other run holds A/ck
     monkeypatch.chdir(tmp_path)
-    assert_usage_error_in_process(launch_deepspeed.main, data_args(tiny_data) + [
-        "--checkpoint_dir", inside, "--log_dir", "logs", "--dry_run"], capsys, message)
+    folders = ["--checkpoint_dir", "ck", "--log_dir", inside[4:]] if inside.startswith("LOG:") else [
+        "--checkpoint_dir", inside, "--log_dir", "logs"]
+    assert_usage_error_in_process(launch_deepspeed.main, data_args(tiny_data) + folders + ["--dry_run"], capsys,
+                                  message)
     assert sorted(p.name for p in (tmp_path / "A/ck").iterdir()) == [".lock", "last"]
     assert not (tmp_path / "logs").exists()
 
@@ -464,7 +471,12 @@ def test_a_lock_file_that_is_a_link_is_refused_and_what_it_names_kept(tmp_path, 
      "flops_profiler.output_file A/logs/training_history.json: a run keeps its history under that name"),
     ({"csv_monitor": {"enabled": True, "output_path": "A/logs/csv_monitor", "job_name": "train"}},
      "csv_monitor.output_path A/logs/csv_monitor is inside "),
-], ids=["profiler into a checkpoint", "profiler onto a history", "monitor into another run's logs"])
+    ({"csv_monitor": {"enabled": True, "output_path": "A/ck/.staging/m"}}, "csv_monitor.output_path A/ck/.staging/m "
+                                                                          "is inside "),
+    ({"flops_profiler": {"enabled": True, "output_file": "fifo"}},  # the first step waited on it for good
+     "flops_profiler.output_file fifo is not a regular file"),
+], ids=["profiler into a checkpoint", "profiler onto a history", "monitor into another run's logs",
+        "monitor into another run's staging", "profiler into a FIFO"])
 def test_a_json_output_onto_another_runs_files_is_refused(tiny_data, tmp_path, monkeypatch, capsys, config, message):
     """The profiler's report replaced another run's model states or history; a fresh run's CSV monitor replaced the
     rows of the run whose log folder its output_path named."""
@@ -474,6 +486,7 @@ def test_a_json_output_onto_another_runs_files_is_refused(tiny_data, tmp_path, m
                  "A/logs/training_history.json", "A/logs/csv_monitor/train/Epoch_val_acc.csv"):
         (tmp_path / path).write_text("A's")
     (tmp_path / "j.json").write_text(json.dumps(config))
+    os.mkfifo(tmp_path / "fifo")
     before = digests(tmp_path / "A")
     monkeypatch.chdir(tmp_path)
     assert_usage_error_in_process(launch_deepspeed.main, data_args(tiny_data) + [

@@ -22,7 +22,7 @@ from pathlib import Path
 from ..data.cache import OFF
 from ..data.check import cache_place
 from ..engine.config import MONITORS, monitor_enabled
-from ..utils.failures import UsageError, check_no_broken_link, check_outside_checkpoints
+from ..utils.failures import UsageError, check_no_broken_link, check_not_taken, check_outside_checkpoints
 from ..utils.files import within
 from .checkpoints import BEST, EXTRA_INFO, LAST, STAGING, read_info, readable
 from .history import ARGS_FILE, HISTORY_FILE
@@ -239,10 +239,11 @@ def _check_json_outputs(args, config):
     if monitor_enabled(profiler) and profiler.get("output_file"):
         output = Path(profiler["output_file"])
         check_outside_checkpoints(output.parent, "flops_profiler.output_file", output)
-        if output.name in (HISTORY_FILE, DS_CONFIG):
-            raise UsageError(f"flops_profiler.output_file {output}: a run keeps its "
-                             f"{'history' if output.name == HISTORY_FILE else 'DeepSpeed config'} under that name, "
-                             "which the profiler's report would replace; choose another name")
+        kept = {HISTORY_FILE: "history", DS_CONFIG: "DeepSpeed config", ARGS_FILE: "flags"}
+        if output.name in kept:
+            raise UsageError(f"flops_profiler.output_file {output}: a run keeps its {kept[output.name]} under that "
+                             "name, which the profiler's report would replace; choose another name")
+        check_not_taken(output, "flops_profiler.output_file")  # a FIFO there: the first step waited on it for good
     return places
 
 

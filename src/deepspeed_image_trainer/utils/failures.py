@@ -195,15 +195,36 @@ def check_not_taken(path, flag, folder=None):
 CHECKPOINT_DESCRIPTION = "extra_info.json"  # the file that makes a folder a checkpoint of this trainer
 
 
+# Where a run stages a checkpoint inside its --checkpoint_dir (a save, a conversion, a swap cut short): what is
+# found there at the run's next save or start is removed (outputs/run_folders.tidy)
+SCRATCH_NAMES, SCRATCH_PREFIXES = (".staging", ".universal"), (".ready-", ".old-")
+LOCK_NAMES = (".lock", ".launch.lock")  # a run's folders hold one of these (outputs/run_folders.py)
+
+
+def _checkpoint_folder(folder):
+    """Whether `folder` is a run's --checkpoint_dir: it holds a run's lock or a published checkpoint."""
+    try:
+        return any((folder / name).is_file() for name in LOCK_NAMES) or any(
+            (child / CHECKPOINT_DESCRIPTION).is_file() for child in folder.iterdir())
+    except OSError:
+        return False
+
+
 def check_outside_checkpoints(folder, flag, given=None):
     """Refuse an output in (or below) a checkpoint folder, which its run replaces whole when it saves that
-    checkpoint again: the next save removed an export, an evaluation or a plot written there."""
+    checkpoint again: the next save removed an export, an evaluation or a plot written there; and one in a run's
+    scratch folder (.staging, .universal, .ready-*, .old-*), which its next save or start removes."""
     check_no_broken_link(folder, flag, given)  # first: resolve() raises RuntimeError on a link loop
     resolved = Path(folder).resolve()
     inside = next((f for f in (resolved, *resolved.parents) if (f / CHECKPOINT_DESCRIPTION).is_file()), None)
     if inside is not None:
         raise UsageError(f"{flag} {given or folder} is inside the checkpoint {inside}, which a run replaces whole "
                          "when it saves it again: write it elsewhere")
+    scratch = next((f for f in (resolved, *resolved.parents) if (f.name in SCRATCH_NAMES or f.name.startswith(
+        SCRATCH_PREFIXES)) and _checkpoint_folder(f.parent)), None)
+    if scratch is not None:
+        raise UsageError(f"{flag} {given or folder} is inside {scratch}, where a run stages its checkpoints and "
+                         "which it removes at its next save or start: write it elsewhere")
 
 
 # torch.save reports a failed write from its C++ zip writer as a RuntimeError, not an OSError.
