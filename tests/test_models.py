@@ -85,8 +85,12 @@ def test_weights_bring_their_preprocessing_and_files_are_checked_for_it():
     resized = build_transform(224, train=False, preprocessing=preprocessing("resnet50", "IMAGENET1K_V2"))
     assert resized.transforms[0].size == 232
     assert check_preprocessing(None, "x.json") == DEFAULT_PREPROCESSING
+    # numbers as strings ("1.1") or true passed float() and ended in a traceback in the transform, or every image
+    # reported unreadable
     for damaged in ({"mean": [0.5] * 3}, {**DEFAULT_PREPROCESSING, "std": [0, 1, 1]},
-                    {**DEFAULT_PREPROCESSING, "resize_ratio": "big"}, {**DEFAULT_PREPROCESSING, "interpolation": "os"}):
+                    {**DEFAULT_PREPROCESSING, "resize_ratio": "big"}, {**DEFAULT_PREPROCESSING, "interpolation": "os"},
+                    {**DEFAULT_PREPROCESSING, "resize_ratio": "1.1"}, {**DEFAULT_PREPROCESSING, "resize_ratio": True},
+                    {**DEFAULT_PREPROCESSING, "mean": ["0.4", "0.4", "0.4"]}):
         with pytest.raises(UsageError, match="x.json: its preprocessing is not one this trainer writes"):
             check_preprocessing(damaged, "x.json")
 

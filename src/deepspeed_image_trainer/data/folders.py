@@ -26,9 +26,14 @@ def check_preprocessing(preprocessing, source):
     """`preprocessing` as read from `source` (an export's sidecar, a checkpoint) is one this trainer writes."""
     if preprocessing is None:
         return DEFAULT_PREPROCESSING
+    def number(value):  # as JSON writes one: "1.1" and true passed float() and failed later, in a traceback
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise TypeError(value)
+        return float(value)
+
     try:
-        triples = [list(map(float, preprocessing[key])) for key in ("mean", "std")]
-        ratio = float(preprocessing["resize_ratio"])
+        triples = [list(map(number, preprocessing[key])) for key in ("mean", "std")]
+        ratio = number(preprocessing["resize_ratio"])
         # std at least 1e-6: below it (1e-320) the division made every image "not readable"
         usable = (all(len(t) == 3 and all(np.isfinite(t)) for t in triples) and min(triples[1]) >= 1e-6
                   and 1 <= ratio <= 2 and preprocessing["interpolation"] in INTERPOLATIONS)
@@ -37,7 +42,7 @@ def check_preprocessing(preprocessing, source):
     if not usable:
         raise UsageError(f"{source}: its preprocessing is not one this trainer writes (mean and std of 3 "
                          f"channels, resize_ratio 1-2, interpolation {' or '.join(INTERPOLATIONS)}): export again")
-    return preprocessing
+    return {**preprocessing, "mean": triples[0], "std": triples[1], "resize_ratio": ratio}
 
 
 def auto_augment_policy(recipe, interpolation):
