@@ -715,7 +715,7 @@ def check_rows(rows, path, searched):
         if why is None and searched and "error" not in row and "max_micro_batch" not in row:
             why = "has no max_micro_batch"
         if why is None and row["config"] in (earlier["config"] for earlier in rows[:at]):
-            why = f"is a second row of {row['config']!r} (the report has one a configuration)"
+            why = f"is a second row of {row['config']!r} (a report has one row a configuration)"
         if why is not None:
             raise UsageError(f"--update: {path}: results[{at}] {why}; move it away or write to another --output_dir")
 
@@ -828,6 +828,9 @@ def check_args(args, cuda):
     for name in ("batch_size", "steps", "image_size", "num_classes"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name} must be at least 1, got {getattr(args, name)}")
+    twice = sorted({name for name in args.configs if args.configs.count(name) > 1})
+    if twice:  # a report holds one row a configuration: --update then refused the report this wrote
+        raise UsageError(f"--configs names {', '.join(twice)} twice: give each configuration once")
     check_outside_checkpoints(args.output_dir, "--output_dir")  # the checkpoint's next save deleted the report
     check_writable(args.output_dir, "--output_dir")
     check_input_fits(args.batch_size, args.image_size)

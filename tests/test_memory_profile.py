@@ -353,8 +353,8 @@ def test_an_update_file_whose_rows_cannot_be_merged_is_refused_before_measuring(
     ({"reference": {"batch": 2, "images_per_s": "fast"}}, "its reference {'batch': 2, 'images_per_s': 'fast'} is "
                                                           "not the plain loop's batch and images/s"),
     # shown twice in the table and kept twice in the JSON
-    ({"results": [{"config": "ZeRO-1"}, {"config": "ZeRO-1"}]}, "results[1] is a second row of 'ZeRO-1' (the report "
-                                                                "has one a configuration)")],
+    ({"results": [{"config": "ZeRO-1"}, {"config": "ZeRO-1"}]}, "results[1] is a second row of 'ZeRO-1' (a report "
+                                                                "has one row a configuration)")],
     ids=["commands a word", "reference in words", "a configuration twice"])
 def test_an_update_file_whose_commands_or_reference_cannot_be_carried_over_is_refused(tmp_path, monkeypatch, capsys,
                                                                                     edit, message):
@@ -417,6 +417,8 @@ def test_a_report_name_taken_by_what_is_not_a_file_is_refused_before_measuring(t
     (["--image_size", "0"], "--image_size must be at least 1, got 0"),
     (["--image_size=-5"], "--image_size must be at least 1, got -5"),
     (["--num_classes", "0"], "--num_classes must be at least 1, got 0"),
+    # a report of two rows of one configuration, which --update then refused
+    (["--configs", "ZeRO-1", "ZeRO-2", "ZeRO-1"], "--configs names ZeRO-1 twice: give each configuration once"),
     (["--model", "vit_b_16", "--image_size", "30"], "--model vit_b_16 cannot take --image_size 30"),
     (["--output_dir", "FILE"], "is not a folder; choose another --output_dir"),
     (["--output_dir", "/proc/report"], "--output_dir /proc/report: cannot write in /proc ("),  # before measuring
