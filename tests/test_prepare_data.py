@@ -1,4 +1,5 @@
 import os
+import shutil
 import sys
 
 import pytest
@@ -88,6 +89,8 @@ def test_split_refuses_to_overwrite_existing_data(tmp_path):
     (["split", "raw", "--output", "raw/out"], "--output raw/out is inside raw, the folder it splits"),
     (["split", "raw", "--output", "raw"], "--output raw is inside raw, the folder it splits"),
     (["sample", "--output", "d/train"], "--output d/train is inside the dataset"),
+    (["sample", "--train_per_class", "100000000000"], "--train_per_class and --val_per_class must be 1 .. 10,000"),
+    (["split", "d", "--output", "d2"], "d holds train/ and val/: it is split already"),  # wrote 0 images, status 0
     (["split", "raw", "--output", "d/val/cat/new"], "--output d/val/cat/new is inside the dataset"),
 ])
 def test_cli_errors_are_one_line_with_status_2(tmp_path, monkeypatch, capsys, argv, message):
@@ -111,9 +114,47 @@ def test_split_copies_the_images_and_leaves_out_what_is_not_a_file(tmp_path):
     make_raw(raw, {"cat": 4, "dog": 4})
     os.mkfifo(raw / "cat/fifo.jpg")
     (raw / "dog/gone.jpg").symlink_to(tmp_path / "nowhere.jpg")
+    # in a sub-folder, as ImageFolder finds it (left out before); hidden ones passed over, as in training
+    (raw / "cat/sub").mkdir()
+    (raw / "cat/0.jpg").rename(raw / "cat/sub/0.jpg")
+    (raw / "dog/.hidden").mkdir()
+    shutil.copy(raw / "dog/0.jpg", raw / "dog/.hidden/x.jpg")
     counts = split_dataset(raw, tmp_path / "out", val_fraction=0.5, seed=0)
     assert counts == {"train": 4, "val": 4}
-    assert not any(p.name in ("fifo.jpg", "gone.jpg") for p in (tmp_path / "out").rglob("*"))
+    assert not any(p.name in ("fifo.jpg", "gone.jpg", "x.jpg") for p in (tmp_path / "out").rglob("*"))
+    assert len(list((tmp_path / "out").glob("*/cat/sub/0.jpg"))) == 1
+
+
+def test_a_sample_stopped_half_way_leaves_nothing_and_runs_again(tmp_path, monkeypatch):
+    """Ctrl-C in the middle left a partial dataset, which the same command then refused as data already there."""
+    from deepspeed_image_trainer.data import prepare
+
+    drawn, draw = [], prepare.draw_sample_image
+
+    def interrupted(*args):
+        drawn.append(1)
+        if len(drawn) == 5:
+            raise KeyboardInterrupt
+        return draw(*args)
+
+    monkeypatch.setattr(prepare, "draw_sample_image", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        make_sample_dataset(tmp_path / "d", 3, 2, 2, 32, seed=0)
+    assert list((tmp_path / "d").iterdir()) == []
+    assert make_sample_dataset(tmp_path / "d", 3, 2, 2, 32, seed=0) == {"train": 6, "val": 6}
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["sample_dataset.json", "train", "val"]
+
+
+def test_a_tools_ctrl_c_is_one_line_and_status_130(capsys):
+    from deepspeed_image_trainer.cli.options import run_cli
+
+    def main(argv):
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as exited:
+        run_cli(main, [])
+    assert exited.value.code == 130
+    assert capsys.readouterr().err == "error: stopped by Ctrl-C (SIGINT); what it had not finished was not written\n"
 
 
 def test_the_check_refuses_a_cache_folder_inside_a_checkpoint(tmp_path, monkeypatch, capsys):

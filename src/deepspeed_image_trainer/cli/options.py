@@ -395,6 +395,9 @@ def run_cli(main, argv=None):
         message, status = f"error: {err}", err.exit_status
         quiet = (err.every_rank and os.environ.get("RANK", "0") != "0"
                  or err.every_local_rank and not first_rank_of_node())
+    except KeyboardInterrupt:  # a tool's Ctrl-C (training stops by its own handlers): a line, not a traceback
+        message, status, quiet = "error: stopped by Ctrl-C (SIGINT); what it had not finished was not written", 130, \
+            False
     except Exception as err:  # a bug: its traceback, printed here so that the frames can go before the exit
         message, status, quiet = traceback.format_exc().rstrip(), 1, False
         if isinstance(err, RuntimeError) and any(text in str(err) for text in PEER_LOST) \

@@ -5,10 +5,12 @@
     python src/prepare_data.py --check data          # data/train + data/val, or one ImageFolder root
 """
 import argparse
+import contextlib
 import json
 import os
 import random
 import shutil
+import tempfile
 from pathlib import Path
 
 from PIL import Image, ImageDraw
@@ -33,6 +35,7 @@ COLOURS = ((220, 40, 40), (40, 180, 60), (50, 80, 230), (235, 200, 30), (200, 60
 BACKGROUNDS = ("plain", "horizontal", "vertical")
 SAMPLE_MARKER = "sample_dataset.json"  # the settings a sample dataset was drawn with
 MAX_SAMPLE_SIZE = 4096  # a drawn image of 100000 px took more memory than the machine had (killed, no message)
+MAX_PER_CLASS = 10_000  # 100000000000 wrote until the disk or the user gave up; Animals-90 has 60 a class
 
 
 def split_dataset(raw_dir, output, val_fraction, seed):
@@ -43,6 +46,8 @@ def split_dataset(raw_dir, output, val_fraction, seed):
     class_dirs = sorted(d for d in raw_dir.iterdir() if d.is_dir()) if raw_dir.is_dir() else []
     if not class_dirs:
         raise UsageError(f"{raw_dir}: expected one folder per class")
+    if {d.name for d in class_dirs} >= {"train", "val"}:  # it wrote 0 images, and classes named train and val
+        raise UsageError(f"{raw_dir} holds train/ and val/: it is split already (split takes one folder per class)")
     _check_output(output, "--output")
     if within(output, raw_dir):
         raise UsageError(f"--output {output} is inside {raw_dir}, the folder it splits: its train/ and val/ would be "
@@ -50,18 +55,49 @@ def split_dataset(raw_dir, output, val_fraction, seed):
     _refuse_to_overwrite(output)
     rng = random.Random(seed)
     counts = {"train": 0, "val": 0}
-    for class_dir in class_dirs:
-        # regular files only: a FIFO or a link to nothing (which training skips) ended the copy in a traceback
-        files = sorted(f for f in class_dir.iterdir() if f.suffix.lower() in IMG_EXTENSIONS and f.is_file())
-        rng.shuffle(files)
-        n_val = min(max(1, round(len(files) * val_fraction)), len(files) - 1) if len(files) > 1 else 0
-        for split, subset in (("val", files[:n_val]), ("train", files[n_val:])):
-            target = output / split / class_dir.name
-            target.mkdir(parents=True, exist_ok=True)
-            for f in subset:
-                shutil.copy2(f, target / f.name)
-            counts[split] += len(subset)
+    with _staged(output) as staging:
+        for class_dir in class_dirs:
+            files = _class_images(class_dir)
+            rng.shuffle(files)
+            n_val = min(max(1, round(len(files) * val_fraction)), len(files) - 1) if len(files) > 1 else 0
+            for split, subset in (("val", files[:n_val]), ("train", files[n_val:])):
+                (staging / split / class_dir.name).mkdir(parents=True, exist_ok=True)
+                for f in subset:
+                    target = staging / split / class_dir.name / f.relative_to(class_dir)
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(f, target)
+                counts[split] += len(subset)
     return counts
+
+
+def _class_images(class_dir):
+    """A class folder's images as training finds them: in sub-folders too (ImageFolder walks them), hidden files and
+    folders passed over; regular files only (a FIFO or a link to nothing, which training skips, ended the copy in
+    a traceback)."""
+    found = []
+    for root, folders, files in os.walk(class_dir, followlinks=True):
+        folders[:] = sorted(d for d in folders if not d.startswith("."))
+        found += [Path(root) / name for name in sorted(files) if not name.startswith(".")
+                  and Path(name).suffix.lower() in IMG_EXTENSIONS and (Path(root) / name).is_file()]
+    return found
+
+
+@contextlib.contextmanager
+def _staged(output):
+    """A folder beside output's train/ and val/ to write them in, moved into place when the block ends, removed
+    when it fails: a split or sample stopped half-way (Ctrl-C, a full disk) left a partial dataset, which the same
+    command then refused as data already there."""
+    output.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=output, prefix=".partial-"))
+    try:
+        yield staging
+        for split in ("train", "val"):
+            if (output / split).is_dir():  # empty (_refuse_to_overwrite)
+                (output / split).rmdir()
+            if (staging / split).exists():
+                os.rename(staging / split, output / split)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def draw_sample_image(class_index, rng, size):
@@ -105,9 +141,10 @@ def make_sample_dataset(output, num_classes, train_per_class, val_per_class, ima
     """
     if not 2 <= num_classes <= len(ANIMALS_90):
         raise UsageError(f"--num_classes must be between 2 and {len(ANIMALS_90)}, got {num_classes}")
-    if train_per_class < 1 or val_per_class < 1 or not 16 <= image_size <= MAX_SAMPLE_SIZE:
-        raise UsageError("--train_per_class and --val_per_class must be >= 1 and --image_size 16 .. "
-                         f"{MAX_SAMPLE_SIZE}")
+    if not (1 <= train_per_class <= MAX_PER_CLASS and 1 <= val_per_class <= MAX_PER_CLASS
+            and 16 <= image_size <= MAX_SAMPLE_SIZE):
+        raise UsageError(f"--train_per_class and --val_per_class must be 1 .. {MAX_PER_CLASS:,} and --image_size "
+                         f"16 .. {MAX_SAMPLE_SIZE}")
     output = Path(output)
     _check_output(output, "--output")
     settings = {"num_classes": num_classes, "train_per_class": train_per_class,
@@ -118,12 +155,13 @@ def make_sample_dataset(output, num_classes, train_per_class, val_per_class, ima
         return counts
     _refuse_to_overwrite(output)
     rng = random.Random(seed)
-    for class_index, name in enumerate(ANIMALS_90[:num_classes]):
-        for split, count in (("train", train_per_class), ("val", val_per_class)):
-            folder = output / split / name
-            folder.mkdir(parents=True, exist_ok=True)
-            for i in range(count):
-                draw_sample_image(class_index, rng, image_size).save(folder / f"{name}_{i:04d}.jpg", quality=90)
+    with _staged(output) as staging:
+        for class_index, name in enumerate(ANIMALS_90[:num_classes]):
+            for split, count in (("train", train_per_class), ("val", val_per_class)):
+                folder = staging / split / name
+                folder.mkdir(parents=True, exist_ok=True)
+                for i in range(count):
+                    draw_sample_image(class_index, rng, image_size).save(folder / f"{name}_{i:04d}.jpg", quality=90)
     marker.write_text(json.dumps(settings) + "\n")
     return counts
 
