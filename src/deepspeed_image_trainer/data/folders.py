@@ -26,6 +26,7 @@ def check_preprocessing(preprocessing, source):
     """`preprocessing` as read from `source` (an export's sidecar, a checkpoint) is one this trainer writes."""
     if preprocessing is None:
         return DEFAULT_PREPROCESSING
+
     def number(value):  # as JSON writes one: "1.1" and true passed float() and failed later, in a traceback
         if not isinstance(value, (int, float)) or isinstance(value, bool):
             raise TypeError(value)
