@@ -271,6 +271,31 @@ def test_predict_agrees_with_evaluate(exported, tiny_data, tmp_path, trained, ca
     assert capsys.readouterr().out.startswith(f"{one_image}: {predictions[0]['predictions'][0]['class']} ")
 
 
+def test_evaluate_with_flip_tta_averages_each_images_and_its_mirrors_logits(exported, tiny_data, tmp_path):
+    from deepspeed_image_trainer.inference import evaluate
+    from deepspeed_image_trainer.inference.load import eval_transform, load_model
+
+    workdir, model_file = exported
+    evaluate.main(["--model", str(model_file), "--data_dir", str(tiny_data / "val"), "--output_dir",
+                   str(tmp_path / "eval"), "--num_workers", "0", "--tta", "flip"])
+    report = json.loads((tmp_path / "eval/report.json").read_text())
+    model, metadata = load_model(model_file, torch.device("cpu"))
+    dataset = ImageFolder(tiny_data / "val", transform=eval_transform(metadata))
+    images, labels = torch.stack([image for image, _ in dataset]), torch.tensor(dataset.targets)
+    with torch.no_grad():
+        plain, mirrored = model(images), model(torch.flip(images, dims=[3]))
+    averaged = torch.nn.functional.cross_entropy((plain + mirrored) / 2, labels).item()
+    assert report["tta"] == "flip" and report["loss"] == pytest.approx(averaged, rel=1e-5)
+    best = history_of(workdir)["epochs"][history_of(workdir)["best"]["epoch"] - 1]
+    assert report["without_tta"]["loss"] == pytest.approx(best["val_loss"], rel=1e-4)  # the plain model's, logged
+    assert report["tta_gain"]["top1"] == pytest.approx(report["top1"] - report["without_tta"]["top1"])
+    # another validation crop, as --val_crop_size would have it: a CNN takes it
+    evaluate.main(["--model", str(model_file), "--data_dir", str(tiny_data / "val"), "--output_dir",
+                   str(tmp_path / "eval40"), "--num_workers", "0", "--val_crop_size", "40"])
+    report = json.loads((tmp_path / "eval40/report.json").read_text())
+    assert (report["val_resize_size"], report["val_crop_size"]) == (round(40 * 256 / 224), 40)
+
+
 def test_onnx_and_torchscript_exports_compute_the_state_dict_exports_logits_at_any_batch_size(
         exported, tiny_data, tmp_path, monkeypatch, capsys):
     import onnxruntime

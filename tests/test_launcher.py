@@ -123,6 +123,10 @@ BAD_INPUT = [
     (["--train_dir", "nowhere"], "image folder not found: nowhere"),
     (["--fp16"], "fp16 needs a GPU"),
     (["--optimizer", "lamb"], "--optimizer lamb: optimizer Lamb is DeepSpeed's FusedLamb, a CUDA op: it needs a GPU"),
+    (["--val_crop_size", "0"], "--val_crop_size must be 1 .. 4096 pixels, got 0"),
+    (["--image_size", "32", "--val_resize_size", "30"], "--val_resize_size 30 is smaller than the validation crop 32"),
+    (["--model", "vit_b_16", "--image_size", "32", "--val_crop_size", "48"],  # ViT's input size is fixed when built
+     "--val_crop_size 48: --model vit_b_16 built for --image_size 32 cannot take it"),
     (["--zero_stage", "2", "--offload_param"], "offload_param needs ZeRO stage 3"),
     (["--zero_stage", "0", "--offload_optimizer"], "offload_optimizer needs ZeRO stage 1, 2 or 3"),
     (["--coalesce_grad_reduction", "on", "--zero_stage", "0", "--gradient_accumulation_steps", "2"],

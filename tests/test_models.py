@@ -90,7 +90,8 @@ def test_weights_bring_their_preprocessing_and_files_are_checked_for_it():
     for damaged in ({"mean": [0.5] * 3}, {**DEFAULT_PREPROCESSING, "std": [0, 1, 1]},
                     {**DEFAULT_PREPROCESSING, "resize_ratio": "big"}, {**DEFAULT_PREPROCESSING, "interpolation": "os"},
                     {**DEFAULT_PREPROCESSING, "resize_ratio": "1.1"}, {**DEFAULT_PREPROCESSING, "resize_ratio": True},
-                    {**DEFAULT_PREPROCESSING, "mean": ["0.4", "0.4", "0.4"]}):
+                    {**DEFAULT_PREPROCESSING, "mean": ["0.4", "0.4", "0.4"]},
+                    {**DEFAULT_PREPROCESSING, "val_crop_size": 0}, {**DEFAULT_PREPROCESSING, "val_resize_size": "48"}):
         with pytest.raises(UsageError, match="x.json: its preprocessing is not one this trainer writes"):
             check_preprocessing(damaged, "x.json")
 

@@ -1,6 +1,7 @@
 """The recipe's per-image augmentation on the DataLoader tier: torchvision's transforms.v2 classes in its
 reference order, drawn from the per-image seed (so a resumed run draws the same); mixup and cutmix; and the
 recipe's flags training on every data tier at ZeRO-0 and 3 on two ranks."""
+import json
 import math
 
 import pytest
@@ -272,7 +273,7 @@ def recipe_runs(rank, port, results, data, workdir):
             "--epochs", "1", "--batch_size", "4", "--image_size", "32", "--num_workers", "0", "--zero_stage",
             str(stage), "--data_on_device", tier, "--auto_augment", "ra", "--random_erase", "0.25", "--mixup_alpha",
             "0.2", "--cutmix_alpha", "1.0", "--label_smoothing", "0.1", "--ra_reps", "2", "--save_every", "0",
-            "--save_last_every", "0",
+            "--save_last_every", "1" if stage == 0 else "0", "--val_resize_size", "48", "--val_crop_size", "40",
             "--checkpoint_dir", str(folder / "checkpoints"), "--log_dir", str(folder / "logs")])
         gc.unfreeze()  # the trainer froze what it built; the next run needs the memory
         gc.collect()
@@ -295,3 +296,14 @@ def test_the_recipe_trains_on_every_tier_and_at_zero_0_and_3_on_two_ranks(tmp_pa
         assert training["augmentation"]["auto_augment"] == "ra" and training["mixup_alpha"] == 0.2
         assert training["cutmix_alpha"] == 1.0 and training["ra_reps"] == 2
         assert math.isfinite(epoch["train_loss"]) and math.isfinite(epoch["val_loss"]), (tier, stage)
+        assert (config["preprocessing"]["val_resize_size"], config["preprocessing"]["val_crop_size"]) == (48, 40)
+        if stage == 0:  # validated at 48 -> 40 px on each tier: evaluate's figures are the logged ones
+            from deepspeed_image_trainer.inference import evaluate
+
+            evaluate.main(["--model", str(tmp_path / f"{tier}-0/checkpoints/last"), "--data_dir",
+                           str(tmp_path / "data/val"), "--output_dir", str(tmp_path / f"eval-{tier}"),
+                           "--num_workers", "0"])
+            report = json.loads((tmp_path / f"eval-{tier}/report.json").read_text())
+            assert (report["val_resize_size"], report["val_crop_size"]) == (48, 40)
+            assert report["loss"] == pytest.approx(epoch["val_loss"], rel=1e-5), tier
+            assert report["top1"] == pytest.approx(epoch["val_acc"]), tier

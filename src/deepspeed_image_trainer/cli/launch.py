@@ -237,7 +237,8 @@ def main(argv=None, launched_at=None):
     take_saved_weights_name(args)
     groups = 1
     # the training script's checks of the model, before any process starts (and its parameter groups counted)
-    if args.model != DEFAULT_MODEL or args.pretrained or args.batch_size == 1 or grouping(args):
+    if (args.model != DEFAULT_MODEL or args.pretrained or args.batch_size == 1 or grouping(args)
+            or args.val_crop_size not in (None, args.image_size)):
         from ..models.build import checked_model, not_downloaded
 
         # downloads torchvision's weights once, here, rather than in every rank; a dry run writes nothing
@@ -247,7 +248,7 @@ def main(argv=None, launched_at=None):
                   "does not; its shapes are checked without the weights)", file=sys.stderr)
             weights = None
         shapes = checked_model(args.model, len(class_names), args.image_size,
-                               norm_batch_size(args.batch_size, args.sync_bn, world_size), weights)
+                               norm_batch_size(args.batch_size, args.sync_bn, world_size), weights, args.val_crop_size)
         num_params = sum(p.numel() for p in shapes.parameters())
         groups = len(parameter_groups(shapes, len(class_names), args)) if grouping(args) else 1
     base = load_base_config(args.deepspeed_config)

@@ -10,7 +10,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from ..data.recipe import AUTO_AUGMENT_POLICIES, DROP_PATH_FAMILIES, RECIPE_DEFAULTS, RECIPE_RANGES
+from ..data.recipe import AUTO_AUGMENT_POLICIES, DROP_PATH_FAMILIES, MAX_VAL_SIZE, RECIPE_DEFAULTS, RECIPE_RANGES
 from ..engine.config import OPTIMIZERS
 from ..models.names import DEFAULT_MODEL, architecture
 from ..utils.failures import (WORKERS_PER_CPU, CliError, UsageError, check_name_lengths, check_num_workers,
@@ -46,6 +46,12 @@ def add_training_args(parser):
                            "stays in the decoded-image cache on disk (memory-mapped) and each batch is copied "
                            "over; off: DataLoader workers decode and augment every epoch; auto: on for a GPU "
                            "with room for it, else cache where the cache's disk has room, off on CPU")
+    data.add_argument("--val_resize_size", type=int, default=None, metavar="PX",
+                      help="validation: resize the shorter side to this (default: --val_crop_size / 0.875, or by "
+                           "the pretrained weights' own ratio: 232 for 224 with ResNet50's IMAGENET1K_V2)")
+    data.add_argument("--val_crop_size", type=int, default=None, metavar="PX",
+                      help="validation: the centre crop the model sees (default: --image_size; torchvision's v2 "
+                           "recipe trains at 176 and validates at 224)")
     data.add_argument("--cache_dir", default=None, metavar="DIR",
                       help="where decoded images are kept between runs, so that a dataset is decoded once "
                            "(default: decoded/ under $TRAINER_CACHE_DIR or ~/.cache/deepspeed-image-trainer; "
@@ -349,6 +355,15 @@ def check_values(args):
             check_name_lengths(getattr(args, name), f"--{name}")
     if args.data_on_device == "cache" and args.cache_dir == "off":
         raise UsageError("--data_on_device cache needs the decoded-image cache: drop --cache_dir off")
+    for name in ("val_resize_size", "val_crop_size"):
+        value = getattr(args, name)
+        if value is not None and not 1 <= value <= MAX_VAL_SIZE:
+            raise UsageError(f"--{name} must be 1 .. {MAX_VAL_SIZE} pixels, got {value}")
+    crop = args.val_crop_size or args.image_size
+    if args.val_resize_size is not None and args.val_resize_size < crop:  # the centre crop would pad with black
+        raise UsageError(f"--val_resize_size {args.val_resize_size} is smaller than the validation crop {crop} "
+                         "(--val_crop_size, default --image_size): the crop would pad the image; resize to at least "
+                         "the crop")
     if args.device_train_size is not None and args.device_train_size < 1:
         raise UsageError(f"--device_train_size must be at least 1, got {args.device_train_size}")
     if args.device_train_size is not None and args.data_on_device == "off":

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ..data.cache import OFF, cache_root, check_usable
 from ..data.check import decodes_every_file
 from ..data.device import build_device_loaders, choose_device_data, train_square_size
-from ..data.folders import build_loaders, load_datasets
+from ..data.folders import build_loaders, load_datasets, with_val_sizes
 from ..data.mixing import BatchMixing, batch_mixing
 from ..data.recipe import recipe_of
 from ..engine import overrides as deepspeed_overrides
@@ -156,7 +156,8 @@ def build(args, clock):
         check_usable(args)
         base_config = load_base_config(args.deepspeed_config)
         take_saved_weights_name(args)
-        inputs = preprocessing(args.model, args.pretrained)  # the mean, std and resize its weights were trained with
+        # the mean, std and resize its weights were trained with, and the validation sizes
+        inputs = with_val_sizes(preprocessing(args.model, args.pretrained), args.val_resize_size, args.val_crop_size)
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         train_set, val_set, data_check = load_datasets(args.train_dir, args.val_dir, args.image_size, inputs,
                                                        decodes_every_file(args.data_on_device, device_type,
@@ -164,7 +165,7 @@ def build(args, clock):
         weights = weights_to_load(args)
         if args.launch_token is None:  # else its launcher checked the model before any rank started
             checked_model(args.model, len(train_set.classes), args.image_size,
-                          norm_batch_size(args.batch_size, args.sync_bn, ranks), weights)
+                          norm_batch_size(args.batch_size, args.sync_bn, ranks), weights, args.val_crop_size)
     if os.environ.get("RANK", "0") == "0":
         run_folders.take(args)  # before any rank looks for a checkpoint: tidying may rename one
 
@@ -210,7 +211,7 @@ def build(args, clock):
         say(note)
     cache = cache_root(args.cache_dir)
     tier, why = choose_device_data(args.data_on_device, device, len(train_set), len(val_set), args.image_size,
-                                   args.device_train_size, num_params, cache)
+                                   args.device_train_size, num_params, cache, inputs)
     # auto decides on each rank's own GPU and disk: ranks on other tiers would wait in other collectives
     reach = ("workers", "cache", "device")
     lowest = reach[int(all_reduce({"tier": reach.index(tier)}, device, dist.ReduceOp.MIN)["tier"])]

@@ -37,7 +37,7 @@ from ..utils.text import error_line
 from . import cache as image_cache
 from .check import EXIF_ORIENTATION
 from .folders import (DEFAULT_PREPROCESSING, EpochSampler, auto_augment_policy, batch_memory_format, epoch_seed,
-                      load_rgb)
+                      load_rgb, val_sizes)
 
 DECODE_CHUNK = 256  # images decoded per nvJPEG call: bounds the memory the decode needs
 CROP_SCALE = (0.08, 1.0)
@@ -64,7 +64,7 @@ GATHER_THREADS = 4
 
 
 def resize_size(image_size, preprocessing=None):
-    """The validation resize (224 -> 256 by default), and the default side of the stored training squares."""
+    """The default side of the stored training squares: the crop / 0.875 (224 -> 256), or by the weights' ratio."""
     return round(image_size * (preprocessing or DEFAULT_PREPROCESSING)["resize_ratio"])
 
 
@@ -73,15 +73,16 @@ def train_square_size(image_size, requested=None, preprocessing=None):
     return requested or resize_size(image_size, preprocessing)
 
 
-def dataset_bytes(num_train, num_val, image_size, train_size=None):
-    return 3 * (num_train * train_square_size(image_size, train_size) ** 2 + num_val * image_size ** 2)
+def dataset_bytes(num_train, num_val, image_size, train_size=None, preprocessing=None):
+    return 3 * (num_train * train_square_size(image_size, train_size, preprocessing) ** 2
+                + num_val * val_sizes(image_size, preprocessing)[1] ** 2)
 
 
 TIERS = {"on": "device", "cache": "cache", "off": "workers"}  # --data_on_device -> where batches come from
 
 
 def choose_device_data(mode, device, num_train, num_val, image_size, train_size=None, num_params=0,
-                       cache_root=None):
+                       cache_root=None, preprocessing=None):
     """(tier, why) for --data_on_device auto|on|cache|off: "device" (the decoded dataset in the device's
     memory), "cache" (memory-mapped from the decoded-image cache under `cache_root`, each batch copied to
     the device) or "workers" (DataLoader workers decode every epoch). Decided before the engine exists (the
@@ -91,8 +92,8 @@ def choose_device_data(mode, device, num_train, num_val, image_size, train_size=
         return TIERS[mode], f"--data_on_device {mode}"
     if device.type != "cuda":
         return "workers", "auto: the device is a CPU"
-    data = dataset_bytes(num_train, num_val, image_size, train_size)
-    needed = data + crop_weights_bytes(train_square_size(image_size, train_size), image_size)
+    data = dataset_bytes(num_train, num_val, image_size, train_size, preprocessing)
+    needed = data + crop_weights_bytes(train_square_size(image_size, train_size, preprocessing), image_size)
     free = torch.cuda.mem_get_info(device)[0] - MODEL_STATE_BYTES_PER_PARAMETER * num_params
     return auto_tier(data, needed, free, cache_root)
 
@@ -630,7 +631,7 @@ def build_device_loaders(train_set, val_set, *, micro_batch_size, image_size, ra
     home = device if tier == "device" else torch.device("cpu")  # the cache tier's dataset may not fit the device
     splits, unreadable, decoded, cached = [], {}, 0, cache_root is not None
     for dataset, resize, crop in ((train_set, train_size, train_size),
-                                  (val_set, resize_size(image_size, preprocessing), image_size)):
+                                  (val_set, *val_sizes(image_size, preprocessing))):
         paths, labels = zip(*dataset.samples) if dataset.samples else ((), ())
         # once the cache failed (a warning), the other split decodes without it
         images, split_decoded, failed, split_cached = decode_split(list(paths), resize, crop, device, records,

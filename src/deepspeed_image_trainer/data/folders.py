@@ -12,6 +12,7 @@ from torchvision.transforms import v2
 from ..utils.failures import UsageError
 from ..utils.text import listed
 from .check import check_data, labelled_samples
+from .recipe import MAX_VAL_SIZE
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -20,6 +21,20 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 DEFAULT_PREPROCESSING = {"mean": list(IMAGENET_MEAN), "std": list(IMAGENET_STD), "resize_ratio": 256 / 224,
                          "interpolation": "bilinear"}
 INTERPOLATIONS = ("bilinear", "bicubic")
+
+
+def val_sizes(image_size, preprocessing=None):
+    """(resize, crop) of validation images: --val_crop_size (default the training crop, --image_size) and
+    --val_resize_size (default the crop / 0.875, or by the weights' own ratio), kept in the preprocessing."""
+    pre = preprocessing or DEFAULT_PREPROCESSING
+    crop = pre.get("val_crop_size") or image_size
+    return pre.get("val_resize_size") or round(crop * pre["resize_ratio"]), crop
+
+
+def with_val_sizes(preprocessing, val_resize_size=None, val_crop_size=None):
+    """`preprocessing` with the validation sizes given (None: the defaults of val_sizes, left out)."""
+    given = {"val_resize_size": val_resize_size, "val_crop_size": val_crop_size}
+    return {**preprocessing, **{key: value for key, value in given.items() if value is not None}}
 
 
 def check_preprocessing(preprocessing, source):
@@ -32,18 +47,28 @@ def check_preprocessing(preprocessing, source):
             raise TypeError(value)
         return float(value)
 
+    def size(key):  # the validation sizes: pixels, when given
+        value = preprocessing.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or not 1 <= value <= MAX_VAL_SIZE):
+            raise TypeError(value)
+        return value
+
     try:
         triples = [list(map(number, preprocessing[key])) for key in ("mean", "std")]
         ratio = number(preprocessing["resize_ratio"])
+        sizes = {key: size(key) for key in ("val_resize_size", "val_crop_size")}
         # std at least 1e-6: below it (1e-320) the division made every image "not readable"
         usable = (all(len(t) == 3 and all(np.isfinite(t)) for t in triples) and min(triples[1]) >= 1e-6
                   and 1 <= ratio <= 2 and preprocessing["interpolation"] in INTERPOLATIONS)
-    except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: a whole number of 400 digits
+    except (KeyError, TypeError, ValueError, OverflowError, AttributeError):  # OverflowError: 400 digits
         usable = False
     if not usable:
         raise UsageError(f"{source}: its preprocessing is not one this trainer writes (mean and std of 3 "
-                         f"channels, resize_ratio 1-2, interpolation {' or '.join(INTERPOLATIONS)}): export again")
-    return {**preprocessing, "mean": triples[0], "std": triples[1], "resize_ratio": ratio}
+                         f"channels, resize_ratio 1-2, interpolation {' or '.join(INTERPOLATIONS)}, validation sizes "
+                         f"1-{MAX_VAL_SIZE} px): export again")
+    return {**preprocessing, "mean": triples[0], "std": triples[1], "resize_ratio": ratio,
+            **{key: value for key, value in sizes.items() if value is not None}}
 
 
 def auto_augment_policy(recipe, interpolation):
@@ -71,8 +96,8 @@ def build_transform(image_size, train, preprocessing=None, recipe=None):
         if recipe and recipe["auto_augment"]:
             steps.append(auto_augment_policy(recipe, interpolation))
     else:
-        steps = [transforms.Resize(round(image_size * pre["resize_ratio"]), interpolation=interpolation,
-                                   antialias=True), transforms.CenterCrop(image_size)]
+        resize, crop = val_sizes(image_size, pre)
+        steps = [transforms.Resize(resize, interpolation=interpolation, antialias=True), transforms.CenterCrop(crop)]
     steps += [transforms.ToTensor(), transforms.Normalize(pre["mean"], pre["std"])]
     if train and recipe and recipe["random_erase"]:
         steps.append(v2.RandomErasing(p=recipe["random_erase"]))

@@ -10,13 +10,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..data.folders import image_folder
+from ..data.folders import image_folder, val_sizes
 from ..utils.failures import (WORKERS_PER_CPU, CliParser, UsageError, check_counts, check_not_taken, check_num_workers,
                               check_outside_checkpoints, check_writable, path_argument)
 from ..utils.files import within, write_json_atomic
 from ..utils.text import drawable
-from .load import (DECODES, decoded_log_probabilities, default_device, eval_transform, load_model,
-                   predict_log_probabilities, trained_decode)
+from .load import (DECODES, FlipAveraged, add_inference_args, applied_inference_args, decoded_log_probabilities,
+                   default_device, eval_transform, load_model, predict_log_probabilities, trained_decode)
 
 
 def metrics(log_probabilities, labels, class_names, top_k=5):
@@ -70,6 +70,7 @@ def get_args_parser():
     parser.add_argument("--batch_size", type=int, default=64)
     parser.add_argument("--num_workers", type=int, default=2,
                         help=f"DataLoader worker processes (at most {WORKERS_PER_CPU} per CPU the process may use)")
+    add_inference_args(parser)
     parser.add_argument("--decode", choices=("auto", *DECODES), default="auto",
                         help="how images become the model's input: PIL's resize (the DataLoader tier's validation) or "
                              "torchvision's on decoded tensors (the device and cache tiers'); auto: as the model's "
@@ -91,6 +92,9 @@ def main(argv=None):
 
     device = default_device()
     model, metadata = load_model(args.model, device)
+    metadata = applied_inference_args(args, metadata)
+    if args.tta:
+        model = FlipAveraged(model)
     dataset, check = image_folder(args.data_dir, eval_transform(metadata), classes=metadata["class_names"])
     for line in check.warnings():
         print(line, file=sys.stderr)
@@ -101,8 +105,15 @@ def main(argv=None):
         log_probabilities = predict_log_probabilities(model, dataset, len(dataset.classes), device, args.batch_size,
                                                       args.num_workers)
     labels = torch.tensor(dataset.targets)
+    resize, crop = val_sizes(metadata["image_size"], metadata["preprocessing"])
     report = {"model": str(args.model), "data_dir": str(args.data_dir), "device": device.type, "decode": decode,
+              "val_resize_size": resize, "val_crop_size": crop, "tta": args.tta,
               **metrics(log_probabilities, labels, dataset.classes)}
+    if args.tta:  # what the averaging gained over the plain logits of the same images
+        plain = metrics(torch.log_softmax(torch.cat(model.plain), dim=1) if model.plain else log_probabilities,
+                        labels, dataset.classes)
+        report["without_tta"] = {key: plain[key] for key in ("loss", "top1")}
+        report["tta_gain"] = {"loss": report["loss"] - plain["loss"], "top1": report["top1"] - plain["top1"]}
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     report_file, plot_file = (output_dir / name for name in OUTPUT_FILES)
@@ -111,6 +122,10 @@ def main(argv=None):
     top_k = next((k for k in report if k.startswith("top") and k != "top1"), None)  # none with one class
     worst = sorted((acc, name) for name, acc in report["per_class_accuracy"].items() if acc is not None)[:3]
     weakest = ", ".join(f"{name} {acc:.2f}" for acc, name in worst)
-    print(f"{report['images']} images ({decode} decode): loss {report['loss']:.4f}, top-1 {report['top1']:.4f}"
+    print(f"{report['images']} images ({decode} decode, {resize} -> {crop} px"
+          + (f", tta {args.tta}" if args.tta else "") + f"): loss {report['loss']:.4f}, top-1 {report['top1']:.4f}"
           + (f", {top_k} {report[top_k]:.4f}" if top_k else "") + f"; weakest classes: {weakest}")
+    if args.tta:
+        print(f"tta {args.tta}: top-1 {report['tta_gain']['top1']:+.4f}, loss {report['tta_gain']['loss']:+.4f} against "
+              f"the plain model (top-1 {report['without_tta']['top1']:.4f}, loss {report['without_tta']['loss']:.4f})")
     print(f"report: {report_file}, confusion matrix: {plot_file}")

@@ -5,8 +5,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from ..cli.options import memory_gib
-from ..data.device import Normalize, decode_dataset, resize_size
-from ..data.folders import build_transform, check_preprocessing
+from ..data.device import Normalize, decode_dataset
+from ..data.folders import build_transform, check_preprocessing, val_sizes, with_val_sizes
+from ..data.recipe import MAX_VAL_SIZE
 from ..engine.finetune import head_module
 from ..models.build import check_saved_model, load_weights, model_for_weights
 from ..models.names import MODEL_NAME
@@ -120,6 +121,49 @@ def _metadata(path):
     return metadata
 
 
+def add_inference_args(parser):
+    """The validation sizes and test-time augmentation evaluate and predict take."""
+    parser.add_argument("--val_resize_size", type=int, default=None, metavar="PX",
+                        help="resize the shorter side to this (default: the model's, as its run validated)")
+    parser.add_argument("--val_crop_size", type=int, default=None, metavar="PX",
+                        help="the centre crop the model sees (default: the model's, as its run validated)")
+    parser.add_argument("--tta", choices=("flip",), default=None,
+                        help="test-time augmentation: flip averages the logits of each image and its mirror image")
+
+
+def applied_inference_args(args, metadata):
+    """`metadata` with --val_resize_size and --val_crop_size in its preprocessing, checked as training checks them
+    (a ViT built for its image size takes no other crop)."""
+    from ..models.build import check_val_crop
+
+    given = {"val_resize_size": args.val_resize_size, "val_crop_size": args.val_crop_size}
+    for name, value in given.items():
+        if value is not None and not 1 <= value <= MAX_VAL_SIZE:
+            raise UsageError(f"--{name} must be 1 .. {MAX_VAL_SIZE} pixels, got {value}")
+    preprocessing = with_val_sizes(check_preprocessing(metadata.get("preprocessing"), args.model), **given)
+    resize, crop = val_sizes(metadata["image_size"], preprocessing)
+    if resize < crop:
+        raise UsageError(f"--val_resize_size {resize} is smaller than the crop {crop}: the crop would pad the image; "
+                         "resize to at least the crop")
+    check_val_crop(metadata.get("model", MODEL_NAME), len(metadata["class_names"]), metadata["image_size"],
+                   preprocessing.get("val_crop_size"))
+    return {**metadata, "preprocessing": preprocessing}
+
+
+class FlipAveraged(torch.nn.Module):
+    """`model` with its logits averaged over each image and its horizontal mirror (--tta flip); the plain logits
+    of each batch are kept in `plain`, for the gain the averaging brings."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.plain = model, []
+
+    def forward(self, images):
+        logits = self.model(images)
+        self.plain.append(logits.float().cpu())
+        return (logits + self.model(torch.flip(images, dims=[3]))) / 2
+
+
 def default_device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -151,7 +195,7 @@ def decoded_log_probabilities(model, dataset, metadata, device, batch_size=64):
     validate (data/device.py), in fp32."""
     size, preprocessing = int(metadata["image_size"]), metadata.get("preprocessing")
     paths = [path for path, _ in dataset.samples]
-    images, unreadable = decode_dataset(paths, resize_size(size, preprocessing), size, device)
+    images, unreadable = decode_dataset(paths, *val_sizes(size, preprocessing), device)
     if unreadable:
         raise UsageError(f"{len(unreadable)} image(s) do not decode with torchvision (" + ", ".join(
             f"{paths[index]}: {why}" for index, why in list(unreadable.items())[:3]) + "): use --decode pil")

@@ -11,10 +11,11 @@ from pathlib import Path
 import torch
 from torchvision.datasets.folder import IMG_EXTENSIONS
 
-from ..data.folders import load_rgb
+from ..data.folders import load_rgb, val_sizes
 from ..utils.failures import CliParser, UsageError, check_counts, path_argument
 from ..utils.text import listed
-from .load import default_device, eval_transform, load_model, predict_log_probabilities
+from .load import (FlipAveraged, add_inference_args, applied_inference_args, default_device, eval_transform,
+                   load_model, predict_log_probabilities)
 
 
 def image_paths(inputs):
@@ -69,6 +70,7 @@ def get_args_parser():
     parser.add_argument("--top_k", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--batch_size", type=int, default=64)
+    add_inference_args(parser)
     return parser
 
 
@@ -79,8 +81,11 @@ def main(argv=None):
     paths = image_paths(args.images)
     device = default_device()
     model, metadata = load_model(args.model, device)
+    metadata = applied_inference_args(args, metadata)
+    if args.tta:
+        model = FlipAveraged(model)
     # Decoded in this process, where Images records the unreadable ones.
-    images = Images(paths, eval_transform(metadata), int(metadata["image_size"]))
+    images = Images(paths, eval_transform(metadata), val_sizes(metadata["image_size"], metadata["preprocessing"])[1])
     probabilities = predict_log_probabilities(model, images, len(metadata["class_names"]), device, args.batch_size,
                                               num_workers=0).exp()
     if len(images.unreadable) == len(paths):

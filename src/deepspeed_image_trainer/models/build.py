@@ -336,11 +336,26 @@ def check_image_size(name, num_classes, image_size, batch_size=2):
     return model
 
 
-def checked_model(name, num_classes, image_size, batch_size, pretrained):
+def check_val_crop(name, num_classes, image_size, val_crop_size):
+    """Stop when the model built for `image_size` cannot validate on crops of `val_crop_size` (ViT's input size is
+    fixed when it is built; a CNN's is not): a forward pass on the meta device."""
+    if val_crop_size in (None, image_size):
+        return
+    try:
+        shape_model(name, num_classes, image_size).eval()(torch.zeros(2, 3, val_crop_size, val_crop_size,
+                                                                      device="meta"))
+    except (RuntimeError, ValueError, AssertionError) as err:
+        raise UsageError(f"--val_crop_size {val_crop_size}: --model {name} built for --image_size {image_size} "
+                         f"cannot take it ({error_line(err)}); use --val_crop_size {image_size}, or another size it "
+                         "takes") from None
+
+
+def checked_model(name, num_classes, image_size, batch_size, pretrained, val_crop_size=None):
     """The training script's checks of the model, on the meta device before anything starts: the image size
-    and micro-batch it can take (check_image_size) and the --pretrained weights, downloaded here when missing.
-    Returns the meta model."""
+    and micro-batch it can take (check_image_size), the validation crop too when it differs, and the
+    --pretrained weights, downloaded here when missing. Returns the meta model."""
     shapes = check_image_size(name, num_classes, image_size, batch_size)
+    check_val_crop(name, num_classes, image_size, val_crop_size)
     if pretrained:  # loaded as a rank loads them, for the modules' own checks (into a copy: they may change it)
         state = pretrained_state(shapes, name, pretrained, num_classes, mmap=True)
         with warnings.catch_warnings():  # torch's, on copying into meta parameters (one per parameter)
