@@ -87,6 +87,10 @@ def test_the_optimizer_flags_name_the_optimizer_deepspeed_builds(argv, optimizer
     (("--optimizer", "lion", "--nesterov"), None, "--nesterov is SGD's"),
     (("--optimizer", "sgd", "--momentum", "1"), None, "--momentum must be in [0, 1), got 1.0"),
     (("--optimizer", "sgd", "--momentum", "0", "--nesterov"), None, "--nesterov needs a momentum"),
+    # one trust ratio over a rank's flattened parameters, not one a layer
+    (("--optimizer", "lamb", "--zero_stage", "2"), None, "--optimizer lamb: LAMB scales each layer's step by its own"),
+    (("--optimizer", "lamb", "--bf16", "--precision_mode", "half_weights"), None, "and DeepSpeed's bf16 weights)"),
+    ((), {"optimizer": {"type": "Lamb"}, "zero_optimization": {"stage": 1}}, "optimizer.type Lamb: LAMB scales"),
 ])
 def test_optimizer_flags_that_cannot_be_are_refused(argv, base, message):
     from deepspeed_image_trainer.cli.options import check_values
@@ -99,8 +103,8 @@ def test_optimizer_flags_that_cannot_be_are_refused(argv, base, message):
 def test_deepspeeds_cuda_optimizers_are_refused_on_a_cpu():
     from deepspeed_image_trainer.engine.config import built_optimizer
 
-    for kind, offload in (("lamb", False), ("lamb", True), ("lion", False)):
-        config = build("--optimizer", kind, "--zero_stage", "2", *(["--offload_optimizer"] * offload))
+    for kind, stage in (("lamb", "0"), ("lion", "2")):
+        config = build("--optimizer", kind, "--zero_stage", stage)
         with pytest.raises(UsageError, match=f"^--optimizer {kind}: optimizer .* a CUDA op: it needs a GPU"):
             built_optimizer(config, f"--optimizer {kind}", "cpu")
     built_optimizer(build("--optimizer", "lion", "--zero_stage", "2", "--offload_optimizer"), "x", "cpu")  # CPU Lion

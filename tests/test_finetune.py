@@ -141,6 +141,69 @@ def test_sgd_with_nesterov_momentum_steps_as_torchs_at_every_zero_stage(runs, na
     assert moved(reference, [p.detach() for p in small_model().parameters()])  # the steps moved it
 
 
+def reference_lion(parameters, grads, states, lr, betas, weight_decay):
+    """The Lion paper's update (Chen et al. 2023, Algorithm 2), as DeepSpeed's FusedLion and CPU Lion compute it."""
+    for p, g, m in zip(parameters, grads, states):
+        update = (m * betas[0] + g * (1 - betas[0])).sign()
+        p.mul_(1 - lr * weight_decay).add_(update, alpha=-lr)
+        m.mul_(betas[1]).add_(g, alpha=1 - betas[1])
+
+
+def reference_lamb(parameters, grads, states, lr, betas, weight_decay, eps, step):
+    """LAMB (You et al. 2020) as DeepSpeed's FusedLamb kernel computes it: Adam's moments, the update with weight
+    decay, a trust ratio ||w|| / ||update|| per tensor clamped to [0.01, 10], bias correction in the step size."""
+    for p, g, (m, v) in zip(parameters, grads, states):
+        m.mul_(betas[0]).add_(g, alpha=1 - betas[0])
+        v.mul_(betas[1]).addcmul_(g, g, value=1 - betas[1])
+        update = m / (v.sqrt() + eps) + weight_decay * p
+        w_norm, u_norm = p.norm(), update.norm()
+        trust = (w_norm / u_norm).clamp(0.01, 10) if w_norm > 0 and u_norm > 0 else torch.tensor(1.0)
+        p.sub_(lr * (1 - betas[1] ** step) ** 0.5 / (1 - betas[0] ** step) * trust * update)
+
+
+def deepspeed_optimizer_steps(rank, port, results):
+    """On a GPU: DeepSpeed's FusedLamb (ZeRO-0, fp32 weights: per tensor) and FusedLion (ZeRO-0 and 2) as
+    --optimizer builds them, 3 steps on the same batches as the references above."""
+    from test_ds_config import build
+
+    join_process_group(rank, port)
+    for kind, stage in (("lamb", 0), ("lion", 0), ("lion", 2)):
+        section = build("--optimizer", kind, "--learning_rate", "0.01", "--weight_decay", "0.1")["optimizer"]
+        engine = tiny_engine(small_model(), optimizer=section, zero={"stage": stage},
+                             zero_allow_untested_optimizer=True)
+        reference = [p.detach().clone().double().cuda() for p in small_model().parameters()]
+        states = ([(torch.zeros_like(p), torch.zeros_like(p)) for p in reference] if kind == "lamb"
+                  else [torch.zeros_like(p) for p in reference])
+        generator = torch.Generator().manual_seed(1)
+        for step in range(1, 4):
+            images, labels = torch.randn(4, 3, 8, 8, generator=generator).cuda(), torch.tensor([0, 1, 2, 0]).cuda()
+            model = small_model().double().cuda()
+            with torch.no_grad():
+                for p, q in zip(model.parameters(), reference):
+                    p.copy_(q)
+            F.cross_entropy(model(images.double()), labels).backward()
+            grads = [p.grad for p in model.parameters()]
+            params = section["params"]
+            if kind == "lamb":
+                reference_lamb(reference, grads, states, params["lr"], params["betas"], params["weight_decay"],
+                               params["eps"], step)
+            else:
+                reference_lion(reference, grads, states, params["lr"], params["betas"], params["weight_decay"])
+            loss = F.cross_entropy(engine(images), labels)
+            engine.backward(loss)
+            engine.step()
+        results[(kind, stage)] = ([t.cpu() for t in sum(parameters(engine), [])], [t.float().cpu() for t in reference])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="DeepSpeed's FusedLamb and FusedLion are CUDA ops")
+def test_lamb_and_lion_step_as_their_papers_on_a_gpu():
+    runs = spawn_ranks(deepspeed_optimizer_steps)
+    for name, (engine, reference) in ((key, value) for key, value in runs.items() if key[0] != "traceback"):
+        for got, expected in zip(engine, reference):
+            assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5), name
+
+
 def test_the_head_is_the_layer_that_gives_the_logits():
     from deepspeed_image_trainer.models.build import build_model
 

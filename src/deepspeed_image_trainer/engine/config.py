@@ -442,6 +442,13 @@ def _resolve_optimizer(config, args, device_type):
     if _number(lr) and _number(scale) and lr * scale > MAX_LR:
         raise UsageError(f"--backbone_lr_scale {scale:g} makes the body's learning rate {lr * scale:g}, larger than any "
                          f"that trains (at most {MAX_LR:g})")
+    if str(optimizer.get("type", "")).lower() == "lamb" and (
+            config["zero_optimization"]["stage"] or precision(config) == "bf16"):
+        said = f"--optimizer {args.optimizer}" if "optimizer" in args.explicit else f"optimizer.type {optimizer['type']}"
+        raise UsageError(f"{said}: LAMB scales each layer's step by its own trust ratio, and ZeRO 1-3 (and "
+                         "DeepSpeed's bf16 weights) hand FusedLamb each rank's parameters flattened into one tensor: "
+                         "one ratio for them all, not LAMB; use --zero_stage 0 with fp32 weights, --fp16 or "
+                         "--precision_mode autocast")
     if str(optimizer.get("type", "")).lower() not in ("adam", "adamw"):
         # ZeRO partitions any torch optimizer's state, but DeepSpeed stops on one it has not listed (SGD among
         # them) unless this is set: the optimizer the JSON names is the user's choice.
