@@ -19,9 +19,9 @@ ZERO = {"zero0": {"stage": 0}, "zero1": {"stage": 1}, "zero2-offload": {"stage":
         "zero3": {"stage": 3}}
 
 
-def small_model():
+def small_model(conv_bias=True):
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, bias=conv_bias), torch.nn.BatchNorm2d(4), torch.nn.ReLU(),
                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, CLASSES))
 
 
@@ -163,21 +163,23 @@ def reference_lamb(parameters, grads, states, lr, betas, weight_decay, eps, step
 
 def deepspeed_optimizer_steps(rank, port, results):
     """On a GPU: DeepSpeed's FusedLamb (ZeRO-0, fp32 weights: per tensor) and FusedLion (ZeRO-0 and 2) as
-    --optimizer builds them, 3 steps on the same batches as the references above."""
+    --optimizer builds them, 3 steps on the same batches as the references above. The convolution has no bias: a
+    bias before batch norm gets a gradient of rounding noise, whose sign (Lion's step) float32 and float64 draw
+    differently."""
     from test_ds_config import build
 
     join_process_group(rank, port)
     for kind, stage in (("lamb", 0), ("lion", 0), ("lion", 2)):
         section = build("--optimizer", kind, "--learning_rate", "0.01", "--weight_decay", "0.1")["optimizer"]
-        engine = tiny_engine(small_model(), optimizer=section, zero={"stage": stage},
+        engine = tiny_engine(small_model(conv_bias=False), optimizer=section, zero={"stage": stage},
                              zero_allow_untested_optimizer=True)
-        reference = [p.detach().clone().double().cuda() for p in small_model().parameters()]
+        reference = [p.detach().clone().double().cuda() for p in small_model(conv_bias=False).parameters()]
         states = ([(torch.zeros_like(p), torch.zeros_like(p)) for p in reference] if kind == "lamb"
                   else [torch.zeros_like(p) for p in reference])
         generator = torch.Generator().manual_seed(1)
         for step in range(1, 4):
             images, labels = torch.randn(4, 3, 8, 8, generator=generator).cuda(), torch.tensor([0, 1, 2, 0]).cuda()
-            model = small_model().double().cuda()
+            model = small_model(conv_bias=False).double().cuda()
             with torch.no_grad():
                 for p, q in zip(model.parameters(), reference):
                     p.copy_(q)
@@ -199,9 +201,9 @@ def deepspeed_optimizer_steps(rank, port, results):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="DeepSpeed's FusedLamb and FusedLion are CUDA ops")
 def test_lamb_and_lion_step_as_their_papers_on_a_gpu():
     runs = spawn_ranks(deepspeed_optimizer_steps)
-    for name, (engine, reference) in ((key, value) for key, value in runs.items() if key[0] != "traceback"):
-        for got, expected in zip(engine, reference):
-            assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5), name
+    differences = {name: max((got - expected).abs().max().item() for got, expected in zip(*run))
+                   for name, run in runs.items()}
+    assert all(difference < 1e-5 for difference in differences.values()), differences
 
 
 def test_the_head_is_the_layer_that_gives_the_logits():
