@@ -96,15 +96,15 @@ def test_weights_bring_their_preprocessing_and_files_are_checked_for_it():
             check_preprocessing(damaged, "x.json")
 
 
-def imagenet_weights_file(torch_home, name, weights="DEFAULT"):
+def imagenet_weights_file(torch_home, name, weights="DEFAULT", **kwargs):
     """Where torchvision keeps the weights `weights` of model `name` under TORCH_HOME, written with a model of
-    1000 classes (a stand-in for the download); returns (path, the state written)."""
+    1000 classes (a stand-in for the download; `kwargs` to build it); returns (path, the state written)."""
     enum = torchvision.models.get_model_weights(name)
     url = (enum.DEFAULT if weights == "DEFAULT" else enum[weights]).url
     path = Path(torch_home) / "hub/checkpoints" / Path(urlparse(url).path).name
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(1)
-    state = torchvision.models.get_model(name).state_dict()
+    state = torchvision.models.get_model(name, **kwargs).state_dict()
     torch.save(state, path)
     return path, state
 

@@ -9,7 +9,7 @@ from deepspeed_image_trainer.cli.options import parse_args
 from deepspeed_image_trainer.cli.train import get_args_parser as training_parser
 from deepspeed_image_trainer.utils.failures import UsageError
 
-from conftest import assert_usage_error_in_process
+from conftest import ROOT, assert_usage_error_in_process
 from test_adversarial import printed_config
 
 
@@ -77,3 +77,60 @@ def test_the_written_flags_train_the_run_again(trained, tiny_data, tmp_path, mon
     capsys.readouterr()
     assert launch_deepspeed.main(["--config", "logs/args.yaml", "--dry_run", "--overwrite"]) == 0
     assert printed_config(capsys.readouterr().out) == history["config"]["deepspeed"]
+
+
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+# What each short run changes: the data, one epoch, small images and batches (the recipe's sizes are a GPU's)
+SHORT = ["--epochs", "1", "--batch_size", "4", "--image_size", "32", "--num_workers", "0", "--save_every", "0",
+         "--save_last_every", "0", "--warmup_epochs", "0.5"]
+
+
+def recipe_runs(process, _, results, data, workdir, torch_home):
+    """Each shipped recipe, as written but for SHORT, by the trainer's main() in this process; ViT-B/16 slim (its
+    class at a fraction of its size, as the family runs build it), torchvision's weights from files of its names."""
+    import gc
+    import os
+
+    from deepspeed_image_trainer.cli import train
+    from deepspeed_image_trainer.engine.distributed import free_port
+
+    from conftest import join_process_group
+    from test_models import imagenet_weights_file, slim_transformers
+
+    os.environ["TORCH_HOME"] = str(torch_home)
+    slim_transformers()
+    imagenet_weights_file(torch_home, "efficientnet_b0")
+    imagenet_weights_file(torch_home, "vit_b_16", image_size=224)  # the weights' size; the run's is 32
+    join_process_group(0, free_port())
+    train.shut_down = lambda: None  # the group serves every run
+    for recipe in RECIPES:
+        import yaml
+
+        folder, written = workdir / recipe.stem, yaml.safe_load(recipe.read_text())
+        sizes = ["--val_resize_size", "40", "--val_crop_size", "36"] if "val_crop_size" in written else []
+        # the learning rate scaled with the batch, as the recipes say (SGD at 0.5 on 4 images diverged)
+        rate = ["--learning_rate", str(written["learning_rate"] * 4 / written["batch_size"])]
+        results[recipe.stem] = train.main(["--config", str(recipe), "--train_dir", str(data / "train"), "--val_dir",
+                                           str(data / "val"), *SHORT, *sizes, *rate, "--checkpoint_dir",
+                                           str(folder / "ck"), "--log_dir", str(folder / "logs")])
+        gc.unfreeze()
+        gc.collect()
+
+
+@pytest.mark.slow
+def test_the_shipped_recipes_run_as_written(tmp_path):
+    import yaml
+
+    from conftest import history_of, make_sample_dataset, spawn_ranks
+
+    assert len(RECIPES) == 3
+    make_sample_dataset(tmp_path / "data", num_classes=3, train_per_class=4, val_per_class=2, image_size=32, seed=0)
+    statuses = spawn_ranks(recipe_runs, 1, tmp_path / "data", tmp_path, tmp_path / "torch")
+    assert statuses == {recipe.stem: 0 for recipe in RECIPES}
+    for recipe in RECIPES:
+        written = yaml.safe_load(recipe.read_text())
+        given = history_of(tmp_path / recipe.stem)["config"]["args"]["given"]
+        short = {key: value for key, value in given.items()
+                 if f"--{key}" in SHORT or key.startswith("val_") or key == "learning_rate"}
+        assert {key: value for key, value in given.items() if key not in short and "_dir" not in key} == {
+            key: value for key, value in written.items() if key not in short}, recipe.name
