@@ -1,6 +1,7 @@
 """Checkpoint publishing and lookup, on folders laid out as DeepSpeed writes them (no engine needed)."""
 import argparse
 import json
+import re
 import os
 import zipfile
 from pathlib import Path
@@ -170,6 +171,13 @@ def test_another_world_size_resumes_but_not_an_old_mid_epoch_position(tmp_path):
     with pytest.raises(UsageError, match=r"saved with ZeRO stage 3 \(this run: 2\)"):
         check_resumable(folder, 2, 2, {})
     info = json.loads((folder / EXTRA_INFO).read_text())
+    # SGD's momentum and Nesterov: the saved state's groups carry the run's, which the new flags' left unused
+    (folder / EXTRA_INFO).write_text(json.dumps({**info, "settings": {"optimizer": "SGD", "momentum": 0.8,
+                                                                      "nesterov": True}}))
+    for changed, message in (({"momentum": 0.5}, "--momentum 0.8 (this run: 0.5)"),
+                             ({"nesterov": False}, "--nesterov True (this run: False)")):
+        with pytest.raises(UsageError, match=re.escape(message)):
+            check_resumable(folder, 2, 3, {"optimizer": "SGD", "momentum": 0.8, "nesterov": True, **changed})
     # ds_to_universal converts Adam's moments only (KeyError: 'exp_avg' in a rank for SGD's, Lion's)
     for optimizer, convertible in (("SGD", False), ("Lion", False), ("adamw", True), ("Lamb", True)):
         (folder / EXTRA_INFO).write_text(json.dumps({**info, "settings": {"optimizer": optimizer}}))
@@ -244,7 +252,7 @@ def test_resuming_with_other_settings_is_refused_naming_each(tmp_path, argv, kwa
 def test_a_checkpoint_from_before_the_optimizer_was_recorded_resumes(tmp_path):
     folder = fake_checkpoint(tmp_path / "last", 2, "last", world_size=1, zero_stage=2)
     info = json.loads((folder / EXTRA_INFO).read_text())
-    older = {key: value for key, value in settings_of().items() if key != "optimizer"}
+    older = {key: value for key, value in settings_of().items() if key not in ("optimizer", "momentum", "nesterov")}
     (folder / EXTRA_INFO).write_text(json.dumps({**info, "settings": older}))
     assert check_resumable(folder, 1, 2, settings_of(base=SGD))["epoch"] == 2  # what it does not say is no difference
 

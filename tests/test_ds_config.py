@@ -78,12 +78,13 @@ def test_the_optimizer_flags_name_the_optimizer_deepspeed_builds(argv, optimizer
     # a JSON's SGD section takes the flags given, keeps its own values otherwise
     json_sgd = {"optimizer": {"type": "sgd", "params": {"momentum": 0.5}}}
     assert build("--nesterov", "--optimizer", "sgd", base=json_sgd)["optimizer"]["params"]["momentum"] == 0.5
+    assert build("--nesterov", base=json_sgd)["optimizer"]["params"]["nesterov"] is True  # the JSON's SGD takes it
     assert build("--momentum", "0.7", "--optimizer", "sgd", base=json_sgd)["optimizer"]["params"]["momentum"] == 0.7
 
 
 @pytest.mark.parametrize("argv, base, message", [
     (("--optimizer", "sgd"), {"optimizer": {"type": "AdamW"}}, "--optimizer sgd and the JSON's optimizer.type AdamW"),
-    (("--momentum", "0.5"), None, "--momentum is SGD's: add --optimizer sgd (this run uses adamw)"),
+    (("--momentum", "0.5"), None, "--momentum is SGD's, and this run's optimizer is AdamW: use --optimizer sgd"),
     (("--optimizer", "lion", "--nesterov"), None, "--nesterov is SGD's"),
     (("--optimizer", "sgd", "--momentum", "1"), None, "--momentum must be in [0, 1), got 1.0"),
     (("--optimizer", "sgd", "--momentum", "0", "--nesterov"), None, "--nesterov needs a momentum"),

@@ -340,9 +340,6 @@ def check_values(args):
                          f"got {args.layer_decay}")
     if not 0 <= args.momentum < 1:  # at 1 or more SGD's velocity never decays: the updates grow without bound
         raise UsageError(f"--momentum must be in [0, 1), got {args.momentum}")
-    for name in ("momentum", "nesterov"):
-        if name in getattr(args, "explicit", ()) and args.optimizer != "sgd":
-            raise UsageError(f"--{name} is SGD's: add --optimizer sgd (this run uses {args.optimizer})")
     if args.nesterov and args.momentum == 0:
         raise UsageError("--nesterov needs a momentum: --momentum 0 makes it plain SGD")
     # flags that take a word as well as a path; those that take a path alone refuse "" in argparse (path_argument)

@@ -424,6 +424,11 @@ def _resolve_optimizer(config, args, device_type):
         for key in ("momentum", "nesterov"):
             if key not in params or key in args.explicit:
                 params[key] = getattr(args, key, {"momentum": 0.9, "nesterov": False}[key])
+    else:
+        for name in ("momentum", "nesterov"):  # where the optimizer is known: --optimizer's, or a JSON's
+            if name in args.explicit:
+                raise UsageError(f"--{name} is SGD's, and this run's optimizer is {optimizer['type']}: use "
+                                 "--optimizer sgd (or the JSON's optimizer.type SGD)")
     json_lr = params.get("lr", AUTO) != AUTO  # the JSON's own number, before the flags fill in "auto"
     takes = OPTIMIZER_SETTINGS.get(str(optimizer.get("type", "")).lower(), ())
     auto_values = {"lr": args.learning_rate, "weight_decay": args.weight_decay,

@@ -357,11 +357,12 @@ def saved_precision(folder):
 # What a resumed run must share with the run it continues (the data it learns, the model's input, and what
 # the saved optimizer and scheduler state were built for), with the flag that sets each. --epochs may change.
 SETTINGS_FLAGS = {"model": "--model", "class_names": "the classes of --train_dir", "image_size": "--image_size",
-                  "optimizer": "--optimizer (the DeepSpeed config's optimizer.type)",
+                  "optimizer": "--optimizer or the DeepSpeed config's optimizer.type",
                   "train_batch_size": "the global batch (--batch_size x ranks x --gradient_accumulation_steps)",
                   "learning_rate": "--learning_rate", "weight_decay": "--weight_decay", "lr_schedule": "--lr_schedule",
                   "warmup_epochs": "--warmup_epochs", "label_smoothing": "--label_smoothing", "precision": "precision",
                   "backbone_lr_scale": "--backbone_lr_scale", "freeze_backbone_epochs": "--freeze_backbone_epochs",
+                  "momentum": "--momentum", "nesterov": "--nesterov",
                   "parameter_groups": "the parameter groups (--backbone_lr_scale, --freeze_backbone_epochs, "
                                       "--layer_decay, --norm_weight_decay, --bias_weight_decay, "
                                       "--transformer_embedding_decay):"}
@@ -383,6 +384,8 @@ def _shown(key, value, other=None):
 def _same(key, saved, value):
     """Whether a saved setting is this run's. DeepSpeed reads its own optimizers' names in any case ("AdamW" and
     "adamw" are one optimizer); torch.optim's differ by more than case."""
+    if key in ("momentum", "nesterov") and saved is None:  # not SGD's run: its optimizer's line says what differs
+        return True
     if key == "optimizer" and isinstance(saved, str) and isinstance(value, str):
         return saved.lower() == value.lower()
     return saved == value

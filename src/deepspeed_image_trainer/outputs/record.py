@@ -12,7 +12,7 @@ CHECKPOINT_KEYS = ("model", "pretrained", "preprocessing", "image_size", "class_
                    "precision", "data_tier")
 # The record's "training" values a resumed run must keep (the saved optimizer and scheduler were built for them).
 KEPT_TRAINING = ("optimizer", "learning_rate", "weight_decay", "lr_schedule", "warmup_epochs", "label_smoothing",
-                 "backbone_lr_scale", "freeze_backbone_epochs")
+                 "backbone_lr_scale", "freeze_backbone_epochs", "momentum", "nesterov")
 
 
 def run_record(args, ds_config, class_names):
@@ -24,6 +24,8 @@ def run_record(args, ds_config, class_names):
             "seed": args.seed, "sync_bn": args.sync_bn,
             "training": {"optimizer": ds_config["optimizer"]["type"], "lr_schedule": lr_schedule(ds_config),
                          "learning_rate": optimizer["lr"],
+                         # SGD's (None for the others): the saved state's groups carry them, over the flags
+                         "momentum": optimizer.get("momentum"), "nesterov": optimizer.get("nesterov"),
                          "weight_decay": optimizer.get("weight_decay"), "warmup_epochs": args.warmup_epochs,
                          "label_smoothing": args.label_smoothing,
                          "early_stopping_patience": args.early_stopping_patience,
@@ -40,7 +42,7 @@ def resume_settings(record):
     training = record["training"]
     return {"model": record["model"], "class_names": record["class_names"], "image_size": record["image_size"],
             "train_batch_size": record["deepspeed"]["train_batch_size"],
-            **{key: training[key] for key in KEPT_TRAINING},
+            **{key: training[key] for key in KEPT_TRAINING if key in training},  # older records lack some
             "precision": record["precision"], "parameter_groups": training["parameter_groups"]}
 
 
