@@ -35,9 +35,13 @@ def test_a_recipe_sets_flags_under_the_command_line(tmp_path):
 @pytest.mark.parametrize("text, suffix, message", [
     ("learnin_rate: 0.1\n", ".yaml", "'learnin_rate' is not a flag a recipe can set (did you mean learning_rate?)"),
     ("config: other.yaml\n", ".yaml", "'config' is not a flag a recipe can set"),
-    ("epochs: [1, 2]\n", ".yaml", "epochs takes one value, got [1, 2]"),
+    ("epochs: [1, 2]\n", ".yaml", "epochs takes one value, got a list of 2 item(s)"),
+    # aliases of aliases: a list of 9**5 items in 150 bytes, whose repr was the message (157 MB at 9**8)
+    ("seed: [&a [1,1,1,1,1,1,1,1,1], &b [*a,*a,*a,*a,*a,*a,*a,*a,*a], &c [*b,*b,*b,*b,*b,*b,*b,*b,*b], "
+     "&d [*c,*c,*c,*c,*c,*c,*c,*c,*c], &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]]\n", ".yaml",
+     "seed takes one value, got a list of 5 item(s)"),
     ("bf16: 1\n", ".yaml", "bf16 takes true or false, got 1"),
-    ("epochs: {a: 1}\n", ".yaml", "epochs takes one value"),
+    ("epochs: {a: 1}\n", ".yaml", "epochs takes one value, got a mapping of 1 item(s)"),
     ("- epochs\n", ".yaml", "expected a mapping of flags to values (learning_rate: 0.001), got list"),
     ("epochs: [\n", ".yaml", "not valid YAML"),
     ("{\"epochs\": ", ".json", "not valid JSON"),

@@ -281,19 +281,28 @@ def recipe_argv(parser, path):
             continue
         if isinstance(action, argparse._StoreTrueAction) or isinstance(action, argparse.BooleanOptionalAction):
             if not isinstance(value, bool):
-                raise UsageError(f"{where}: {name} takes true or false, got {value!r}")
+                raise UsageError(f"{where}: {name} takes true or false, got {_described(value)}")
             if value or isinstance(action, argparse.BooleanOptionalAction):
                 argv.append(flag if value else f"--no-{name}")
         elif action.nargs in ("+", "*"):
             items = value if isinstance(value, list) else [value]
             if not all(isinstance(item, (str, int, float)) and not isinstance(item, bool) for item in items):
-                raise UsageError(f"{where}: {name} takes a list of values, got {value!r}")
+                raise UsageError(f"{where}: {name} takes a list of values, got {_described(value)}")
             argv += [flag, *map(str, items)]
         elif isinstance(value, (str, int, float)) and not isinstance(value, bool):
             argv += [flag, str(value)]
         else:
-            raise UsageError(f"{where}: {name} takes one value, got {value!r}")
+            raise UsageError(f"{where}: {name} takes one value, got {_described(value)}")
     return argv
+
+
+def _described(value):
+    """A recipe's value in a message: short (YAML's aliases nest a 262-byte file into a list of 43 million items,
+    whose repr was a 157 MB line)."""
+    if isinstance(value, (list, dict)):
+        return f"a {'list' if isinstance(value, list) else 'mapping'} of {len(value)} item(s)"
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
 
 
 def memory_gib():
