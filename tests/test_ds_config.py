@@ -111,6 +111,16 @@ def test_deepspeeds_cuda_optimizers_are_refused_on_a_cpu():
     built_optimizer(build("--optimizer", "lion", "--zero_stage", "2", "--offload_optimizer"), "x", "cpu")  # CPU Lion
 
 
+@pytest.mark.parametrize("zero, message", [
+    ({"stage": 2, "cpu_offload": True}, "zero_optimization.cpu_offload is DeepSpeed's old name"),  # a rank's ValueError
+    ({"stage": 0, "cpu_offload": True}, "use offload_optimizer"),  # offload at ZeRO-0 got past the check
+    ({"stage": 1, "cpu_offload_param": True}, "zero_optimization.cpu_offload_param is DeepSpeed's old name"),
+])
+def test_deepspeeds_old_offload_keys_are_refused_with_their_new_names(zero, message):
+    with pytest.raises(UsageError, match=message):
+        build(base={"zero_optimization": zero})
+
+
 def test_the_optimizers_given_betas_and_eps_are_ones_deepspeed_builds():
     """OPTIMIZER_SETTINGS named DeepSpeed's 1-bit optimizers, which DeepSpeed 0.19 no longer has (refused)."""
     from deepspeed.runtime.config import DEEPSPEED_OPTIMIZERS

@@ -285,8 +285,19 @@ BUCKET_CAP = 50_000_000
 BUCKET_ALIGNMENT = 2
 
 
+# DeepSpeed's earlier names for the offload sections, which it still reads (deprecated): their offload escaped every
+# check made of offload_optimizer/offload_param (ZeRO-0 offload, ZeRO-2 without the grad norm it then needs)
+LEGACY_OFFLOAD_KEYS = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param",
+                       "cpu_offload_use_pin_memory": "offload_optimizer.pin_memory (or offload_param.pin_memory)"}
+
+
 def _resolve_zero(config, args, num_params=None, world_size=1, resumed_stage=None):
     zero = config.setdefault("zero_optimization", {})
+    legacy = next((key for key in LEGACY_OFFLOAD_KEYS if key in zero), None)
+    if legacy is not None:
+        raise UsageError(f"zero_optimization.{legacy} is DeepSpeed's old name, which it still reads but this trainer "
+                         f"does not: use {LEGACY_OFFLOAD_KEYS[legacy]} ({{\"device\": \"cpu\"}}), or "
+                         f"--{LEGACY_OFFLOAD_KEYS[legacy].split('.')[0]}")
     stage = _pick(zero, "stage", args, "zero_stage")
     for key, flag in (("offload_optimizer", "offload_optimizer"), ("offload_param", "offload_param")):
         if flag in args.explicit:
