@@ -1,7 +1,11 @@
 """Plot training curves from logs/training_history.json, or compare several runs on one figure:
 deepspeed_image_trainer.outputs.plots, whose --help shows how."""
-from deepspeed_image_trainer.outputs.plots import get_args_parser, main  # noqa: F401 (the parser: to extend)
-from deepspeed_image_trainer.cli.options import run_cli
+from deepspeed_image_trainer.utils.startup import quiet_interrupt_while_importing
+
+with quiet_interrupt_while_importing(__name__ == "__main__"):  # torch's import takes seconds
+    from deepspeed_image_trainer.outputs.plots import get_args_parser, main  # noqa: F401 (the parser: to extend)
+    from deepspeed_image_trainer.cli.options import run_cli
+
 
 if __name__ == "__main__":
     run_cli(main)

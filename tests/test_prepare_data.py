@@ -1,5 +1,6 @@
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -143,6 +144,19 @@ def test_a_sample_stopped_half_way_leaves_nothing_and_runs_again(tmp_path, monke
     assert list((tmp_path / "d").iterdir()) == []
     assert make_sample_dataset(tmp_path / "d", 3, 2, 2, 32, seed=0) == {"train": 6, "val": 6}
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["sample_dataset.json", "train", "val"]
+
+
+def test_a_tools_ctrl_c_while_it_imports_is_one_line_and_status_130(tmp_path):
+    """Before run_cli (torch's import, seconds) a Ctrl-C was a KeyboardInterrupt traceback, or a C++ abort."""
+    script = ("import os, signal, time\n"
+              "from deepspeed_image_trainer.utils.startup import quiet_interrupt_while_importing\n"
+              "with quiet_interrupt_while_importing(True):\n"
+              "    os.kill(os.getpid(), signal.SIGINT)\n"
+              "    time.sleep(5)\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert result.returncode == 130
+    assert result.stderr == "error: stopped by Ctrl-C (SIGINT) while starting; nothing was written\n"
 
 
 def test_a_tools_ctrl_c_is_one_line_and_status_130(capsys):
