@@ -46,7 +46,7 @@ import torch.nn.functional as F
 import max_batch
 from common import environment, settings_of
 from deepspeed_image_trainer.cli import train as train_deepspeed
-from deepspeed_image_trainer.cli.options import check_input_fits, parse_args, run_cli
+from deepspeed_image_trainer.cli.options import check_input_fits, memory_gib, parse_args, run_cli
 from deepspeed_image_trainer.data.folders import batch_memory_format
 from deepspeed_image_trainer.engine import distributed
 from deepspeed_image_trainer.engine import overrides as deepspeed_overrides
@@ -834,7 +834,11 @@ def check_args(args, cuda):
     check_outside_checkpoints(args.output_dir, "--output_dir")  # the checkpoint's next save deleted the report
     check_writable(args.output_dir, "--output_dir")
     check_input_fits(args.batch_size, args.image_size)
-    check_image_size(args.model, args.num_classes, args.image_size, args.batch_size)  # on the meta device
+    shapes = check_image_size(args.model, args.num_classes, args.image_size, args.batch_size)  # on the meta device
+    weights_gib, memory = sum(p.numel() for p in shapes.parameters()) * 4 / 2**30, memory_gib()
+    if memory is not None and weights_gib > memory:  # a head of 10**8 classes: an allocation's traceback
+        raise UsageError(f"--num_classes {args.num_classes}: the model's fp32 weights alone are {weights_gib:,.0f} GiB, "
+                         f"more than this machine's {memory:,.0f} GiB of memory")
     if args.fp16 and not cuda:
         raise UsageError("fp16 needs a GPU: use --bf16 on a CPU-only machine")
     if args.find_max_batch and not cuda:

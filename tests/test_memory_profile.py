@@ -419,6 +419,7 @@ def test_a_report_name_taken_by_what_is_not_a_file_is_refused_before_measuring(t
     (["--num_classes", "0"], "--num_classes must be at least 1, got 0"),
     # a report of two rows of one configuration, which --update then refused
     (["--configs", "ZeRO-1", "ZeRO-2", "ZeRO-1"], "--configs names ZeRO-1 twice: give each configuration once"),
+    (["--num_classes", "100000000000"], "--num_classes 100000000000: the model's fp32 weights alone are"),
     (["--model", "vit_b_16", "--image_size", "30"], "--model vit_b_16 cannot take --image_size 30"),
     (["--output_dir", "FILE"], "is not a folder; choose another --output_dir"),
     (["--output_dir", "/proc/report"], "--output_dir /proc/report: cannot write in /proc ("),  # before measuring
