@@ -67,7 +67,7 @@ def test_early_stopping_ends_the_run_and_the_csv_monitor_holds_every_epoch(stall
                                   "warmup_epochs": 1.0, "label_smoothing": 0.1, "early_stopping_patience": 1,
                                   "backbone_lr_scale": 1.0, "freeze_backbone_epochs": 0, "parameter_groups": False,
                                   "augmentation": None, "ra_reps": 1, "mixup_alpha": 0.0, "cutmix_alpha": 0.0,
-                                  "drop_path": None,
+                                  "drop_path": None, "momentum": None, "nesterov": None, "groups": None,
                                   "coalesce_grad_reduction": False}
     assert config["deepspeed"]["scheduler"]["type"] == "WarmupLR"
     assert config["deepspeed"]["csv_monitor"] == {"enabled": True, "output_path": "logs/csv_monitor",

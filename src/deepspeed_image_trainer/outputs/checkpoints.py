@@ -374,7 +374,7 @@ def _shown(key, value, other=None):
     if key == "parameter_groups":
         if isinstance(value, dict):  # see finetune.grouping
             return "groups by " + ", ".join(("head and body" if name == "head_and_body" else f"--{name} {setting:g}")
-                                            for name, setting in value.items() if setting not in (None, False))
+                                            for name, setting in value.items() if setting is not None and setting is not False)
         return GROUPS.get(value, str(value))
     if key == "class_names":
         return f"{len(value)} classes ({listed(value, 4)})"
