@@ -88,7 +88,16 @@ def default_num_gpus():
     return torch.cuda.device_count() or 1
 
 
-def forwarded_args(args, given_path=None, launch_token=None):
+def launcher_flags(args, num_gpus, num_nodes):
+    """The launcher's flags a run's args.yaml records, so that it trains the run again: how many GPUs and nodes it
+    ran on, and where (not the port, which another run may hold next time)."""
+    given = {name: getattr(args, name) for name in ("hostfile", "launcher", "master_addr")
+             if name in args.explicit and args.hostfile}  # one node ignores --master_addr (it says so)
+    return {**{name: value for name, value in (("num_gpus", num_gpus), ("num_nodes", num_nodes)) if value is not None},
+            **given}
+
+
+def forwarded_args(args, given_path=None, launch_token=None, launcher=None):
     """The training script's arguments: every training flag the user gave, and the user's JSON as read here
     (written to `given_path`), from which the script builds the config again. Not the config resolved here:
     there every number, the LR schedule's step counts from the data check's count of images included, would
@@ -96,6 +105,7 @@ def forwarded_args(args, given_path=None, launch_token=None):
     that this launcher holds the folders for it (run_folders)."""
     argv = ["--deepspeed_config", str(given_path)] if given_path else []
     argv += ["--launch_token", launch_token] if launch_token else []
+    argv += ["--launcher_flags", json.dumps(launcher)] if launcher else []
     for name in sorted(args.explicit - LAUNCHER_FLAGS - {"deepspeed_config"}):
         value = getattr(args, name)
         if isinstance(value, bool):
@@ -164,14 +174,15 @@ def build_command(args, num_gpus, num_nodes, given_path=None, launch_token=None)
     description the `deepspeed` runner would pass it: the runner adds nothing else there but a process
     that imports DeepSpeed (seconds before the first step). Several nodes go through the runner.
     """
+    launcher = launcher_flags(args, num_gpus, num_nodes)
+    script = [str(TRAIN_SCRIPT), *forwarded_args(args, given_path, launch_token, launcher)]
     if os.name == "nt":
         # The deepspeed launcher needs pdsh/NCCL-style multi-process support that Windows lacks.
-        return [sys.executable, str(TRAIN_SCRIPT), *forwarded_args(args, given_path, launch_token)]
+        return [sys.executable, *script]
     if not args.hostfile:
         world_info = base64.urlsafe_b64encode(json.dumps({"localhost": local_devices(num_gpus)}).encode()).decode()
         return [sys.executable, "-u", "-m", "deepspeed.launcher.launch", f"--world_info={world_info}",
-                "--master_addr=127.0.0.1", f"--master_port={args.master_port or free_port()}",
-                str(TRAIN_SCRIPT), *forwarded_args(args, given_path, launch_token)]
+                "--master_addr=127.0.0.1", f"--master_port={args.master_port or free_port()}", *script]
     command = [sys.executable, "-m", "deepspeed.launcher.runner"]
     if num_gpus is not None:
         command += ["--num_gpus", str(num_gpus)]
@@ -184,7 +195,7 @@ def build_command(args, num_gpus, num_nodes, given_path=None, launch_token=None)
         command += ["--master_addr", args.master_addr]
     if args.master_port:
         command += ["--master_port", str(args.master_port)]
-    return command + [str(TRAIN_SCRIPT), *forwarded_args(args, given_path, launch_token)]
+    return command + script
 
 
 def main(argv=None, launched_at=None):

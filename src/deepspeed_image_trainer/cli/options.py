@@ -2,6 +2,7 @@
 import argparse
 import difflib
 import gc
+import json
 import math
 import multiprocessing
 import os
@@ -219,7 +220,10 @@ def parse_args(make_parser, argv=None):
 
 
 # What a recipe cannot set: itself, and what is not a training setting
-NOT_IN_RECIPES = ("config", "help", "dry_run", "list_models", "launch_token", "local_rank")
+NOT_IN_RECIPES = ("config", "help", "dry_run", "list_models", "launch_token", "launcher_flags", "local_rank")
+# The launcher's flags a recipe may hold (args.yaml records them): the training script, started by `deepspeed`,
+# takes its world from that command and passes them over
+LAUNCHER_SETTINGS = ("num_gpus", "num_nodes", "hostfile", "launcher", "master_addr")
 
 
 def resolved_flags(args):
@@ -229,7 +233,8 @@ def resolved_flags(args):
     skipped = (*NOT_IN_RECIPES, "explicit", "resume", "overwrite")
     values = {name: list(value) if isinstance(value, tuple) else value for name, value in vars(args).items()
               if name not in skipped}
-    return {"given": {name: value for name, value in values.items() if name in args.explicit},
+    launcher = json.loads(args.launcher_flags) if getattr(args, "launcher_flags", None) else {}
+    return {"given": {**launcher, **{name: value for name, value in values.items() if name in args.explicit}},
             "defaults": {name: value for name, value in values.items() if name not in args.explicit}}
 
 
@@ -272,6 +277,8 @@ def recipe_argv(parser, path):
     for key, value in values.items():
         name = str(key).replace("-", "_").lstrip("_")
         action = actions.get(name)
+        if action is None and name in LAUNCHER_SETTINGS:  # the training script's world is its launcher's
+            continue
         if action is None or name in NOT_IN_RECIPES:
             close = difflib.get_close_matches(name, [n for n in actions if n not in NOT_IN_RECIPES], n=1)
             raise UsageError(f"{where}: {key!r} is not a flag a recipe can set"

@@ -85,6 +85,8 @@ def get_args_parser():
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)  # set by `deepspeed`
     # set by launch_deepspeed.py: the folders are held for this run by the launcher that started it
     parser.add_argument("--launch_token", default=None, help=argparse.SUPPRESS)
+    # set by launch_deepspeed.py: its own flags (GPUs, nodes), which the run's args.yaml records with the rest
+    parser.add_argument("--launcher_flags", default=None, help=argparse.SUPPRESS)
     return parser
 
 
