@@ -21,4 +21,6 @@ def recipe_of(args):
     they ask for none."""
     recipe = {key: getattr(args, key, default) for key, default in RECIPE_DEFAULTS.items()}  # scripts' own args too
     return recipe if recipe["auto_augment"] or recipe["random_erase"] else None
+
+
 MAX_VAL_SIZE = 4096  # pixels: --val_resize_size and --val_crop_size (as prepare_data's largest sample image)
