@@ -11,7 +11,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from ..data.recipe import AUTO_AUGMENT_POLICIES, DROP_PATH_FAMILIES, MAX_VAL_SIZE, RECIPE_DEFAULTS, RECIPE_RANGES
+from ..data.recipe import (AUTO_AUGMENT_POLICIES, DROP_PATH_FAMILIES, RECIPE_DEFAULTS, RECIPE_RANGES,
+                           check_val_size_flags)
 from ..engine.config import OPTIMIZERS
 from ..models.names import DEFAULT_MODEL, architecture
 from ..utils.failures import (WORKERS_PER_CPU, CliError, UsageError, check_name_lengths, check_num_workers,
@@ -368,10 +369,7 @@ def check_values(args):
             check_name_lengths(getattr(args, name), f"--{name}")
     if args.data_on_device == "cache" and args.cache_dir == "off":
         raise UsageError("--data_on_device cache needs the decoded-image cache: drop --cache_dir off")
-    for name in ("val_resize_size", "val_crop_size"):
-        value = getattr(args, name)
-        if value is not None and not 1 <= value <= MAX_VAL_SIZE:
-            raise UsageError(f"--{name} must be 1 .. {MAX_VAL_SIZE} pixels, got {value}")
+    check_val_size_flags(args)
     crop = args.val_crop_size or args.image_size
     if args.val_resize_size is not None and args.val_resize_size < crop:  # the centre crop would pad with black
         raise UsageError(f"--val_resize_size {args.val_resize_size} is smaller than the validation crop {crop} "

@@ -24,3 +24,13 @@ def recipe_of(args):
 
 
 MAX_VAL_SIZE = 4096  # pixels: --val_resize_size and --val_crop_size (as prepare_data's largest sample image)
+
+
+def check_val_size_flags(args):
+    """--val_resize_size and --val_crop_size, where given, in pixels (training's flags and evaluate's, predict's)."""
+    from ..utils.failures import UsageError
+
+    for name in ("val_resize_size", "val_crop_size"):
+        value = getattr(args, name)
+        if value is not None and not 1 <= value <= MAX_VAL_SIZE:
+            raise UsageError(f"--{name} must be 1 .. {MAX_VAL_SIZE} pixels, got {value}")

@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader
 from ..cli.options import memory_gib
 from ..data.device import Normalize, decode_dataset
 from ..data.folders import build_transform, check_preprocessing, val_sizes, with_val_sizes
-from ..data.recipe import MAX_VAL_SIZE
+from ..data.recipe import check_val_size_flags
 from ..engine.finetune import head_module
 from ..models.build import check_saved_model, load_weights, model_for_weights
 from ..models.names import MODEL_NAME
@@ -136,10 +136,8 @@ def applied_inference_args(args, metadata):
     (a ViT built for its image size takes no other crop)."""
     from ..models.build import check_val_crop
 
+    check_val_size_flags(args)
     given = {"val_resize_size": args.val_resize_size, "val_crop_size": args.val_crop_size}
-    for name, value in given.items():
-        if value is not None and not 1 <= value <= MAX_VAL_SIZE:
-            raise UsageError(f"--{name} must be 1 .. {MAX_VAL_SIZE} pixels, got {value}")
     preprocessing = with_val_sizes(check_preprocessing(metadata.get("preprocessing"), args.model), **given)
     resize, crop = val_sizes(metadata["image_size"], preprocessing)
     if resize < crop:
