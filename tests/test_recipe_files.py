@@ -10,7 +10,6 @@ from deepspeed_image_trainer.cli.train import get_args_parser as training_parser
 from deepspeed_image_trainer.utils.failures import UsageError
 
 from conftest import ROOT, assert_usage_error_in_process
-from test_adversarial import printed_config
 
 
 def parsed(*argv):
@@ -69,6 +68,8 @@ def test_a_recipe_value_of_the_wrong_kind_is_refused_by_argparse(tmp_path, monke
 @pytest.mark.slow
 def test_the_written_flags_train_the_run_again(trained, tiny_data, tmp_path, monkeypatch, capsys):
     """args.yaml as the recipe of a new run: the same flags, and the DeepSpeed config the run resolved."""
+    from test_adversarial import printed_config  # here: this module is imported again by spawned processes, where
+    # test_adversarial's memory_profile may be src/'s forwarder of that name
     workdir, _ = trained("zero2-2ranks")
     history = json.loads((workdir / "logs/training_history.json").read_text())
     flags = history["config"]["args"]
