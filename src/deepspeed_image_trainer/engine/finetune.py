@@ -97,10 +97,10 @@ def repeated_blocks():
                  for path in ZERO3_LEAF_BLOCKS)
 
 
-def parameter_groups(model, num_classes, args=None, block_classes=()):
+def parameter_groups(model, num_classes, args=None):
     """The optimizer's parameter groups, head first (its learning rate is the one the history logs): without
     `args`, [head, body]; with them, cut by head or body (when fine-tuning), by layer (--layer_decay over the
-    modules of `block_classes`) and by weight decay (--norm_weight_decay, --bias_weight_decay,
+    model's repeated_blocks) and by weight decay (--norm_weight_decay, --bias_weight_decay,
     --transformer_embedding_decay, as torchvision's set_weight_decay: a bias by its name before a norm layer's).
     Each group: params, weight_decay where a flag sets it, and layer_scale, the layer decay's factor on its
     learning rate, and body, whether --backbone_lr_scale applies (both read by GroupLearningRates)."""
@@ -108,7 +108,7 @@ def parameter_groups(model, num_classes, args=None, block_classes=()):
     cut = grouping(args) if args is not None else {"head_and_body": True, "layer_decay": None}
     layers = None
     if cut.get("layer_decay") is not None:
-        layers = layer_ids(model, block_classes or repeated_blocks())
+        layers = layer_ids(model, repeated_blocks())
         if layers is None:
             raise UsageError(f"--layer_decay: {type(model).__name__} has no repeated blocks to count layers by "
                              "(AlexNet, VGG): leave it out")
