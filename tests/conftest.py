@@ -51,7 +51,8 @@ TRAINED_RUNS = {
     # optimizer offload with accumulation: the gradient reduction coalesced (--coalesce_grad_reduction auto)
     "zero1-bf16-offload-accumulation": ["--zero_stage", "1", "--bf16", "--offload_optimizer",
                                         "--gradient_accumulation_steps", "2"],
-    "zero2-2ranks": ["--zero_stage", "2", "--num_gpus", "2", "--sync_bn"],
+    # and the weights' average, which best_model then follows
+    "zero2-2ranks": ["--zero_stage", "2", "--num_gpus", "2", "--sync_bn", "--model_ema", "--model_ema_steps", "1"],
     "zero3": ["--zero_stage", "3"],
 }
 

@@ -54,7 +54,11 @@ def test_training_run_writes_history_and_checkpoints(name, trained, tiny_data):
     epochs = history["epochs"]
     assert [e["epoch"] for e in epochs] == list(range(1, TRAINED_EPOCHS + 1))
     for record in epochs:
-        assert set(record) == {"epoch", "train_loss", "train_acc", "val_loss", "val_acc", "val_images", "lr",
+        averaged = "--model_ema" in TRAINED_RUNS[name]  # the weights' average's, else None
+        assert (record["ema_val_loss"] is not None, record["ema_val_acc"] is not None) == (averaged, averaged)
+        assert ("EMA val loss" in result.stdout) is averaged
+        assert set(record) == {"epoch", "train_loss", "train_acc", "val_loss", "val_acc", "ema_val_loss",
+                               "ema_val_acc", "val_images", "lr",
                                "backbone_lr", "epoch_time_s", "images_per_s", "data_wait_s", "compute_s", "validation_s",
                                "checkpoint_s", "epoch_wall_s", "peak_gpu_memory_gib", "skipped_steps",
                                "nonfinite_steps"}
@@ -69,8 +73,10 @@ def test_training_run_writes_history_and_checkpoints(name, trained, tiny_data):
         # 15 val images split over the ranks without padding: each counted once, on whichever rank.
         assert record["val_images"] == TINY_VAL_IMAGES
         assert abs(record["val_acc"] * 15 - round(record["val_acc"] * 15)) < 1e-9
-    best = max(epochs, key=lambda e: e["val_acc"])
-    assert history["best"] == {"epoch": best["epoch"], "val_acc": best["val_acc"]}
+    on = "ema" if averaged else "raw"  # what best_model follows (--best_on: the average's, where there is one)
+    key = "ema_val_acc" if averaged else "val_acc"
+    best = max(epochs, key=lambda e: e[key])
+    assert history["best"] == {"epoch": best["epoch"], "val_acc": best[key], "on": on}
     # Startup: from the launcher's start to the end of the first optimizer step, in phases that add up to it.
     timing = history["timing"]
     assert list(timing["phases"]) == ["launcher_s", "deepspeed_launcher_s", "imports_s", "setup_s", "engine_s",
@@ -116,7 +122,12 @@ def test_best_checkpoint_reproduces_logged_val_acc(name, trained, tiny_data):
     states = workdir / "checkpoints_deepspeed/best_model/best/mp_rank_00_model_states.pt"
     model = ResNet18Animals90(num_classes=TINY_CLASSES)
     model.load_state_dict(torch.load(states, map_location="cpu")["module"])
-    assert accuracy(model, tiny_data / "val") == pytest.approx(history["best"]["val_acc"])
+    # the weights' val acc that epoch (zero2-2ranks's best follows the weights' average's: --model_ema)
+    assert accuracy(model, tiny_data / "val") == pytest.approx(best_epoch(history)["val_acc"])
+
+
+def best_epoch(history):
+    return next(e for e in history["epochs"] if e["epoch"] == history["best"]["epoch"])
 
 
 # Every stage and model family is exported in test_models.py; these are the launcher's multi-rank and ZeRO-3 runs.
@@ -142,7 +153,19 @@ def test_export_from_any_stage_reproduces_logged_val_acc(name, suffix, trained, 
     assert all(v.dtype == torch.float32 for k, v in state_dict.items() if "num_batches" not in k)
     model = ResNet18Animals90(num_classes=len(metadata["class_names"]))
     model.load_state_dict(state_dict)
-    assert accuracy(model, tiny_data / "val") == pytest.approx(history["best"]["val_acc"])
+    assert accuracy(model, tiny_data / "val") == pytest.approx(best_epoch(history)["val_acc"])
+    if history["config"]["training"]["model_ema"]:  # and the weights' average, consolidated from both ranks
+        assert history["best"] == {"epoch": history["best"]["epoch"], "on": "ema",
+                                   "val_acc": best_epoch(history)["ema_val_acc"]}
+        averaged = tmp_path / "ema.pt"
+        result = run([sys.executable, str(ROOT / "src/export_model.py"), str(workdir / "checkpoints_deepspeed/last"),
+                      "--ema", "--output", str(averaged)], tmp_path)
+        assert result.returncode == 0 and "the weights' average" in result.stdout, result.stderr[-3000:]
+        ema = torch.load(averaged, map_location="cpu")
+        model.load_state_dict(ema)  # strictly
+        assert accuracy(model, tiny_data / "val") == pytest.approx(history["epochs"][-1]["ema_val_acc"])
+        assert not torch.equal(ema["fc.weight"], state_dict["fc.weight"])
+        assert not torch.equal(ema["bn1.running_mean"], state_dict["bn1.running_mean"])
 
 
 def test_zero3_model_states_file_holds_no_weights(trained, tiny_data):

@@ -52,7 +52,7 @@ def test_early_stopping_ends_the_run_and_the_csv_monitor_holds_every_epoch(stall
     assert [e["val_acc"] for e in epochs] == [class_0_share] * 2
     # Logits (1, 0, 0) over balanced classes: the mean loss is log(e + 2) - 1/3, label smoothing or not.
     assert all(e["train_loss"] == pytest.approx(math.log(math.e + 2) - 1 / 3, abs=1e-4) for e in epochs)
-    assert history["best"] == {"epoch": 1, "val_acc": class_0_share}
+    assert history["best"] == {"epoch": 1, "val_acc": class_0_share, "on": "raw"}
     assert "Early stopping after epoch 2: val acc has not improved on epoch 1's for 1 epoch(s) " \
            "(--early_stopping_patience 1)" in result.stdout
     assert re.search(r"Best val acc 0\.3333 at epoch 1; total time \d+:\d\d:\d\d; history in "
@@ -68,7 +68,8 @@ def test_early_stopping_ends_the_run_and_the_csv_monitor_holds_every_epoch(stall
                                   "backbone_lr_scale": 1.0, "freeze_backbone_epochs": 0, "parameter_groups": False,
                                   "augmentation": None, "ra_reps": 1, "mixup_alpha": 0.0, "cutmix_alpha": 0.0,
                                   "drop_path": None, "momentum": None, "nesterov": None, "groups": None,
-                                  "coalesce_grad_reduction": False}
+                                  "coalesce_grad_reduction": False, "model_ema": False, "best_on": "raw",
+                                  "model_ema_decay": None, "model_ema_steps": None}
     assert config["deepspeed"]["scheduler"]["type"] == "WarmupLR"
     assert config["deepspeed"]["csv_monitor"] == {"enabled": True, "output_path": "logs/csv_monitor",
                                                   "job_name": "train"}

@@ -16,7 +16,7 @@ from conftest import (ROOT, TINY_VAL_IMAGES, assert_usage_error, data_args, hist
 
 pytestmark = pytest.mark.slow  # every test here starts training processes
 
-METRICS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
+METRICS = ("train_loss", "train_acc", "val_loss", "val_acc", "ema_val_loss", "ema_val_acc", "lr")
 
 
 def train_args(tiny_data, epochs=2, stage=("--zero_stage", "2")):
@@ -79,9 +79,10 @@ def metrics(workdir):
 
 
 # the data on the device, with the recipe: its policy runs on chunks of batches, and a resume mid-chunk regroups them
-# (the DataLoader tier's stop and resume: test_two_ranks_stopped_mid_epoch_resume_with_each_ranks_batch_norm_statistics)
+# (the DataLoader tier's stop and resume: test_two_ranks_stopped_mid_epoch_resume_with_each_ranks_batch_norm_statistics);
+# and the weights' average, which the warmup keeps a copy in epoch 1
 ON_DEVICE = ["--data_on_device", "on", "--auto_augment", "ra", "--random_erase", "0.25", "--mixup_alpha", "0.2",
-             "--cutmix_alpha", "1.0", "--label_smoothing", "0.1"]
+             "--cutmix_alpha", "1.0", "--label_smoothing", "0.1", "--model_ema", "--model_ema_steps", "2"]
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +140,7 @@ def test_sigterm_mid_epoch_saves_and_resumes_exactly_with_the_data_on_the_device
     assert history_of(tmp_path)["config"]["zero_stage"] == 2
     assert metrics(tmp_path) == metrics(uninterrupted)
     assert history_of(tmp_path)["best"] == history_of(uninterrupted)["best"]
+    assert metrics(tmp_path)[1]["ema_val_loss"] != metrics(tmp_path)[1]["val_loss"]  # averaged after the warmup
     resumed_epoch = history_of(tmp_path)["epochs"][1]  # its time before the stop is in both figures
     assert resumed_epoch["epoch_wall_s"] >= sum(resumed_epoch[key] for key in ("epoch_time_s", "validation_s",
                                                                               "checkpoint_s"))
@@ -165,7 +167,7 @@ def test_resume_from_a_missing_path_is_a_usage_error(tiny_data, tmp_path):
 
 # each image's draws from its own seed, each batch's mixing from its step's
 RECIPE = ["--auto_augment", "ta_wide", "--random_erase", "0.25", "--mixup_alpha", "0.2", "--cutmix_alpha", "1.0",
-          "--ra_reps", "3", "--data_on_device", "off"]
+          "--ra_reps", "3", "--data_on_device", "off", "--model_ema", "--model_ema_steps", "3", "--warmup_epochs", "0"]
 
 
 def stop_then_resume(rank, port, results, data, workdir):
@@ -220,3 +222,5 @@ def test_two_ranks_stopped_mid_epoch_resume_with_each_ranks_batch_norm_statistic
     assert training["ra_reps"] == 3
     assert history_of(tmp_path / "stopped")["config"]["data_tier"] == "workers"
     assert metrics(tmp_path / "stopped") == metrics(tmp_path / "whole")
+    epoch = history_of(tmp_path / "stopped")["epochs"][0]  # the average is not the weights
+    assert epoch["ema_val_loss"] is not None and epoch["ema_val_loss"] != epoch["val_loss"]

@@ -99,6 +99,19 @@ def add_training_args(parser):
                        help="weight decay of every bias (before --norm_weight_decay)")
     train.add_argument("--transformer_embedding_decay", type=float, default=None, metavar="WD",
                        help="weight decay of class tokens, position embeddings and relative position bias tables")
+    train.add_argument("--model_ema", action="store_true",
+                       help="keep an exponential moving average of the weights (each rank its own part of them, "
+                            "where the optimizer keeps its fp32 weights), validate it every epoch beside the "
+                            "weights, and save it in every checkpoint (export_model.py --ema)")
+    train.add_argument("--model_ema_decay", type=float, default=0.99998, metavar="D",
+                       help="the average's decay, adjusted as torchvision's reference does: 1 - (1 - D) x global "
+                            "batch x --model_ema_steps / --epochs")
+    train.add_argument("--model_ema_steps", type=int, default=32, metavar="N",
+                       help="update the average after every N-th optimizer step of an epoch (its first included); "
+                            "during the warmup it is a copy of the weights")
+    train.add_argument("--best_on", choices=["ema", "raw"], default=None,
+                       help="what best_model and --early_stopping_patience follow: the average's validation "
+                            "accuracy (ema, the default with --model_ema) or the weights' (raw)")
     train.add_argument("--label_smoothing", type=float, default=0.0,
                        help="label smoothing of the training loss, in [0, 1); validation loss stays plain "
                             "cross-entropy")
@@ -355,6 +368,14 @@ def check_values(args):
     if args.layer_decay is not None and not 0 < args.layer_decay <= 1:
         raise UsageError(f"--layer_decay must be in (0, 1] (each layer's rate that times the one above), "
                          f"got {args.layer_decay}")
+    if not 0 < args.model_ema_decay < 1:
+        raise UsageError(f"--model_ema_decay must be in (0, 1), got {args.model_ema_decay}")
+    if args.model_ema_steps < 1:
+        raise UsageError(f"--model_ema_steps must be at least 1, got {args.model_ema_steps}")
+    if args.best_on == "ema" and not args.model_ema:
+        raise UsageError("--best_on ema follows the weights' average, which only --model_ema keeps: add --model_ema")
+    if args.best_on is None:
+        args.best_on = "ema" if args.model_ema else "raw"
     if not 0 <= args.momentum < 1:  # at 1 or more SGD's velocity never decays: the updates grow without bound
         raise UsageError(f"--momentum must be in [0, 1), got {args.momentum}")
     if args.nesterov and args.momentum == 0:

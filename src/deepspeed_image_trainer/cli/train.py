@@ -23,6 +23,7 @@ from ..data.mixing import BatchMixing, batch_mixing
 from ..data.recipe import recipe_of
 from ..engine import overrides as deepspeed_overrides
 from ..engine.config import load_base_config, precision, resolve_scheduler
+from ..engine.ema import WeightEMA, checkpoint_has_ema
 from ..engine.distributed import (agreed, alike_on_each_node, all_reduce, any_rank, checked_world_size, differing,
                                   init_distributed, local_device, patient_group, rank_zero_only, restore_own_buffers,
                                   shut_down)
@@ -71,6 +72,7 @@ class Run:
     carried: dict | None  # the interrupted epoch's sums, resumed mid-epoch
     mixing: BatchMixing | None
     step_seed: tuple  # (seed, rank): train_one_epoch's
+    ema: WeightEMA | None  # --model_ema
 
     def training_state(self, next_epoch, next_step=0, carried=None):
         """What a checkpoint holds beyond DeepSpeed's state: where to go on, the history, the RNG state."""
@@ -287,6 +289,11 @@ def build(args, clock):
         ds_config["scheduler"] = scheduler  # the history records the steps that run
         replace_lr_scheduler(engine, scheduler, ds_config["optimizer"]["params"]["lr"])
     body_lr = GroupLearningRates(engine, groups, args.backbone_lr_scale, args.freeze_backbone_epochs) if groups else None
+    steps_per_epoch = micro_batches // accumulation
+    ema = WeightEMA(engine, decay=args.model_ema_decay, every=args.model_ema_steps,
+                    global_batch=ds_config["train_batch_size"], epochs=args.epochs,
+                    warmup_steps=round(args.warmup_epochs * steps_per_epoch),
+                    steps_per_epoch=steps_per_epoch) if args.model_ema else None
     samples_per_micro_batch = micro_batch * world_size  # over all ranks: a position any world size can take up
 
     # The history's config: the run's record (outputs/record.py), where it ran and on what data
@@ -305,10 +312,12 @@ def build(args, clock):
     history = TrainingHistory(Path(args.log_dir) / HISTORY_FILE, run_config)
     # On a GPU the host is free to write checkpoints while the next epoch trains; on a CPU it is not.
     saver = CheckpointSaver(engine, args.checkpoint_dir, args.save_every, args.keep_last, args.save_last_every,
-                            background=device_type == "cuda")
+                            background=device_type == "cuda", ema=ema)
     health = StepHealth(engine, args.max_nonfinite_steps)
     # What each checkpoint says of its run (extra_info.json), from the history's record of the run
     extra_info = checkpoint_info(run_config, resumed_info.get("run_started") if resumed_info else clock.started)
+    if ema is not None:  # the files the checkpoint's tag folder holds beside DeepSpeed's
+        extra_info["model_ema_files"] = ema.files()
 
     start_epoch, start_step, carried = 1, 0, None
     if resume_from is not None:
@@ -317,6 +326,9 @@ def build(args, clock):
         if history.file_is_behind():  # stopped between the checkpoint and its history line
             history.save()
         restore_rng_state(state["rng"])
+        if ema is not None:
+            tag_dir = Path(resume_from) / resumed_info["tag"]
+            agreed(lambda: ema.load(tag_dir) if checkpoint_has_ema(tag_dir) else None)
         with stop_on_write_error("checkpoint", "--checkpoint_dir"):
             warning = carry_best(resume_from, args.checkpoint_dir, history.data["best"]["epoch"])
         if warning:
@@ -343,7 +355,7 @@ def build(args, clock):
                samples_per_micro_batch=samples_per_micro_batch, body_lr=body_lr, history=history, saver=saver,
                health=health, extra_info=extra_info, world_size=world_size, start_epoch=start_epoch,
                start_step=start_step, carried=carried, mixing=batch_mixing(args, len(train_set.classes), rank),
-               step_seed=(args.seed, rank))
+               step_seed=(args.seed, rank), ema=ema)
 
 
 def epoch_loop(run):
@@ -361,7 +373,7 @@ def epoch_loop(run):
             train = train_one_epoch(engine, loader, epoch, run.dtype, run.micro_batches, start_step=start_step,
                                     carried=carried, stop=stop, label_smoothing=args.label_smoothing,
                                     health=run.health, on_first_step=run.clock.first_step, coalesced=run.coalesced,
-                                    mixing=run.mixing, step_seed=run.step_seed)
+                                    mixing=run.mixing, step_seed=run.step_seed, ema=run.ema)
             if train.get("interrupted"):
                 at = {"epoch": epoch, "step": train["step"], "samples": train["step"] * run.samples_per_micro_batch}
                 saver.save(epoch - 1, {**run.extra_info, "interrupted_at": at},
@@ -377,17 +389,22 @@ def epoch_loop(run):
             validation_started = time.perf_counter()
             val = evaluate(engine, run.val_loader, run.dtype)
             run.health.check_validation(val["loss"], epoch)
+            ema_val = {}
+            if run.ema is not None:
+                with run.ema.swapped_in():
+                    ema_val = evaluate(engine, run.val_loader, run.dtype)
             validation_s = time.perf_counter() - validation_started
             body_scale = run.body_lr.body_scale() if run.body_lr else 1.0
             record = {"epoch": epoch, "train_loss": train["loss"], "train_acc": train["acc"],
                       "val_loss": val["loss"], "val_acc": val["acc"], "val_images": val["images"],
+                      "ema_val_loss": ema_val.get("loss"), "ema_val_acc": ema_val.get("acc"),
                       "lr": train["lr"], "backbone_lr": train["lr"] * body_scale,
                       "epoch_time_s": train["time_s"], "validation_s": validation_s,
                       "images_per_s": train["images_per_s"],
                       "data_wait_s": train["data_wait_s"], "compute_s": train["compute_s"],
                       "peak_gpu_memory_gib": peak_gpu_memory_gib(engine.device),
                       "skipped_steps": train["skipped_steps"], "nonfinite_steps": train["nonfinite_steps"]}
-            is_best = history.add(record)
+            is_best = history.add(record, args.best_on)
             saving_started = time.perf_counter()
             saver.save(epoch, {**run.extra_info, "metrics": record}, run.training_state(epoch + 1), best=is_best)
             history.update_last(checkpoint_s=time.perf_counter() - saving_started,
@@ -416,7 +433,8 @@ def finish(run):
         run.history.data["timing"]["total_s"] = round(run.clock.since_start(), 3)
         run.history.save()
         total = datetime.timedelta(seconds=round(run.clock.since_start()))
-        say(f"Best val acc {best['val_acc']:.4f} at epoch {best['epoch']}; total time {total}; "
+        which = " (the weights' average)" if best.get("on") == "ema" else ""
+        say(f"Best val acc{which} {best['val_acc']:.4f} at epoch {best['epoch']}; total time {total}; "
             f"history in {run.history.path}, checkpoints in {run.args.checkpoint_dir}")
     say_finished()  # every checkpoint is published and the history written: a signal from here on stops nothing
     shut_down()  # together: a rank leaving gloo while rank 0 still writes can abort in the backend's teardown

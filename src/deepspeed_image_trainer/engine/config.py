@@ -187,6 +187,7 @@ def build_ds_config(args, world_size, num_train_images, base=None, device_type="
     config["gradient_clipping"] = _pick(config, "gradient_clipping", args, "clip_grad", missing=args.clip_grad)
     _skip_unused_grad_norm(config)
     _refuse_fp32_accumulation_with_offload(config)
+    _refuse_ema_with_nvme(config, args)
     config.setdefault("steps_per_print", 1_000_000)  # the progress bar reports; keep DeepSpeed's log quiet
     # DeepSpeed's throughput timer synchronises the device at the start and the end of every step, for a
     # figure it only logs every steps_per_print steps; the trainer times its epochs itself.
@@ -421,6 +422,16 @@ OPTIMIZERS = {"adamw": "AdamW", "sgd": "SGD", "lamb": "Lamb", "lion": "Lion"}
 MAX_LR = 1e6
 OPTIMIZER_SETTINGS = {**dict.fromkeys(("adam", "adamw", "lamb"), ("betas", "eps")),
                       "lion": ("betas",), "adagrad": ("eps",)}
+
+
+def _refuse_ema_with_nvme(config, args):
+    """The weights' average lives beside the fp32 weights (engine/ema.py), which NVMe offload swaps out to disk
+    between steps."""
+    if getattr(args, "model_ema", False):
+        for section in ("offload_optimizer", "offload_param"):
+            if (config["zero_optimization"].get(section) or {}).get("device") == "nvme":
+                raise UsageError(f"--model_ema averages the fp32 weights in memory, and zero_optimization.{section} "
+                                 "keeps them on NVMe: offload to the CPU (device: cpu) or drop --model_ema")
 
 
 def _resolve_optimizer(config, args, device_type):

@@ -113,7 +113,7 @@ class GradientAccumulation:
 
 def train_one_epoch(engine, loader, epoch, dtype, micro_batches, *, start_step=0, carried=None, stop=None,
                     label_smoothing=0.0, health=None, on_first_step=None, coalesced=False, mixing=None,
-                    step_seed=None):
+                    step_seed=None, ema=None):
     """Train micro-batches start_step .. micro_batches-1 of `loader`; return metrics summed over ranks
     (the loss is the one trained on, label smoothing included).
 
@@ -123,7 +123,8 @@ def train_one_epoch(engine, loader, epoch, dtype, micro_batches, *, start_step=0
     and raises Diverged when the loss stays non-finite. `on_first_step(device)` is called after the
     epoch's first step. `coalesced`: see GradientAccumulation. `mixing` (data/mixing.py's BatchMixing): mixup or
     cutmix of each micro-batch, trained on the soft targets; the training accuracy is then the dominant label's.
-    `step_seed` (seed, rank): each micro-batch's model randomness seeded from it (rng.seed_step).
+    `step_seed` (seed, rank): each micro-batch's model randomness seeded from it (rng.seed_step). `ema`
+    (ema.WeightEMA): told of each optimizer step.
     """
     engine.train()
     health = health or StepHealth(engine, max_nonfinite_steps=0)
@@ -162,6 +163,8 @@ def train_one_epoch(engine, loader, epoch, dtype, micro_batches, *, start_step=0
         health.before_step()
         steps.step(ends_step)
         health.after_step()
+        if ema is not None and ends_step:
+            ema.after_step(epoch, step // accumulation)
         totals.add(loss * labels.numel(), logits, labels)
         if on_first_step is not None and step == start_step:
             on_first_step(engine.device)

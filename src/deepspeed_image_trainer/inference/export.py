@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from ..models.names import MODEL_NAME
 from ..outputs.checkpoints import find_checkpoint, read_info
 from ..utils.failures import (CliParser, UsageError, check_not_taken, check_output_file, path_argument,
                               stop_on_write_error)
-from ..utils.files import as_open_would, fingerprint, replace_together, written_beside
+from ..utils.files import as_open_would, fingerprint, replace_together, save_safetensors, written_beside
 from ..utils.loading import check_checkpoint_files, load_checked
 from ..utils.text import error_line
 
@@ -68,18 +67,6 @@ def consolidated_state_dict(checkpoint):
     return {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in module.items()}, info
 
 
-def save_safetensors(state_dict, path, metadata):
-    """safetensors' save_file, whose failed writes (a full disk) raise SafetensorError: as the OSError they are."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
-    try:
-        save_file(state_dict, str(path), metadata={k: json.dumps(v) for k, v in metadata.items()})
-    except SafetensorError as err:  # "Error while serializing: I/O error: File too large (os error 27)"
-        code = re.search(r"\(os error (\d+)\)", str(err))
-        raise (OSError(int(code[1]), os.strerror(int(code[1]))) if code else OSError(str(err).splitlines()[0])) from err
-
-
 def sidecar_path(output):
     return Path(output).with_suffix(Path(output).suffix + ".json")
 
@@ -102,7 +89,29 @@ def check_format_support(kind):
                              f"which torch.onnx exports with: pip install {' '.join(missing)}")
 
 
-def export(checkpoint, output, kind=None):
+def with_ema(state_dict, info):
+    """`state_dict` with the weights' average of the checkpoint (--model_ema) in place of its weights and floating
+    buffers, consolidated from every rank's part (engine/ema.py)."""
+    from ..engine.ema import BUFFER, checkpoint_has_ema, read_files
+
+    tag_dir = Path(info["folder"]) / info["tag"]
+    if not checkpoint_has_ema(tag_dir):
+        raise UsageError(f"--ema: {info['folder']} holds no weights' average (its run was trained without "
+                         "--model_ema)")
+    saved = read_files(tag_dir)
+    averaged = dict(state_dict)
+    for name in saved.metadata["shapes"]:
+        if name not in state_dict:
+            raise UsageError(f"--ema: {tag_dir}'s average has a weight {name} its model does not")
+        if name in saved.parts:  # a weight no optimizer stepped (frozen for the whole run) is its own average
+            averaged[name] = saved.whole(name).to(state_dict[name].dtype)
+    for name, value in state_dict.items():
+        if value.is_floating_point() and name not in saved.metadata["shapes"]:
+            averaged[name] = saved.tensor(BUFFER + name).to(value.dtype).view(value.shape)
+    return averaged
+
+
+def export(checkpoint, output, kind=None, ema=False):
     output = Path(output)
     kind = output_format(output, kind)
     check_output_file(output, "--output", FORMATS[kind])
@@ -112,6 +121,8 @@ def export(checkpoint, output, kind=None):
     if kind == "onnx":
         check_not_taken(onnx_data_path(output), "--output", output)
     state_dict, info = consolidated_state_dict(checkpoint)
+    if ema:
+        state_dict = with_ema(state_dict, info)
     # strict: the export must load as it is
     model = model_for_weights(info["model"], len(info["class_names"]), info["image_size"])
     load_weights(model, state_dict, info["folder"])
@@ -119,7 +130,7 @@ def export(checkpoint, output, kind=None):
     metadata = {"model": info["model"], "pretrained": info.get("pretrained"), "preprocessing": preprocessing,
                 "image_size": info["image_size"], "class_names": info["class_names"],
                 "source_checkpoint": info["folder"], "epoch": info["epoch"], "metrics": info.get("metrics"),
-                "data_tier": info.get("data_tier")}
+                "data_tier": info.get("data_tier"), "weights": "ema" if ema else "raw"}
     if kind != "state_dict":
         metadata["format"] = kind
         return _export_program(plain_norms(model).eval(), kind, output, metadata)
@@ -247,16 +258,20 @@ def get_args_parser():
                              "torchscript model.ts")
     parser.add_argument("--format", choices=tuple(FORMATS), default=None,
                         help="state_dict (default), onnx (default for a .onnx name) or torchscript")
+    parser.add_argument("--ema", action="store_true",
+                        help="export the weights' average the run kept (--model_ema) instead of its weights")
     return parser
 
 
 def main(argv=None):
     args = get_args_parser().parse_args(argv)
-    metadata = export(args.checkpoint, args.output, args.format)
+    metadata = export(args.checkpoint, args.output, args.format, args.ema)
     output = Path(args.output)  # the file written: "m.pt/" writes m.pt
     checked = metadata.get("checked") or {}
     how = (f", {metadata['format']}, logits within {checked['max_abs_difference']:.2g} of PyTorch's"
            if checked.get("by") else f", {metadata['format']}, not run (pip install onnxruntime to check it)"
            if "format" in metadata else "")
-    print(f"wrote {output} ({len(metadata['class_names'])} classes, {metadata['image_size']} px{how}) "
+    which = "the weights' average, " if args.ema else ""
+    print(f"wrote {output} ({which}{len(metadata['class_names'])} classes, "
+          f"{metadata['image_size']} px{how}) "
           f"and {sidecar_path(output)} from {metadata['source_checkpoint']}")

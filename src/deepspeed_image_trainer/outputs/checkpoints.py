@@ -32,8 +32,9 @@ import zipfile
 from pathlib import Path
 
 from ..engine.distributed import barrier, rank, rank_zero_only, world_size
+from ..engine.ema import EMA_FILE
 from ..utils.failures import CHECKPOINT_DESCRIPTION, UsageError, stop_on_write_error
-from ..utils.files import parse_json, write_json_atomic
+from ..utils.files import parse_json, save_safetensors, write_json_atomic
 from ..utils.loading import check_checkpoint_files
 from ..utils.text import error_line, listed
 from . import universal
@@ -105,7 +106,8 @@ INFO_TYPES = {"class_names": lambda v: isinstance(v, list) and v and all(isinsta
               "run_started": lambda v: v is None or isinstance(v, (int, float)) and not isinstance(v, bool),
               "saved_at": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
               "pretrained": lambda v: v is None or isinstance(v, str),
-              "interrupted_at": lambda v: isinstance(v, dict) and _whole_number(v.get("epoch"), 1)}
+              "interrupted_at": lambda v: isinstance(v, dict) and _whole_number(v.get("epoch"), 1),
+              "model_ema_files": lambda v: _whole_number(v, 1)}
 
 
 def read_info(folder):
@@ -162,8 +164,8 @@ def carry_best(resume_from, checkpoint_dir, best_epoch):
 
 
 class CheckpointSaver:
-    def __init__(self, engine, checkpoint_dir, save_every, keep_last, save_last_every=1, background=True):
-        self.engine = engine
+    def __init__(self, engine, checkpoint_dir, save_every, keep_last, save_last_every=1, background=True, ema=None):
+        self.engine, self.ema = engine, ema  # ema: engine/ema.py's WeightEMA, whose files go into the tag folder
         self.dir = Path(checkpoint_dir)
         self.save_every = save_every
         self.keep_last = keep_last
@@ -209,6 +211,9 @@ class CheckpointSaver:
         self.staging = staging
         with stop_on_write_error("checkpoint", "--checkpoint_dir"):
             self.engine.save_checkpoint(str(staging), tag="staged", client_state=state)
+            ema = self.ema.state() if self.ema is not None else None  # copied now: the training changes it
+            if ema is not None:
+                self.after(save_ema, staging / "staged" / EMA_FILE.format(rank()), *ema)
             self.after(self._mark, staging, WRITTEN)
             # saved_at orders --resume auto's candidates: a resume keeps run_started, and may rewind the epoch
             self.after(self._publish_staged, staging, names, {**info, "epoch": epoch, "saved_at": time.time()})
@@ -257,6 +262,12 @@ class CheckpointSaver:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+def save_ema(path, tensors, metadata):
+    """A rank's part of the weights' average (engine/ema.py) as a safetensors file in the checkpoint's tag folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)  # at ZeRO-0 DeepSpeed makes it on rank 0 only
+    save_safetensors(tensors, path, metadata)
+
+
 def is_checkpoint_name(name):
     """Whether `name` is one the trainer publishes a checkpoint under: last, best_model, epoch_N."""
     return name in (LAST, BEST) or name.startswith("epoch_") and name[len("epoch_"):].isdigit()
@@ -268,12 +279,13 @@ def missing_files(folder, info):
     tag, stage, ranks = Path(folder, info["tag"]), info.get("zero_stage", 0), info.get("world_size", 1)
     if not isinstance(stage, int) or not isinstance(ranks, int) or ranks < 1:
         return [f"{tag} (extra_info.json names no ZeRO stage and number of ranks)"]
-    present = {path.name for path in tag.glob("*.pt")}
+    present = {path.name for path in tag.glob("*.pt")} | {path.name for path in tag.glob("*.safetensors")}
     wanted = ([f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(ranks)] if stage == 3
               else ["mp_rank_00_model_states.pt"])
     if stage:  # the optimizer's shards, one a rank (bf16_zero_pp_rank_... with DeepSpeed's bf16 weights)
         wanted += [name for r in range(ranks) for name in [f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"]
                    if name not in present and f"bf16_{name}" not in present]
+    wanted += [EMA_FILE.format(r) for r in range(info.get("model_ema_files", 0))]  # --model_ema's
     return [str(tag / name) for name in wanted if name not in present]
 
 
@@ -362,7 +374,8 @@ SETTINGS_FLAGS = {"model": "--model", "class_names": "the classes of --train_dir
                   "learning_rate": "--learning_rate", "weight_decay": "--weight_decay", "lr_schedule": "--lr_schedule",
                   "warmup_epochs": "--warmup_epochs", "label_smoothing": "--label_smoothing", "precision": "precision",
                   "backbone_lr_scale": "--backbone_lr_scale", "freeze_backbone_epochs": "--freeze_backbone_epochs",
-                  "momentum": "--momentum", "nesterov": "--nesterov",
+                  "momentum": "--momentum", "nesterov": "--nesterov", "model_ema": "--model_ema",
+                  "best_on": "--best_on",
                   "parameter_groups": "the parameter groups (--backbone_lr_scale, --freeze_backbone_epochs, "
                                       "--layer_decay, --norm_weight_decay, --bias_weight_decay, "
                                       "--transformer_embedding_decay):"}
@@ -378,6 +391,8 @@ def _shown(key, value, other=None):
         return GROUPS.get(value, str(value))
     if key == "class_names":
         return f"{len(value)} classes ({listed(value, 4)})"
+    if key == "model_ema" and isinstance(value, bool):
+        return "on" if value else "off"
     return json.dumps(value) if isinstance(value, str) and not isinstance(other, str) else str(value)
 
 
@@ -386,6 +401,8 @@ def _same(key, saved, value):
     "adamw" are one optimizer); torch.optim's differ by more than case."""
     if key in ("momentum", "nesterov") and saved is None:  # not SGD's run: its optimizer's line says what differs
         return True
+    if key in ("model_ema", "best_on") and saved is None:  # saved before --model_ema was a flag: without it
+        saved = {"model_ema": False, "best_on": "raw"}[key]
     if key == "optimizer" and isinstance(saved, str) and isinstance(value, str):
         return saved.lower() == value.lower()
     return saved == value

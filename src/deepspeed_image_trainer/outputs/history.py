@@ -15,7 +15,9 @@ ARGS_FILE = "args.yaml"  # beside it: the run's flags, a recipe (--config)
 # skipped_steps: optimizer steps the fp16 loss scaler skipped (overflow); nonfinite_steps: micro-batches
 # whose training loss was NaN/inf (the most on any rank).
 # backbone_lr: the learning rate of all but the classifier head (lr x --backbone_lr_scale, 0 while frozen).
-EPOCH_KEYS = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "val_images", "lr", "backbone_lr",
+# ema_val_loss, ema_val_acc: the weights' average's (--model_ema; None without it).
+EPOCH_KEYS = ("epoch", "train_loss", "train_acc", "val_loss", "val_acc", "ema_val_loss", "ema_val_acc", "val_images",
+              "lr", "backbone_lr",
               "epoch_time_s", "images_per_s", "data_wait_s", "compute_s", "validation_s", "checkpoint_s", "epoch_wall_s",
               "peak_gpu_memory_gib", "skipped_steps", "nonfinite_steps")
 
@@ -24,7 +26,10 @@ def epoch_line(record, epochs, is_best):
     """The line printed after each epoch, from its history record."""
     r = record
     return (f"Epoch {r['epoch']}/{epochs}: train loss {r['train_loss']:.4f} acc {r['train_acc']:.4f} | "
-            f"val loss {r['val_loss']:.4f} acc {r['val_acc']:.4f} | {r['images_per_s']:.1f} img/s, "
+            f"val loss {r['val_loss']:.4f} acc {r['val_acc']:.4f} | "
+            + (f"EMA val loss {r['ema_val_loss']:.4f} acc {r['ema_val_acc']:.4f} | "
+               if r.get("ema_val_acc") is not None else "")
+            + f"{r['images_per_s']:.1f} img/s, "
             f"{r['data_wait_s'] / r['epoch_time_s']:.0%} waiting for data | epoch {r['epoch_wall_s']:.1f} s "
             f"(training {r['epoch_time_s']:.1f}, validation {r['validation_s']:.1f}, checkpoints {r['checkpoint_s']:.1f})"
             + (f" | peak GPU memory {r['peak_gpu_memory_gib']:.2f} GiB" if r["peak_gpu_memory_gib"] is not None else "")
@@ -41,13 +46,14 @@ class TrainingHistory:
         self.path = Path(path)
         self.data = {"config": config, "timing": timing or {}, "epochs": [], "best": {"epoch": None, "val_acc": None}}
 
-    def add(self, record):
+    def add(self, record, best_on="raw"):
         """Append one epoch's record (the times measured after it, None until update_last); return True when
-        it is the best validation accuracy so far."""
+        it is the best validation accuracy so far: the weights' (`best_on` raw) or their average's (ema)."""
         self.data["epochs"].append({key: record.get(key) for key in EPOCH_KEYS})
         best = self.data["best"]
-        if best["val_acc"] is None or record["val_acc"] > best["val_acc"]:
-            self.data["best"] = {"epoch": record["epoch"], "val_acc": record["val_acc"]}
+        acc = record["ema_val_acc" if best_on == "ema" else "val_acc"]
+        if best["val_acc"] is None or acc > best["val_acc"]:
+            self.data["best"] = {"epoch": record["epoch"], "val_acc": acc, "on": best_on}
             return True
         return False
 

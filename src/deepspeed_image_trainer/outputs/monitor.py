@@ -16,7 +16,8 @@ from ..utils.failures import UsageError
 from ..utils.files import write_atomic
 
 EPOCH_PREFIX = "Epoch/"
-EPOCH_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "images_per_s", "lr", "peak_gpu_memory_gib")
+EPOCH_SCALARS = ("train_loss", "train_acc", "val_loss", "val_acc", "ema_val_loss", "ema_val_acc", "images_per_s", "lr",
+                 "peak_gpu_memory_gib")
 # DeepSpeed's CSV monitor names a scalar's file after it, "/" as "_". Its own scalars are all Train/Samples/<name>
 # (lr, and loss_scale or step timings by config and version); the trainer's are the Epoch/ ones above.
 DEEPSPEED_FILE_PREFIX = "Train_Samples_"

@@ -62,7 +62,8 @@ def load_history(path):
 
 # What each epoch's record must hold as numbers, and may (older histories, CPU runs).
 REQUIRED = ("train_loss", "val_loss", "train_acc", "val_acc")
-OPTIONAL = ("lr", "images_per_s", "epoch_wall_s", "epoch_time_s", "peak_gpu_memory_gib", "skipped_steps")
+OPTIONAL = ("ema_val_loss", "ema_val_acc", "lr", "images_per_s", "epoch_wall_s", "epoch_time_s", "peak_gpu_memory_gib",
+            "skipped_steps")
 
 
 MAX_PLOTTED = 1e300  # matplotlib's axis limits overflow (a singular transform) on values near float's range
@@ -115,7 +116,7 @@ def _values(epochs, key):
 
 
 def curves_figure(histories, labels=None):
-    """Loss and accuracy (train dashed, val solid), learning rate, and images/s, the time per epoch (whole
+    """Loss and accuracy (train dashed, val solid, the weights' average's val dotted), learning rate, and images/s, the time per epoch (whole
     and training loop), peak GPU memory and skipped fp16 steps when the histories record them (memory is
     null on CPU), per epoch; one colour per run; a star and a
     dotted line at each run's best epoch. Returns the matplotlib figure (close it when done)."""
@@ -146,6 +147,9 @@ def curves_figure(histories, labels=None):
                            label=f"{prefix}train")
             axes[key].plot(x, [e[f"val_{key}"] for e in epochs], "s-", color=colour, markersize=3,
                            label=f"{prefix}val")
+            if _recorded([history], f"ema_val_{key}"):  # --model_ema
+                axes[key].plot(x, _values(epochs, f"ema_val_{key}"), "^:", color=colour, markersize=4,
+                               label=f"{prefix}val, weights' average")
         for key in ("lr", "images_per_s", "epoch_wall_s", "peak_gpu_memory_gib", "skipped_steps"):
             if key in axes:
                 axes[key].plot(x, _values(epochs, key), "o-", color=colour, markersize=3, label=label)

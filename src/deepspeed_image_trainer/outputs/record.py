@@ -12,7 +12,7 @@ CHECKPOINT_KEYS = ("model", "pretrained", "preprocessing", "image_size", "class_
                    "precision", "data_tier")
 # The record's "training" values a resumed run must keep (the saved optimizer and scheduler were built for them).
 KEPT_TRAINING = ("optimizer", "learning_rate", "weight_decay", "lr_schedule", "warmup_epochs", "label_smoothing",
-                 "backbone_lr_scale", "freeze_backbone_epochs", "momentum", "nesterov")
+                 "backbone_lr_scale", "freeze_backbone_epochs", "momentum", "nesterov", "model_ema", "best_on")
 
 
 def run_record(args, ds_config, class_names):
@@ -33,7 +33,10 @@ def run_record(args, ds_config, class_names):
                          "freeze_backbone_epochs": args.freeze_backbone_epochs,
                          "parameter_groups": groups_setting(args),
                          "augmentation": recipe_of(args), "ra_reps": args.ra_reps, "mixup_alpha": args.mixup_alpha,
-                         "cutmix_alpha": args.cutmix_alpha, "drop_path": args.drop_path},
+                         "cutmix_alpha": args.cutmix_alpha, "drop_path": args.drop_path,
+                         "model_ema": args.model_ema, "best_on": args.best_on,
+                         "model_ema_decay": args.model_ema_decay if args.model_ema else None,
+                         "model_ema_steps": args.model_ema_steps if args.model_ema else None},
             "deepspeed": ds_config}
 
 

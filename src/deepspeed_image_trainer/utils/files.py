@@ -4,6 +4,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -165,3 +166,15 @@ def _remove_backup(backup):
     if backup is not None:
         backup.unlink(missing_ok=True)
         backup.parent.rmdir()
+
+
+def save_safetensors(state_dict, path, metadata):
+    """safetensors' save_file, whose failed writes (a full disk) raise SafetensorError: as the OSError they are."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(state_dict, str(path), metadata={k: json.dumps(v) for k, v in metadata.items()})
+    except SafetensorError as err:  # "Error while serializing: I/O error: File too large (os error 27)"
+        code = re.search(r"\(os error (\d+)\)", str(err))
+        raise (OSError(int(code[1]), os.strerror(int(code[1]))) if code else OSError(str(err).splitlines()[0])) from err
