@@ -215,13 +215,42 @@ def trainer_case(flags, args, device, profile=None, parts=()):
                "stop": StopOnSignal(device, world_size) if "stop" in parts else None,
                "health": StepHealth(engine, train_args.max_nonfinite_steps) if "health" in parts else None,
                "step_seed": (train_args.seed, rank) if "seed" in parts else None}
+    if train_args.model_ema:  # as the trainer builds it, past its warmup: every update averages
+        from deepspeed_image_trainer.engine.ema import WeightEMA
+
+        options["ema"] = WeightEMA(engine, decay=train_args.model_ema_decay, every=train_args.model_ema_steps,
+                                   global_batch=config["train_batch_size"], epochs=1, warmup_steps=0,
+                                   steps_per_epoch=args.steps)
     train_one_epoch(engine, loader(0, args.warmup_steps), 0, dtype, args.warmup_steps, **options)
     reset_peak_memory(device)
     metrics = train_one_epoch(engine, loader(1, args.steps), 1, dtype, args.steps, **options)
     if profile is not None:
         profile.runcall(train_one_epoch, engine, loader(2, args.steps), 2, dtype, args.steps, **options)
     return {"images_per_s": metrics["images_per_s"], "precision": precision(config),
-            "peak_gpu_memory_gib": peak_memory(device), "zero_optimization": config["zero_optimization"]}
+            "peak_gpu_memory_gib": peak_memory(device), "zero_optimization": config["zero_optimization"],
+            **({"ema": ema_timings(options["ema"], device)} if train_args.model_ema else {})}
+
+
+def ema_timings(ema, device, repeat=10):
+    """Milliseconds of one update of the weights' average (WeightEMA.after_step) and of one swap in and out (the
+    validation's), each the median of `repeat`."""
+    def timed(fn):
+        times = []
+        for _ in range(repeat):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append((time.perf_counter() - started) * 1000)
+        return sorted(times)[len(times) // 2]
+
+    def swap():
+        with ema.swapped_in():
+            pass
+
+    return {"update_ms": timed(lambda: ema.after_step(2, 0)), "swap_ms": timed(swap)}
 
 
 def crops_loader(args, device, dtype, rank, world_size):
