@@ -603,7 +603,40 @@ def zero_memory(names):
                        [[config, *[cell(rows.get(config)) for rows in rows_of]] for config in configs])
 
 
+def ema_cost(name):
+    """ema_cost.py: the step without and with the weights' average, what one update costs beside torch's
+    AveragedModel, and evaluate.py with and without --tta flip."""
+    result = load(name)
+    settings, results = result["settings"], result["results"]
+    rows = []
+    for key, r in results.items():
+        if key in ("reference", "tta"):
+            continue
+        stage, variant = key.split(": ")
+        base = results[f"{stage}: no average"]
+        step_ms = settings["batch_size"] / base["images_per_s"] * 1000
+        ema = r.get("ema") or {}
+        every = 32 if "32" in variant else 1
+        runs = r["runs_images_per_s"]
+        rows.append([stage, variant, f"{r['images_per_s']:,.0f} ({min(runs):,.0f}-{max(runs):,.0f})",
+                     "–" if variant == "no average" else f"{r['step_cost']:+.1%}",
+                     f"{ema['update_ms']:.2f} ms" if ema else "–",
+                     f"{ema['update_ms'] / every / step_ms:.2%}" if ema else "–",
+                     f"{ema['swap_ms']:.1f} ms" if ema else "–"])
+    tta = results["tta"]
+    return source(result, name) + (
+        f"\n{settings['model']}, micro-batch {settings['batch_size']}, {settings['image_size']} px, the trainer's step "
+        f"on a synthetic batch, {settings['steps']} timed steps, each variant run in turn (lower median and range of the "
+        f"runs); one update of torch's AveragedModel (torchvision's ExponentialMovingAverage) over the whole fp32 "
+        f"model on the same GPU: {results['reference']['update_ms']:.2f} ms:\n\n") + table(
+        ["stage", "variant", "images/s (runs)", "measured change", "one update", "update per step, of the step",
+         "swap in and out (validation)"], rows) + (
+        f"\n`evaluate.py` on {tta['images']:,} images ({tta['decode']} decode), median of {len(tta['runs_s']['plain'])} "
+        f"runs each: {tta['wall_s']['plain']:.1f} s, with `--tta flip` {tta['wall_s']['tta flip']:.1f} s.\n")
+
+
 TABLES = {
+    "ema-cost": lambda: ema_cost("ema_cost/ema_cost_resnet50_nvidia_h200.json"),
     "first-minute-gpu": lambda: first_minute("first_minute/first_minute_nvidia_h100_80gb_hbm3.json"),
     "first-minute-cpu": lambda: first_minute("first_minute_cpu.json"),
     "checkpoint-engines": checkpoint_engines,
