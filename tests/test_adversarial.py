@@ -548,6 +548,7 @@ def test_the_readme_dry_run_works_without_a_dataset(tmp_path, monkeypatch, capsy
     (["--train_dir", "OTHER_CLASSES"], "the classes of --train_dir 3 classes (antelope, badger, bat) (this run: "
                                        "4 classes"),
     (["--freeze_backbone_epochs", "1"], "--freeze_backbone_epochs 0 (this run: 1)"),
+    (["--model_ema"], "--model_ema off (this run: on)"),  # the average would start from the weights mid-run
 ])
 def test_resuming_with_other_settings_stops_before_anything_starts(trained, tiny_data, tmp_path, monkeypatch, capsys,
                                                                    extra, message):

@@ -92,6 +92,12 @@ def test_the_optimizer_flags_name_the_optimizer_deepspeed_builds(argv, optimizer
     (("--optimizer", "lamb", "--zero_stage", "2"), None, "--optimizer lamb: LAMB scales each layer's step by its own"),
     (("--optimizer", "lamb", "--bf16", "--precision_mode", "half_weights"), None, "and DeepSpeed's bf16 weights)"),
     ((), {"optimizer": {"type": "Lamb"}, "zero_optimization": {"stage": 1}}, "optimizer.type Lamb: LAMB scales"),
+    # the weights' average
+    (("--best_on", "ema"), None, "--best_on ema follows the weights' average, which only --model_ema keeps"),
+    (("--model_ema", "--model_ema_decay", "1"), None, "--model_ema_decay must be in (0, 1), got 1.0"),
+    (("--model_ema", "--model_ema_steps", "0"), None, "--model_ema_steps must be at least 1, got 0"),
+    (("--model_ema",), {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "."}}},
+     "--model_ema averages the fp32 weights in memory, and zero_optimization.offload_optimizer keeps them on NVMe"),
 ])
 def test_optimizer_flags_that_cannot_be_are_refused(argv, base, message):
     from deepspeed_image_trainer.cli.options import check_values
