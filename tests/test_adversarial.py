@@ -945,7 +945,12 @@ def test_a_dry_run_refuses_what_the_run_refuses_when_no_checkpoint_is_left(train
     ("ranks swapped", "zero_pp_rank_1_mp_rank_00_optim_states.pt holds parameters that come before rank 0's"),
     # a KeyError: 'module' in DeepSpeed's load, in every rank
     ("model states a state_dict", "mp_rank_00_model_states.pt is not a DeepSpeed checkpoint file (it holds no "
-                                  "'module')")])
+                                  "'module')"),
+    # the weights' average (--model_ema): its safetensors headers, read before any rank starts
+    ("average garbage", "the weights' average (--model_ema) cannot be read (Error while deserializing header"),
+    ("average a FIFO", "ema_rank1.safetensors is missing or not a regular file"),
+    ("average's metadata lies", "the weights' average (--model_ema) cannot be read (its metadata is not the trainer's)"),
+    ("average in fp16", "not the 1-D fp32 part the trainer writes")])
 def test_a_shard_no_rank_can_load_stops_the_launcher(trained, tmp_path, monkeypatch, capsys, how, message):
     """The launcher reads every shard as the load will, before any rank starts: a valid zip archive whose pickle
     names other objects, a copy of another rank's shard, a file without what DeepSpeed reads from it."""
@@ -962,6 +967,25 @@ def test_a_shard_no_rank_can_load_stops_the_launcher(trained, tmp_path, monkeypa
         (tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").rename(tag / "swapped")
         shard.rename(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
         (tag / "swapped").rename(shard)
+    elif how.startswith("average"):
+        from safetensors import safe_open
+        from safetensors.torch import load_file, save_file
+
+        average, first_file = tag / "ema_rank1.safetensors", tag / "ema_rank0.safetensors"
+        if how == "average garbage":
+            average.write_bytes(b"\xff" * 100)
+        elif how == "average a FIFO":
+            average.unlink()
+            os.mkfifo(average)
+        else:
+            with safe_open(first_file, "pt") as f:
+                metadata = f.metadata()
+            tensors = load_file(first_file)
+            if how == "average in fp16":
+                tensors = {k: v.half() for k, v in tensors.items()}
+            else:
+                metadata["files"] = "2.5"
+            save_file(tensors, first_file, metadata=metadata)
     else:
         torch.save(torchvision.models.resnet18().state_dict(), tag / "mp_rank_00_model_states.pt")
     before = digests(tmp_path)

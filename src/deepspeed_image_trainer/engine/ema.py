@@ -209,9 +209,13 @@ class SavedEMA:
         self.parts = {}  # parameter name -> [(start, numel, handle, key)]
         for handle in handles:
             for key in handle.keys():
+                part = handle.get_slice(key)
+                if part.get_dtype() != "F32" or (not key.startswith(BUFFER) and len(part.get_shape()) != 1):
+                    raise UsageError(f"{tag_dir}: the weights' average holds {key} as {part.get_dtype()} "
+                                     f"{part.get_shape()}, not the 1-D fp32 part the trainer writes")
                 if not key.startswith(BUFFER):
                     name, start = _parse_key(key)
-                    self.parts.setdefault(name, []).append((start, handle.get_slice(key).get_shape()[0], handle, key))
+                    self.parts.setdefault(name, []).append((start, part.get_shape()[0], handle, key))
 
     def fill(self, target, name, start):
         """Copy elements start .. start + target.numel() of parameter `name` into the 1-D `target`."""
@@ -232,12 +236,18 @@ class SavedEMA:
         raise UsageError(f"{self.tag_dir}: the weights' average has no {key.removeprefix(BUFFER)} (its files do not "
                          "fit this model)")
 
-    def whole(self, name):
-        """Parameter `name`, whole, in its shape."""
-        shape = self.metadata["shapes"][name]
+    def whole(self, name, shape):
+        """Parameter `name`, whole, in `shape` (the model's), which the files must give it too."""
+        if list(shape) != self.metadata["shapes"].get(name):
+            raise UsageError(f"{self.tag_dir}: the weights' average gives {name} the shape "
+                             f"{self.metadata['shapes'].get(name)}, and the model {list(shape)}")
         full = torch.empty(int(torch.Size(shape).numel()), dtype=torch.float32)
         self.fill(full, name, 0)
         return full.view(shape)
+
+
+def _whole(value, low):
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < 2**62
 
 
 def read_files(tag_dir):
@@ -247,16 +257,22 @@ def read_files(tag_dir):
 
     tag_dir = Path(tag_dir)
     first = tag_dir / EMA_FILE.format(0)
+    def opened(path):
+        if not path.is_file():  # a FIFO's open waits for a writer for good
+            raise ValueError(f"{path.name} is missing or not a regular file")
+        return safe_open(str(path), framework="pt")
+
     try:
-        handles = [safe_open(str(first), framework="pt")]
+        handles = [opened(first)]
         metadata = handles[0].metadata() or {}
         metadata = {key: json.loads(value) for key, value in metadata.items()}
-        files = metadata.get("files")
-        if not isinstance(files, int) or files < 1 or not isinstance(metadata.get("n_averaged"), int) \
-                or not isinstance(metadata.get("shapes"), dict):
+        files, shapes = metadata.get("files"), metadata.get("shapes")
+        if not _whole(files, 1) or not _whole(metadata.get("n_averaged"), 0) or not isinstance(shapes, dict) or not all(
+                isinstance(shape, list) and len(shape) <= 8 and all(_whole(n, 0) for n in shape)
+                for shape in shapes.values()):
             raise ValueError("its metadata is not the trainer's")
-        handles += [safe_open(str(tag_dir / EMA_FILE.format(r)), framework="pt") for r in range(1, files)]
-    except (OSError, ValueError, SafetensorError) as err:
+        handles += [opened(tag_dir / EMA_FILE.format(r)) for r in range(1, files)]
+    except (OSError, ValueError, SafetensorError, RecursionError) as err:
         raise UsageError(f"{tag_dir}: the weights' average (--model_ema) cannot be read "
                          f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
     return SavedEMA(tag_dir, handles, metadata)

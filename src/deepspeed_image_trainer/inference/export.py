@@ -104,7 +104,7 @@ def with_ema(state_dict, info):
         if name not in state_dict:
             raise UsageError(f"--ema: {tag_dir}'s average has a weight {name} its model does not")
         if name in saved.parts:  # a weight no optimizer stepped (frozen for the whole run) is its own average
-            averaged[name] = saved.whole(name).to(state_dict[name].dtype)
+            averaged[name] = saved.whole(name, state_dict[name].shape).to(state_dict[name].dtype)
     for name, value in state_dict.items():
         if value.is_floating_point() and name not in saved.metadata["shapes"]:
             averaged[name] = saved.tensor(BUFFER + name).to(value.dtype).view(value.shape)

@@ -451,6 +451,10 @@ def check_resumable(folder, world_size, zero_stage, settings, read_shards=False)
     try:  # every rank's shard, read as its rank will read it (memory-mapped: the structure, not the tensors)
         if read_shards:
             check_checkpoint_files(folder, info["tag"])
+            if info.get("model_ema_files"):  # the weights' average's headers (safetensors: nothing unpickled)
+                from ..engine.ema import read_files
+
+                read_files(Path(folder, info["tag"]))
     except UsageError as err:
         raise UsageError(f"cannot resume from {folder}: {err}; resume from another checkpoint (--resume PATH: last, "
                          "best, epoch_N) or start a new run") from None
