@@ -32,8 +32,8 @@ def full_weights(engine):
     from deepspeed.utils import safe_get_full_fp32_param
 
     optimizer = engine.optimizer
-    masters = {id(lp): hp for hps, lps in zip(getattr(optimizer, "fp32_groups", ()), getattr(optimizer, "fp16_groups", ()))
-               for hp, lp in zip(hps, lps)}
+    masters = {id(lp): hp for hps, lps in zip(getattr(optimizer, "fp32_groups", ()),
+                                              getattr(optimizer, "fp16_groups", ())) for hp, lp in zip(hps, lps)}
     return {name: (masters.get(id(param), param) if safe_get_full_fp32_param(param) is None
                    else safe_get_full_fp32_param(param)).detach().float().clone()
             for name, param in engine.module.named_parameters()}

@@ -257,6 +257,7 @@ def read_files(tag_dir):
 
     tag_dir = Path(tag_dir)
     first = tag_dir / EMA_FILE.format(0)
+
     def opened(path):
         if not path.is_file():  # a FIFO's open waits for a writer for good
             raise ValueError(f"{path.name} is missing or not a regular file")
