@@ -418,7 +418,8 @@ def epoch_loop(run):
                 return 128 + stop.signal
             patience = args.early_stopping_patience
             if patience and history.epochs_since_best() >= patience:
-                say(f"Early stopping after epoch {epoch}: val acc has not improved on epoch "
+                which = "the weights' average's val acc" if args.best_on == "ema" else "val acc"
+                say(f"Early stopping after epoch {epoch}: {which} has not improved on epoch "
                     f"{history.data['best']['epoch']}'s for {history.epochs_since_best()} epoch(s) "
                     f"(--early_stopping_patience {patience})")
                 break
