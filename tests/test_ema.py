@@ -90,10 +90,15 @@ def train_with_ema(rank, port, results, tmp_dir):
                     expected_buffers = {k: (1 - ALPHA) * v + ALPHA * buffers[k] for k, v in expected_buffers.items()}
         with warm.swapped_in():
             warm_average = full_weights(engine)
+        engine.eval()  # validation's forward passes before, inside and after the swap (ZeRO-3 gathers in them)
+        probe = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(9)).to(images.dtype)
+        logits = [engine(probe).float().detach()]
         before = model_weights(engine), full_weights(engine)
         with ema.swapped_in():
+            logits.append(engine(probe).float().detach())
             averaged = model_weights(engine), full_weights(engine)
             averaged_buffers = {n: b.float().clone() for n, b in engine.module.named_buffers() if b.is_floating_point()}
+        logits.append(engine(probe).float().detach())
         after = model_weights(engine), full_weights(engine)
         state = ema.state()
         if state is not None:
@@ -102,6 +107,7 @@ def train_with_ema(rank, port, results, tmp_dir):
             results[name] = {"expected": expected, "expected_buffers": expected_buffers, "before": before,
                              "averaged": averaged, "averaged_buffers": averaged_buffers, "after": after,
                              "files": ema.files(), "n_averaged": ema.n_averaged, "warmed": warm_average,
+                             "probe": probe.float(), "logits": logits,
                              "warm_expected": {k: (1 - ALPHA) * warmed[3][k] + ALPHA * warmed[4][k] for k in weights}}
         torch.distributed.barrier()  # every rank's file written
         # the files of another stage (another layout: ZeRO-1's read by ZeRO-3 and the other way, ZeRO-0's whole)
@@ -154,6 +160,12 @@ def test_each_stage_averages_its_weights_by_the_formula_and_swaps_them_back_exac
         assert all(torch.equal(got[k], before[k]) for k in before), name
     assert not all(torch.equal(run["expected"][k], run["before"][1][k]) for k in run["expected"])
     close(run["warmed"], run["warm_expected"])
+    # the model computes with the average inside the swap, with its own weights again after it
+    assert torch.equal(run["logits"][2], run["logits"][0])
+    if not half:
+        reference = small_model().eval()
+        reference.load_state_dict({**run["expected"], **run["expected_buffers"]}, strict=False)
+        assert torch.allclose(run["logits"][1], reference(run["probe"]), atol=1e-5)
     assert run["n_averaged"] == 3 and run["files"] == (1 if name.startswith("zero0") else RANKS)
 
 
