@@ -92,13 +92,15 @@ def train_with_ema(rank, port, results, tmp_dir):
             warm_average = full_weights(engine)
         engine.eval()  # validation's forward passes before, inside and after the swap (ZeRO-3 gathers in them)
         probe = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(9)).to(images.dtype)
-        logits = [engine(probe).float().detach()]
         before = model_weights(engine), full_weights(engine)
-        with ema.swapped_in():
-            logits.append(engine(probe).float().detach())
+        with torch.no_grad():  # as validation: the forward passes alone (ZeRO-3 may keep what they gathered)
+            logits = [engine(probe).float() for _ in range(2)][1:]
+        with ema.swapped_in(), torch.no_grad():
+            logits.append(engine(probe).float())
             averaged = model_weights(engine), full_weights(engine)
             averaged_buffers = {n: b.float().clone() for n, b in engine.module.named_buffers() if b.is_floating_point()}
-        logits.append(engine(probe).float().detach())
+        with torch.no_grad():
+            logits.append(engine(probe).float())
         after = model_weights(engine), full_weights(engine)
         state = ema.state()
         if state is not None:

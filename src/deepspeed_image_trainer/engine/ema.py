@@ -86,10 +86,11 @@ def copy_masters_to_model(engine):
     optimizer's step leaves them."""
     optimizer = engine.optimizer
     if hasattr(optimizer, "fp32_partitioned_groups_flat"):
+        # Weights a forward pass gathered whole stay so after validation's passes (no backward releases them),
+        # and the small ones ZeRO-3 keeps whole for good: all released, the next pass gathers the new values.
+        optimizer.empty_partition_cache()
         for group in range(len(optimizer.fp32_partitioned_groups_flat)):
             optimizer._reassign_or_swap_out_partitioned_parameters(group)
-        if optimizer.persistent_parameters:  # small parameters ZeRO-3 keeps whole on every rank
-            optimizer.persistent_parameters[0].all_gather(optimizer.persistent_parameters)
     elif hasattr(optimizer, "update_lp_params"):  # ZeRO 1-2, bf16: the rank's part, then gathered
         optimizer.update_lp_params()
     elif hasattr(optimizer, "fp32_groups_flat"):
