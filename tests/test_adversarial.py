@@ -949,8 +949,13 @@ def test_a_dry_run_refuses_what_the_run_refuses_when_no_checkpoint_is_left(train
     # the weights' average (--model_ema): its safetensors headers, read before any rank starts
     ("average garbage", "the weights' average (--model_ema) cannot be read (Error while deserializing header"),
     ("average a FIFO", "ema_rank1.safetensors is missing or not a regular file"),
-    ("average's metadata lies", "the weights' average (--model_ema) cannot be read (its metadata is not the trainer's)"),
-    ("average in fp16", "not the 1-D fp32 part the trainer writes")])
+    ("average's metadata lies", "cannot be read (ema_rank0.safetensors's metadata is not the trainer's)"),
+    ("average in fp16", "cannot be read (bn1.bias@0 is F16, not fp32)"),
+    ("average of another checkpoint", "cannot be read (ema_rank1.safetensors belongs to another checkpoint"),
+    ("average of one rank's run", "cannot be read (ema_rank0.safetensors names 1 file(s), the checkpoint 2)"),
+    ("average's buffer cut", "cannot be read (buffer:bn1.running_mean is [10], its metadata says [64])"),
+    ("average's part unnamed", "cannot be read (bn1.bias is not the part of a weight its metadata names)"),
+    ("average's parts overlap", "do not cover it once")])
 def test_a_shard_no_rank_can_load_stops_the_launcher(trained, tmp_path, monkeypatch, capsys, how, message):
     """The launcher reads every shard as the load will, before any rank starts: a valid zip archive whose pickle
     names other objects, a copy of another rank's shard, a file without what DeepSpeed reads from it."""
@@ -977,6 +982,26 @@ def test_a_shard_no_rank_can_load_stops_the_launcher(trained, tmp_path, monkeypa
         elif how == "average a FIFO":
             average.unlink()
             os.mkfifo(average)
+        elif how == "average of another checkpoint":
+            shutil.copy(tmp_path / "checkpoints_deepspeed/epoch_1/epoch_1/ema_rank1.safetensors", average)
+        elif how == "average of one rank's run":  # as a one-rank run writes it
+            with safe_open(first_file, "pt") as f:
+                metadata = f.metadata()
+            save_file(load_file(first_file), first_file, metadata={**metadata, "files": "1"})
+        elif how in ("average's buffer cut", "average's part unnamed", "average's parts overlap"):
+            with safe_open(first_file, "pt") as f:
+                metadata = f.metadata()
+            tensors = load_file(first_file)
+            if how == "average's buffer cut":
+                tensors["buffer:bn1.running_mean"] = torch.zeros(10)
+                save_file(tensors, first_file, metadata=metadata)
+            elif how == "average's part unnamed":
+                tensors["bn1.bias"] = tensors.pop("bn1.bias@0")
+                save_file(tensors, first_file, metadata=metadata)
+            else:  # rank 0's first part in rank 1's file too
+                with safe_open(average, "pt") as f:
+                    metadata = f.metadata()
+                save_file({**load_file(average), "bn1.bias@0": tensors["bn1.bias@0"]}, average, metadata=metadata)
         else:
             with safe_open(first_file, "pt") as f:
                 metadata = f.metadata()

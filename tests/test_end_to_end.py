@@ -166,6 +166,21 @@ def test_export_from_any_stage_reproduces_logged_val_acc(name, suffix, trained, 
         assert accuracy(model, tiny_data / "val") == pytest.approx(history["epochs"][-1]["ema_val_acc"])
         assert not torch.equal(ema["fc.weight"], state_dict["fc.weight"])
         assert not torch.equal(ema["bn1.running_mean"], state_dict["bn1.running_mean"])
+        # a checkpoint missing one of its files of the average: that file named, the earlier export kept
+        damaged = tmp_path / "damaged"
+        shutil.copytree(workdir / "checkpoints_deepspeed/last", damaged)
+        (damaged / "last/ema_rank0.safetensors").unlink()
+        result = run([sys.executable, str(ROOT / "src/export_model.py"), str(damaged), "--ema", "--output",
+                      str(averaged)], tmp_path)
+        assert result.returncode == 2 and result.stderr.strip().endswith(
+            "the weights' average (--model_ema) cannot be read (ema_rank0.safetensors is missing or not a regular "
+            "file)") and result.stderr.count("error:") == 1, result.stderr
+        assert torch.equal(torch.load(averaged)["fc.weight"], ema["fc.weight"])
+    else:  # a run without an average
+        result = run([sys.executable, str(ROOT / "src/export_model.py"), str(workdir / "checkpoints_deepspeed/last"),
+                      "--ema", "--output", str(tmp_path / "ema.pt")], tmp_path)
+        assert result.returncode == 2 and "holds no weights' average (its run was trained without --model_ema)" \
+            in result.stderr and not (tmp_path / "ema.pt").exists()
 
 
 def test_zero3_model_states_file_holds_no_weights(trained, tiny_data):

@@ -23,7 +23,7 @@ from ..data.mixing import BatchMixing, batch_mixing
 from ..data.recipe import recipe_of
 from ..engine import overrides as deepspeed_overrides
 from ..engine.config import load_base_config, precision, resolve_scheduler
-from ..engine.ema import WeightEMA, checkpoint_has_ema
+from ..engine.ema import WeightEMA, saved_with_ema
 from ..engine.distributed import (agreed, alike_on_each_node, all_reduce, any_rank, checked_world_size, differing,
                                   init_distributed, local_device, patient_group, rank_zero_only, restore_own_buffers,
                                   shut_down)
@@ -328,7 +328,8 @@ def build(args, clock):
         restore_rng_state(state["rng"])
         if ema is not None:
             tag_dir = Path(resume_from) / resumed_info["tag"]
-            agreed(lambda: ema.load(tag_dir) if checkpoint_has_ema(tag_dir) else None)
+            # a checkpoint of an older run without one: the average starts from these weights
+            agreed(lambda: ema.load(tag_dir, resumed_info) if saved_with_ema(resumed_info) else None)
         with stop_on_write_error("checkpoint", "--checkpoint_dir"):
             warning = carry_best(resume_from, args.checkpoint_dir, history.data["best"]["epoch"])
         if warning:

@@ -15,6 +15,7 @@ number of ranks, and consolidated by export_model.py --ema.
 """
 import contextlib
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -28,11 +29,6 @@ BUFFER = "buffer:"  # the averaged buffers' tensor names in the file: BUFFER + t
 
 def _fragment_key(name, start):
     return f"{name}@{start}"
-
-
-def _parse_key(key):
-    name, _, start = key.rpartition("@")
-    return name, int(start)
 
 
 def _rank_and_size(group=None):
@@ -176,8 +172,9 @@ class WeightEMA:
         """How many ranks' files a checkpoint holds: one when every rank holds the whole average."""
         return 1 if self.replicated else _rank_and_size()[1]
 
-    def state(self):
-        """(tensors, metadata) of this rank's file, copied to host memory now; None for a rank that writes none."""
+    def state(self, saved_at):
+        """(tensors, metadata) of this rank's file, copied to host memory now; None for a rank that writes none.
+        `saved_at`: the checkpoint's (its extra_info.json's), which its files must name to be read with it."""
         rank, _ = _rank_and_size()
         if self.replicated and rank:
             return None
@@ -188,13 +185,24 @@ class WeightEMA:
                             for name, b in zip(self.buffer_names, self.buffers)})
         shapes = {name: list(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
                   for name, p in self.engine.module.named_parameters()}
-        return tensors, {"n_averaged": self.n_averaged, "files": self.files(), "shapes": shapes}
+        shapes.update({BUFFER + name: list(b.shape) for name, b in zip(self.buffer_names, self.buffers)})
+        return tensors, {"n_averaged": self.n_averaged, "files": self.files(), "rank": rank, "saved_at": saved_at,
+                         "shapes": shapes}
 
-    def load(self, tag_dir):
-        """This rank's part of the average from a checkpoint's files, written by any number of ranks."""
-        saved = read_files(tag_dir)
-        meta = saved.metadata
-        self.n_averaged = meta["n_averaged"]
+    def load(self, tag_dir, info=None):
+        """This rank's part of the average from the files of the checkpoint whose extra_info.json is `info`,
+        written by any number of ranks."""
+        saved = read_files(tag_dir, info)
+        params = dict(self.engine.module.named_parameters())
+        buffers = dict(self.engine.module.named_buffers())
+        model = {**{name: list(params[name].ds_shape if hasattr(params[name], "ds_shape") else params[name].shape)
+                    for name, _ in self.names},
+                 **{BUFFER + name: list(buffers[name].shape) for name in self.buffer_names}}
+        differ = [name for name, shape in model.items() if saved.metadata["shapes"].get(name) != shape]
+        if differ:
+            raise UsageError(f"{tag_dir}: the weights' average does not fit this model ({differ[0]}: "
+                             f"{saved.metadata['shapes'].get(differ[0])} there, {model[differ[0]]} here)")
+        self.n_averaged = saved.metadata["n_averaged"]
         with torch.no_grad():
             for (name, start), average in zip(self.names, self.averages):
                 saved.fill(average, name, start)
@@ -203,20 +211,41 @@ class WeightEMA:
 
 
 class SavedEMA:
-    """A checkpoint's ema_rank<r>.safetensors files: the parts of each parameter, read by slices."""
+    """A checkpoint's ema_rank<r>.safetensors files: the parts of each parameter, read by slices. Checked whole
+    when opened: every tensor fp32, a part of a weight the metadata names, the parts of each weight covering it
+    exactly once, each buffer in its shape (a ValueError saying what is not)."""
 
     def __init__(self, tag_dir, handles, metadata):
         self.tag_dir, self.handles, self.metadata = tag_dir, handles, metadata
-        self.parts = {}  # parameter name -> [(start, numel, handle, key)]
+        shapes = metadata["shapes"]
+        self.parts = {}  # parameter name -> [(start, numel, handle, key)], by start
+        buffers = set()
         for handle in handles:
             for key in handle.keys():
                 part = handle.get_slice(key)
-                if part.get_dtype() != "F32" or (not key.startswith(BUFFER) and len(part.get_shape()) != 1):
-                    raise UsageError(f"{tag_dir}: the weights' average holds {key} as {part.get_dtype()} "
-                                     f"{part.get_shape()}, not the 1-D fp32 part the trainer writes")
-                if not key.startswith(BUFFER):
-                    name, start = _parse_key(key)
-                    self.parts.setdefault(name, []).append((start, part.get_shape()[0], handle, key))
+                shape, numel = part.get_shape(), None
+                if part.get_dtype() != "F32":
+                    raise ValueError(f"{key} is {part.get_dtype()}, not fp32")
+                if key.startswith(BUFFER):
+                    if shapes.get(key) != list(shape) or key in buffers:
+                        raise ValueError(f"{key} is {list(shape)}, its metadata says {shapes.get(key)}")
+                    buffers.add(key)
+                    continue
+                name, _, start = key.rpartition("@")
+                if name not in shapes or name.startswith(BUFFER) or not start.isdigit() or len(shape) != 1:
+                    raise ValueError(f"{key} is not the part of a weight its metadata names")
+                self.parts.setdefault(name, []).append((int(start), shape[0], handle, key))
+        if buffers != {key for key in shapes if key.startswith(BUFFER)}:
+            raise ValueError("buffers are missing")
+        for name, parts in self.parts.items():
+            parts.sort(key=lambda part: part[0])
+            end = 0
+            for start, numel, _, key in parts:
+                if start != end:  # a gap or an overlap
+                    raise ValueError(f"the parts of {name} do not cover it once ({key})")
+                end += numel
+            if end != math.prod(shapes[name]):
+                raise ValueError(f"the parts of {name} hold {end} of its {math.prod(shapes[name])} elements")
 
     def fill(self, target, name, start):
         """Copy elements start .. start + target.numel() of parameter `name` into the 1-D `target`."""
@@ -230,7 +259,11 @@ class SavedEMA:
             raise UsageError(f"{self.tag_dir}: the weights' average holds {covered} of the {target.numel()} "
                              f"elements of {name} this rank needs (its files do not fit this model)")
 
-    def tensor(self, key):
+    def tensor(self, key, shape=None):
+        """A buffer, whose shape (the model's `shape`, when given) the files checked against their metadata."""
+        if shape is not None and self.metadata["shapes"].get(key) != list(shape):
+            raise UsageError(f"{self.tag_dir}: the weights' average gives {key.removeprefix(BUFFER)} the shape "
+                             f"{self.metadata['shapes'].get(key)}, and the model {list(shape)}")
         for handle in self.handles:
             if key in handle.keys():
                 return handle.get_tensor(key)
@@ -247,38 +280,55 @@ class SavedEMA:
         return full.view(shape)
 
 
+def saved_with_ema(info):
+    """Whether the checkpoint whose extra_info.json is `info` holds the weights' average: it counts the files, and
+    its settings say the run kept one (also when the count was edited away)."""
+    return bool(info.get("model_ema_files") or (info.get("settings") or {}).get("model_ema"))
+
+
 def _whole(value, low):
     return isinstance(value, int) and not isinstance(value, bool) and low <= value < 2**62
 
 
-def read_files(tag_dir):
-    """The averaged weights in a checkpoint's tag folder (SavedEMA); UsageError naming what is wrong with them.
-    safetensors holds tensors and text only: nothing in them is unpickled."""
+def read_files(tag_dir, info=None):
+    """The averaged weights in a checkpoint's tag folder (SavedEMA), checked; UsageError naming what is wrong with
+    them. `info`: the checkpoint's extra_info.json, whose count of files and time of saving each file must name
+    (a file of another checkpoint or rank is refused). safetensors holds tensors and text only: nothing in them is
+    unpickled."""
     from safetensors import SafetensorError, safe_open
 
     tag_dir = Path(tag_dir)
-    first = tag_dir / EMA_FILE.format(0)
 
-    def opened(path):
+    def opened(rank):
+        path = tag_dir / EMA_FILE.format(rank)
         if not path.is_file():  # a FIFO's open waits for a writer for good
             raise ValueError(f"{path.name} is missing or not a regular file")
-        return safe_open(str(path), framework="pt")
+        handle = safe_open(str(path), framework="pt")
+        metadata = {key: json.loads(value) for key, value in (handle.metadata() or {}).items()}
+        shapes = metadata.get("shapes")
+        if not _whole(metadata.get("files"), 1) or not _whole(metadata.get("n_averaged"), 0) or not isinstance(
+                shapes, dict) or not all(isinstance(shape, list) and len(shape) <= 8 and all(_whole(n, 0) for n in shape)
+                                         for shape in shapes.values()):
+            raise ValueError(f"{path.name}'s metadata is not the trainer's")
+        if metadata.get("rank") != rank:
+            raise ValueError(f"{path.name} is rank {metadata.get('rank')}'s file")
+        if info is not None and metadata.get("saved_at") != info.get("saved_at"):
+            raise ValueError(f"{path.name} belongs to another checkpoint (saved at {metadata.get('saved_at')}, this "
+                             f"one at {info.get('saved_at')})")
+        return handle, metadata
 
     try:
-        handles = [opened(first)]
-        metadata = handles[0].metadata() or {}
-        metadata = {key: json.loads(value) for key, value in metadata.items()}
-        files, shapes = metadata.get("files"), metadata.get("shapes")
-        if not _whole(files, 1) or not _whole(metadata.get("n_averaged"), 0) or not isinstance(shapes, dict) or not all(
-                isinstance(shape, list) and len(shape) <= 8 and all(_whole(n, 0) for n in shape)
-                for shape in shapes.values()):
-            raise ValueError("its metadata is not the trainer's")
-        handles += [opened(tag_dir / EMA_FILE.format(r)) for r in range(1, files)]
+        first, metadata = opened(0)
+        files = (info or {}).get("model_ema_files") or metadata["files"]
+        if metadata["files"] != files:
+            raise ValueError(f"{EMA_FILE.format(0)} names {metadata['files']} file(s), the checkpoint {files}")
+        handles = [first]
+        for rank in range(1, files):
+            handle, other = opened(rank)
+            if {**other, "rank": 0} != metadata:
+                raise ValueError(f"{EMA_FILE.format(rank)} is not of the same average as {EMA_FILE.format(0)}")
+            handles.append(handle)
+        return SavedEMA(tag_dir, handles, metadata)
     except (OSError, ValueError, SafetensorError, RecursionError) as err:
         raise UsageError(f"{tag_dir}: the weights' average (--model_ema) cannot be read "
                          f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
-    return SavedEMA(tag_dir, handles, metadata)
-
-
-def checkpoint_has_ema(tag_dir):
-    return (Path(tag_dir) / EMA_FILE.format(0)).is_file()

@@ -92,22 +92,23 @@ def check_format_support(kind):
 def with_ema(state_dict, info):
     """`state_dict` with the weights' average of the checkpoint (--model_ema) in place of its weights and floating
     buffers, consolidated from every rank's part (engine/ema.py)."""
-    from ..engine.ema import BUFFER, checkpoint_has_ema, read_files
+    from ..engine.ema import BUFFER, read_files, saved_with_ema
 
     tag_dir = Path(info["folder"]) / info["tag"]
-    if not checkpoint_has_ema(tag_dir):
+    if not saved_with_ema(info):
         raise UsageError(f"--ema: {info['folder']} holds no weights' average (its run was trained without "
                          "--model_ema)")
-    saved = read_files(tag_dir)
+    saved = read_files(tag_dir, info)
     averaged = dict(state_dict)
-    for name in saved.metadata["shapes"]:
+    weights = [name for name in saved.metadata["shapes"] if not name.startswith(BUFFER)]
+    for name in weights:
         if name not in state_dict:
             raise UsageError(f"--ema: {tag_dir}'s average has a weight {name} its model does not")
         if name in saved.parts:  # a weight no optimizer stepped (frozen for the whole run) is its own average
             averaged[name] = saved.whole(name, state_dict[name].shape).to(state_dict[name].dtype)
     for name, value in state_dict.items():
-        if value.is_floating_point() and name not in saved.metadata["shapes"]:
-            averaged[name] = saved.tensor(BUFFER + name).to(value.dtype).view(value.shape)
+        if value.is_floating_point() and name not in weights:
+            averaged[name] = saved.tensor(BUFFER + name, value.shape).to(value.dtype)
     return averaged
 
 

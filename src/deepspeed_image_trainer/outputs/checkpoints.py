@@ -31,8 +31,8 @@ import time
 import zipfile
 from pathlib import Path
 
-from ..engine.distributed import barrier, rank, rank_zero_only, world_size
-from ..engine.ema import EMA_FILE
+from ..engine.distributed import barrier, from_rank_zero, rank, rank_zero_only, world_size
+from ..engine.ema import EMA_FILE, read_files, saved_with_ema
 from ..utils.failures import CHECKPOINT_DESCRIPTION, UsageError, stop_on_write_error
 from ..utils.files import parse_json, save_safetensors, write_json_atomic
 from ..utils.loading import check_checkpoint_files
@@ -211,12 +211,14 @@ class CheckpointSaver:
         self.staging = staging
         with stop_on_write_error("checkpoint", "--checkpoint_dir"):
             self.engine.save_checkpoint(str(staging), tag="staged", client_state=state)
-            ema = self.ema.state() if self.ema is not None else None  # copied now: the training changes it
+            # orders --resume auto's candidates; every rank's file of the weights' average names it too
+            saved_at = from_rank_zero(time.time()) if self.ema is not None else time.time()
+            ema = self.ema.state(saved_at) if self.ema is not None else None  # copied now: the training changes it
             if ema is not None:
                 self.after(save_ema, staging / "staged" / EMA_FILE.format(rank()), *ema)
             self.after(self._mark, staging, WRITTEN)
             # saved_at orders --resume auto's candidates: a resume keeps run_started, and may rewind the epoch
-            self.after(self._publish_staged, staging, names, {**info, "epoch": epoch, "saved_at": time.time()})
+            self.after(self._publish_staged, staging, names, {**info, "epoch": epoch, "saved_at": saved_at})
             if self.earlier:  # rank 0's: in this thread, not the writer's, while no monitor writes a row
                 self.wait()
                 for what in self.earlier:
@@ -451,10 +453,8 @@ def check_resumable(folder, world_size, zero_stage, settings, read_shards=False)
     try:  # every rank's shard, read as its rank will read it (memory-mapped: the structure, not the tensors)
         if read_shards:
             check_checkpoint_files(folder, info["tag"])
-            if info.get("model_ema_files"):  # the weights' average's headers (safetensors: nothing unpickled)
-                from ..engine.ema import read_files
-
-                read_files(Path(folder, info["tag"]))
+            if saved_with_ema(info):  # the weights' average's headers (safetensors: nothing unpickled)
+                read_files(Path(folder, info["tag"]), info)
     except UsageError as err:
         raise UsageError(f"cannot resume from {folder}: {err}; resume from another checkpoint (--resume PATH: last, "
                          "best, epoch_N) or start a new run") from None
