@@ -90,10 +90,12 @@ def test_early_stopping_ends_the_run_and_the_csv_monitor_holds_every_epoch(stall
 
 def test_epoch_events_leave_out_missing_values():
     record = {"epoch": 7, "train_loss": 1.5, "train_acc": 0.5, "val_loss": 1.25, "val_acc": 0.75,
-              "images_per_s": 100.0, "lr": 0.001, "peak_gpu_memory_gib": None}
+              "ema_val_loss": None, "ema_val_acc": None, "images_per_s": 100.0, "lr": 0.001,
+              "peak_gpu_memory_gib": None}
     events = epoch_events(record)
-    assert events == [(f"Epoch/{key}", record[key], 7) for key in EPOCH_SCALARS if key != "peak_gpu_memory_gib"]
+    assert events == [(f"Epoch/{key}", record[key], 7) for key in EPOCH_SCALARS if record[key] is not None]
     assert ("Epoch/peak_gpu_memory_gib", 2.5, 7) in epoch_events({**record, "peak_gpu_memory_gib": 2.5})
+    assert ("Epoch/ema_val_acc", 0.5, 7) in epoch_events({**record, "ema_val_acc": 0.5})  # --model_ema's
 
 
 def csv_process(tmp_path, monkeypatch, global_samples=0, job_name="train"):
