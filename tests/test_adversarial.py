@@ -4,6 +4,7 @@ session's trained ones."""
 import functools
 import json
 import os
+import re
 import random
 import shutil
 import sys
@@ -947,15 +948,7 @@ def test_a_dry_run_refuses_what_the_run_refuses_when_no_checkpoint_is_left(train
     ("model states a state_dict", "mp_rank_00_model_states.pt is not a DeepSpeed checkpoint file (it holds no "
                                   "'module')"),
     # the weights' average (--model_ema): its safetensors headers, read before any rank starts
-    ("average garbage", "the weights' average (--model_ema) cannot be read (Error while deserializing header"),
-    ("average a FIFO", "ema_rank1.safetensors is missing or not a regular file"),
-    ("average's metadata lies", "cannot be read (ema_rank0.safetensors's metadata is not the trainer's)"),
-    ("average in fp16", "cannot be read (bn1.bias@0 is F16, not fp32)"),
-    ("average of another checkpoint", "cannot be read (ema_rank1.safetensors belongs to another checkpoint"),
-    ("average of one rank's run", "cannot be read (ema_rank0.safetensors names 1 file(s), the checkpoint 2)"),
-    ("average's buffer cut", "cannot be read (buffer:bn1.running_mean is [10], its metadata says [64])"),
-    ("average's part unnamed", "cannot be read (bn1.bias is not the part of a weight its metadata names)"),
-    ("average's parts overlap", "do not cover it once")])
+    ("average garbage", "the weights' average (--model_ema) cannot be read (Error while deserializing header")])
 def test_a_shard_no_rank_can_load_stops_the_launcher(trained, tmp_path, monkeypatch, capsys, how, message):
     """The launcher reads every shard as the load will, before any rank starts: a valid zip archive whose pickle
     names other objects, a copy of another rank's shard, a file without what DeepSpeed reads from it."""
@@ -973,44 +966,7 @@ def test_a_shard_no_rank_can_load_stops_the_launcher(trained, tmp_path, monkeypa
         shard.rename(tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
         (tag / "swapped").rename(shard)
     elif how.startswith("average"):
-        from safetensors import safe_open
-        from safetensors.torch import load_file, save_file
-
-        average, first_file = tag / "ema_rank1.safetensors", tag / "ema_rank0.safetensors"
-        if how == "average garbage":
-            average.write_bytes(b"\xff" * 100)
-        elif how == "average a FIFO":
-            average.unlink()
-            os.mkfifo(average)
-        elif how == "average of another checkpoint":
-            shutil.copy(tmp_path / "checkpoints_deepspeed/epoch_1/epoch_1/ema_rank1.safetensors", average)
-        elif how == "average of one rank's run":  # as a one-rank run writes it
-            with safe_open(first_file, "pt") as f:
-                metadata = f.metadata()
-            save_file(load_file(first_file), first_file, metadata={**metadata, "files": "1"})
-        elif how in ("average's buffer cut", "average's part unnamed", "average's parts overlap"):
-            with safe_open(first_file, "pt") as f:
-                metadata = f.metadata()
-            tensors = load_file(first_file)
-            if how == "average's buffer cut":
-                tensors["buffer:bn1.running_mean"] = torch.zeros(10)
-                save_file(tensors, first_file, metadata=metadata)
-            elif how == "average's part unnamed":
-                tensors["bn1.bias"] = tensors.pop("bn1.bias@0")
-                save_file(tensors, first_file, metadata=metadata)
-            else:  # rank 0's first part in rank 1's file too
-                with safe_open(average, "pt") as f:
-                    metadata = f.metadata()
-                save_file({**load_file(average), "bn1.bias@0": tensors["bn1.bias@0"]}, average, metadata=metadata)
-        else:
-            with safe_open(first_file, "pt") as f:
-                metadata = f.metadata()
-            tensors = load_file(first_file)
-            if how == "average in fp16":
-                tensors = {k: v.half() for k, v in tensors.items()}
-            else:
-                metadata["files"] = "2.5"
-            save_file(tensors, first_file, metadata=metadata)
+        damage_average(tag, how, None)
     else:
         torch.save(torchvision.models.resnet18().state_dict(), tag / "mp_rank_00_model_states.pt")
     before = digests(tmp_path)
@@ -1019,6 +975,66 @@ def test_a_shard_no_rank_can_load_stops_the_launcher(trained, tmp_path, monkeypa
                                            capsys, "cannot resume from checkpoints_deepspeed/last: ")
     assert message in err
     assert not (tmp_path / "ran").exists() and digests(tmp_path) == before
+
+
+def damage_average(tag, how, other_tag):
+    """The weights' average's files in checkpoint folder `tag` damaged as `how` says (`other_tag`: another
+    checkpoint's tag folder of the same run)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    average, first_file = tag / "ema_rank1.safetensors", tag / "ema_rank0.safetensors"
+    with safe_open(first_file, "pt") as f:
+        metadata = f.metadata()
+    tensors = load_file(first_file)
+    if how == "average garbage":
+        average.write_bytes(b"\xff" * 100)
+    elif how == "average a FIFO":
+        average.unlink()
+        os.mkfifo(average)
+    elif how == "average of another checkpoint":
+        shutil.copy(other_tag / "ema_rank1.safetensors", average)
+    elif how == "average of one rank's run":  # as a one-rank run writes it
+        save_file(tensors, first_file, metadata={**metadata, "files": "1"})
+    elif how == "average's buffer cut":
+        save_file({**tensors, "buffer:bn1.running_mean": torch.zeros(10)}, first_file, metadata=metadata)
+    elif how == "average's part unnamed":
+        tensors["bn1.bias"] = tensors.pop("bn1.bias@0")
+        save_file(tensors, first_file, metadata=metadata)
+    elif how == "average's parts overlap":  # rank 0's first part in rank 1's file too
+        with safe_open(average, "pt") as f:
+            other_metadata = f.metadata()
+        save_file({**load_file(average), "bn1.bias@0": tensors["bn1.bias@0"]}, average, metadata=other_metadata)
+    elif how == "average in fp16":
+        save_file({k: v.half() for k, v in tensors.items()}, first_file, metadata=metadata)
+    else:  # its metadata lies
+        save_file(tensors, first_file, metadata={**metadata, "files": "2.5"})
+
+
+@pytest.mark.parametrize("how, message", [
+    ("average a FIFO", "ema_rank1.safetensors is missing or not a regular file"),
+    ("average's metadata lies", "ema_rank0.safetensors's metadata is not the trainer's"),
+    ("average in fp16", "bn1.bias@0 is F16, not fp32"),
+    ("average of another checkpoint", "ema_rank1.safetensors belongs to another checkpoint"),
+    ("average of one rank's run", "ema_rank0.safetensors names 1 file(s), the checkpoint 2"),
+    ("average's buffer cut", "buffer:bn1.running_mean is [10], its metadata says [64]"),
+    ("average's part unnamed", "bn1.bias is not the part of a weight its metadata names"),
+    ("average's parts overlap", "the parts of bn1.bias do not cover it once")])
+def test_the_weights_averages_files_are_checked_as_one_set(trained, tmp_path, how, message):
+    """What the launcher (above), a rank's resume and export --ema read before trusting the average's files: each
+    of a two-rank checkpoint's files damaged as a user's copy or a crafted file could be."""
+    from deepspeed_image_trainer.engine.ema import read_files
+
+    workdir, _ = trained("zero2-2ranks")
+    checkpoints = workdir / "checkpoints_deepspeed"
+    tag = tmp_path / "last"
+    shutil.copytree(checkpoints / "last/last", tag, ignore=shutil.ignore_patterns("*.pt"))
+    damage_average(tag, how, checkpoints / "epoch_1/epoch_1")
+    info = read_info(checkpoints / "last")
+    with pytest.raises(UsageError, match=f"^{re.escape(str(tag))}: the weights' average \\(--model_ema\\) cannot be read "
+                                         f"\\({re.escape(message)}"):
+        read_files(tag, info)
+    read_files(checkpoints / "last/last", info)  # the run's own
 
 
 @pytest.mark.slow
