@@ -11,9 +11,11 @@ from torchvision.datasets import ImageFolder
 
 from deepspeed_image_trainer.cli import launch as launch_deepspeed
 from deepspeed_image_trainer.data.folders import build_transform
+from deepspeed_image_trainer.inference.export import export
 from deepspeed_image_trainer.models.build import ResNet18Animals90
 from deepspeed_image_trainer.outputs.checkpoints import missing_files, read_info, saved_precision
 from deepspeed_image_trainer.outputs.record import resume_settings
+from deepspeed_image_trainer.utils.failures import UsageError
 
 from conftest import (ROOT, TINY_CLASSES, TINY_VAL_IMAGES, TINY_VAL_PER_CLASS, TRAINED_EPOCHS, TRAINED_RUNS,
                       assert_usage_error, assert_usage_error_in_process, data_args, history_of, launch, run)
@@ -170,17 +172,14 @@ def test_export_from_any_stage_reproduces_logged_val_acc(name, suffix, trained, 
         damaged = tmp_path / "damaged"
         shutil.copytree(workdir / "checkpoints_deepspeed/last", damaged)
         (damaged / "last/ema_rank0.safetensors").unlink()
-        result = run([sys.executable, str(ROOT / "src/export_model.py"), str(damaged), "--ema", "--output",
-                      str(averaged)], tmp_path)
-        assert result.returncode == 2 and result.stderr.strip().endswith(
-            "the weights' average (--model_ema) cannot be read (ema_rank0.safetensors is missing or not a regular "
-            "file)") and result.stderr.count("error:") == 1, result.stderr
+        with pytest.raises(UsageError, match=r"the weights' average \(--model_ema\) cannot be read "
+                                             r"\(ema_rank0.safetensors is missing or not a regular file\)"):
+            export(damaged, averaged, ema=True)
         assert torch.equal(torch.load(averaged)["fc.weight"], ema["fc.weight"])
     else:  # a run without an average
-        result = run([sys.executable, str(ROOT / "src/export_model.py"), str(workdir / "checkpoints_deepspeed/last"),
-                      "--ema", "--output", str(tmp_path / "ema.pt")], tmp_path)
-        assert result.returncode == 2 and "holds no weights' average (its run was trained without --model_ema)" \
-            in result.stderr and not (tmp_path / "ema.pt").exists()
+        with pytest.raises(UsageError, match=r"holds no weights' average \(its run was trained without --model_ema\)"):
+            export(workdir / "checkpoints_deepspeed/last", tmp_path / "ema.pt", ema=True)
+        assert not (tmp_path / "ema.pt").exists()
 
 
 def test_zero3_model_states_file_holds_no_weights(trained, tiny_data):
