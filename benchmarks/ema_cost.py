@@ -122,8 +122,9 @@ def main():
     results["reference"] = run_case_of(__file__, "reference", "AveragedModel", args)
     for stage in [name for name in STAGES if name in args.only]:
         runs = {variant: [] for variant in VARIANTS}
-        for _ in range(args.repeat):
-            for variant in VARIANTS:
+        for turn in range(args.repeat):  # each variant first in turn: offloaded runs showed an order effect
+            names = list(VARIANTS)
+            for variant in names[turn % len(names):] + names[:turn % len(names)]:
                 runs[variant].append(run_case_of(__file__, "trainer", f"{stage}: {variant}", args))
         for variant, measured in runs.items():
             errors = [r for r in measured if "error" in r]
