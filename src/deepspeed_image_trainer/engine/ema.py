@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..utils.failures import UsageError
+from .distributed import rank as this_rank, world_size
 
 EMA_FILE = "ema_rank{}.safetensors"
 BUFFER = "buffer:"  # the averaged buffers' tensor names in the file: BUFFER + the buffer's name
@@ -31,12 +32,6 @@ def _fragment_key(name, start):
     return f"{name}@{start}"
 
 
-def _rank_and_size(group=None):
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group=group), dist.get_world_size(group=group)
-    return 0, 1
-
-
 def master_fragments(engine):
     """This rank's fp32 master weights as [(parameter name, first element, 1-D view)], each view the part of the
     tensor the optimizer steps that holds those elements of the (flattened) parameter; and whether every rank holds
@@ -44,7 +39,7 @@ def master_fragments(engine):
     optimizer, module = engine.optimizer, engine.module
     named = list(module.named_parameters())
     if hasattr(optimizer, "fp32_partitioned_groups_flat"):  # ZeRO-3: each parameter split over the ranks
-        rank, _ = _rank_and_size(optimizer.dp_process_group)
+        rank = dist.get_rank(group=optimizer.dp_process_group)  # ZeRO-3 runs in a process group
         fragments = []
         for name, param in named:
             position = optimizer.grad_position.get(optimizer.get_param_id(param)) if hasattr(param, "ds_id") else None
@@ -136,7 +131,7 @@ class WeightEMA:
 
     def _rank_mean_buffers(self):
         current = [b.detach().float() for b in self._model_buffers()]
-        _, world = _rank_and_size()
+        world = world_size()
         if world == 1 or not current:
             return current
         flat = torch.cat([b.reshape(-1) for b in current])
@@ -170,12 +165,12 @@ class WeightEMA:
 
     def files(self):
         """How many ranks' files a checkpoint holds: one when every rank holds the whole average."""
-        return 1 if self.replicated else _rank_and_size()[1]
+        return 1 if self.replicated else world_size()
 
     def state(self, saved_at):
         """(tensors, metadata) of this rank's file, copied to host memory now; None for a rank that writes none.
         `saved_at`: the checkpoint's (its extra_info.json's), which its files must name to be read with it."""
-        rank, _ = _rank_and_size()
+        rank = this_rank()
         if self.replicated and rank:
             return None
         tensors = {_fragment_key(name, start): average.detach().to("cpu", copy=True).contiguous()
@@ -306,9 +301,9 @@ def read_files(tag_dir, info=None):
         handle = safe_open(str(path), framework="pt")
         metadata = {key: json.loads(value) for key, value in (handle.metadata() or {}).items()}
         shapes = metadata.get("shapes")
-        if not _whole(metadata.get("files"), 1) or not _whole(metadata.get("n_averaged"), 0) or not isinstance(
-                shapes, dict) or not all(isinstance(shape, list) and len(shape) <= 8 and all(_whole(n, 0) for n in shape)
-                                         for shape in shapes.values()):
+        shapes_ok = isinstance(shapes, dict) and all(isinstance(shape, list) and len(shape) <= 8
+                                                     and all(_whole(n, 0) for n in shape) for shape in shapes.values())
+        if not (_whole(metadata.get("files"), 1) and _whole(metadata.get("n_averaged"), 0) and shapes_ok):
             raise ValueError(f"{path.name}'s metadata is not the trainer's")
         if metadata.get("rank") != rank:
             raise ValueError(f"{path.name} is rank {metadata.get('rank')}'s file")
