@@ -109,8 +109,11 @@ class WeightEMA:
         self.masters = [view for _, _, view in fragments]
         self.averages = [view.detach().clone() for view in self.masters]
         self.buffer_names = [name for name, b in engine.module.named_buffers() if b.is_floating_point()]
-        self.buffers = [b.detach().float().clone() for name, b in engine.module.named_buffers()
-                        if b.is_floating_point()]
+        self.buffers = [b.detach().float().clone() for b in self._model_buffers()]
+        # every weight's and buffer's shape, as the files record them (a ZeRO-3 weight's own, not its placeholder's)
+        self.shapes = {name: list(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
+                       for name, p in engine.module.named_parameters()}
+        self.shapes.update({BUFFER + name: list(b.shape) for name, b in zip(self.buffer_names, self.buffers)})
         self.n_averaged = 0  # 0: the next update copies (torchvision's AveragedModel)
 
     def after_step(self, epoch, step):
@@ -178,25 +181,18 @@ class WeightEMA:
         if rank == 0:
             tensors.update({BUFFER + name: b.detach().to("cpu", copy=True).contiguous()
                             for name, b in zip(self.buffer_names, self.buffers)})
-        shapes = {name: list(p.ds_shape if hasattr(p, "ds_shape") else p.shape)
-                  for name, p in self.engine.module.named_parameters()}
-        shapes.update({BUFFER + name: list(b.shape) for name, b in zip(self.buffer_names, self.buffers)})
         return tensors, {"n_averaged": self.n_averaged, "files": self.files(), "rank": rank, "saved_at": saved_at,
-                         "shapes": shapes}
+                         "shapes": self.shapes}
 
     def load(self, tag_dir, info=None):
         """This rank's part of the average from the files of the checkpoint whose extra_info.json is `info`,
         written by any number of ranks."""
         saved = read_files(tag_dir, info)
-        params = dict(self.engine.module.named_parameters())
-        buffers = dict(self.engine.module.named_buffers())
-        model = {**{name: list(params[name].ds_shape if hasattr(params[name], "ds_shape") else params[name].shape)
-                    for name, _ in self.names},
-                 **{BUFFER + name: list(buffers[name].shape) for name in self.buffer_names}}
-        differ = [name for name, shape in model.items() if saved.metadata["shapes"].get(name) != shape]
+        needed = [name for name, _ in self.names] + [BUFFER + name for name in self.buffer_names]
+        differ = [name for name in needed if saved.metadata["shapes"].get(name) != self.shapes[name]]
         if differ:
             raise UsageError(f"{tag_dir}: the weights' average does not fit this model ({differ[0]}: "
-                             f"{saved.metadata['shapes'].get(differ[0])} there, {model[differ[0]]} here)")
+                             f"{saved.metadata['shapes'].get(differ[0])} there, {self.shapes[differ[0]]} here)")
         self.n_averaged = saved.metadata["n_averaged"]
         with torch.no_grad():
             for (name, start), average in zip(self.names, self.averages):
