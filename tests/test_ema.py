@@ -18,11 +18,27 @@ STAGES = {"zero0": ({"stage": 0}, {}),
           "zero3-offload": ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, {})}
 
 
+class Gram(torch.nn.Module):
+    """A floating buffer of two dimensions (as EVA's rotary table), moved by each rank's batches: the rank mean the
+    average takes of it keeps its shape."""
+
+    def __init__(self, channels):
+        super().__init__()
+        self.register_buffer("gram", torch.zeros(channels, channels))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                flat = x.float().flatten(2).mean(-1)
+                self.gram.lerp_(flat.T @ flat / len(flat), 0.5)
+        return x
+
+
 def small_model():
     from deepspeed_image_trainer.models.build import BatchNorm2dFP32  # the trainer's: bf16 weights, fp32 statistics
 
     torch.manual_seed(0)  # the same weights on every rank and in every engine
-    return torch.nn.Sequential(torch.nn.Conv2d(3, 5, 3), BatchNorm2dFP32(5), torch.nn.ReLU(),
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 5, 3), BatchNorm2dFP32(5), Gram(5), torch.nn.ReLU(),
                                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(5, 3))
 
 

@@ -140,7 +140,7 @@ class WeightEMA:
         flat = torch.cat([b.reshape(-1) for b in current])
         dist.all_reduce(flat)
         flat /= world
-        return list(torch.split(flat, [b.numel() for b in current]))
+        return [part.view_as(b) for part, b in zip(torch.split(flat, [b.numel() for b in current]), current)]
 
     def _model_buffers(self):
         return [b for _, b in self.engine.module.named_buffers() if b.is_floating_point()]
