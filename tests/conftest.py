@@ -178,6 +178,25 @@ def built_instead(builders, monkeypatch=None):
         torchvision.models.get_model = get_model
 
 
+def slim_timm(monkeypatch=None):
+    """timm.create_model builds the transformers the tests use with two blocks (ConvNeXt with one a stage): their
+    own classes, at a size a CPU test can afford. For the rest of the process (a spawned one), or the test with
+    pytest's `monkeypatch`."""
+    import timm
+
+    full = timm.create_model
+    slim = {"vit_tiny_patch16_224": {"depth": 2}, "eva02_tiny_patch14_224": {"depth": 2},
+            "convnext_atto": {"depths": (1, 1, 1, 1)}}
+
+    def create_model(name, *args, **kwargs):
+        return full(name, *args, **{**slim.get(name.split(".")[0], {}), **kwargs})
+
+    if monkeypatch:
+        monkeypatch.setattr(timm, "create_model", create_model)
+    else:
+        timm.create_model = create_model
+
+
 def history_of(workdir):
     """The training history a run in `workdir` wrote (its default --log_dir)."""
     return json.loads((Path(workdir) / "logs/training_history.json").read_text())

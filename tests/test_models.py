@@ -23,7 +23,7 @@ from deepspeed_image_trainer.models.names import saved_name
 from deepspeed_image_trainer.utils.failures import UsageError
 
 from conftest import (TINY_CLASSES, Payload, built_instead, data_args, history_of, join_process_group, launch,
-                      spawn_ranks, tiny_engine)
+                      slim_timm, spawn_ranks, tiny_engine)
 
 # One small model of each family, with a size each takes.
 FAMILIES = {"resnet18": 32, "mobilenet_v3_small": 32, "mobilenet_v2": 32, "efficientnet_b0": 32, "convnext_tiny": 32,
@@ -289,7 +289,14 @@ MORE_HALVES = (("maxvit_t", "resnext50_32x4d"), ("vgg11", "wide_resnet50_2", "al
 # bf16_steps for one model of each kind of normalisation layer the fp32 swap covers: batch norm (with
 # squeeze-excite), ConvNeXt's LayerNorm2d, and Swin V2's layer norm and coordinate table (EfficientNet's and
 # Swin V1's layers are among these; their steps took about 5 s of the test's CPU time).
-BF16_STEPPED = ("mobilenet_v3_small", "convnext_tiny", "swin_v2_t")
+BF16_STEPPED = ("mobilenet_v3_small", "convnext_tiny", "swin_v2_t", "timm:test_efficientnet",
+                "timm:eva02_tiny_patch14_224")
+# A model of each timm family (--model timm:NAME): timm's own for tests (about 0.4 M parameters), and EVA (its
+# rotary embedding) at two blocks (slim_timm), in two halves
+TIMM_FAMILIES = {"timm:test_vit": 32, "timm:eva02_tiny_patch14_224": 28, "timm:test_convnext": 32,
+                 "timm:test_efficientnet": 32, "timm:test_resnet": 32}
+TIMM_HALVES = (("timm:eva02_tiny_patch14_224", "timm:test_resnet"),
+               ("timm:test_efficientnet", "timm:test_convnext", "timm:test_vit"))
 
 
 # ZeRO-2 and 3, where a family's own handling lies (its blocks as ZeRO-3 leaves, its buffers consolidated from
@@ -340,6 +347,8 @@ def train_export_evaluate_predict(process, _, results, data, workdir, halves, si
 
     torch.set_num_threads(1)  # two of these processes share the machine's cores
     slim_transformers()
+    if any(name.startswith("timm:") for name in halves[process]):
+        slim_timm()
     join_process_group(0, free_port())  # a group of one of its own
     train_deepspeed.shut_down = lambda: None  # it serves every run here; spawn_ranks leaves it at the end
     leaves = []  # the modules ZeRO-3 gathers whole, as the trainer's config names them, for each engine
@@ -374,8 +383,9 @@ def train_export_evaluate_predict(process, _, results, data, workdir, halves, si
 @pytest.mark.parametrize("halves, sizes", [
     (FAMILY_HALVES, FAMILIES),
     pytest.param(MORE_HALVES, MORE_FAMILIES, marks=pytest.mark.skipif(not os.environ.get("ALL_FAMILIES"),
-                                                                      reason="ALL_FAMILIES=1 runs these"))],
-    ids=["families", "more families"])
+                                                                      reason="ALL_FAMILIES=1 runs these")),
+    (TIMM_HALVES, TIMM_FAMILIES)],
+    ids=["families", "more families", "timm families"])
 def test_every_family_trains_exports_evaluates_and_predicts_at_zero_2_and_3(tmp_path, halves, sizes):
     assert sorted(sum(halves, ())) == sorted(sizes)
     data = tmp_path / "data"

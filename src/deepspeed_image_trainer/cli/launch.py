@@ -59,9 +59,20 @@ def get_args_parser():
                         help="this node's index in the hostfile (0 .. nodes-1), with --launcher none")
     launch.add_argument("--dry_run", action="store_true",
                         help="print the resolved DeepSpeed config and the command, then exit")
-    launch.add_argument("--list_models", action="store_true",
-                        help="list the models --model takes (parameters, input size, weights), then exit")
+    launch.add_argument("--list_models", nargs="*", default=None, metavar="WHAT",
+                        help="list the models --model takes, then exit: torchvision's (parameters, input size, "
+                             "weights), or with `timm [FILTER]` timm's (FILTER a wildcard: 'vit_*', '*dinov3*')")
     return add_training_args(parser)
+
+
+def checked_listing(words):
+    """(source, pattern) of --list_models' words: nothing or torchvision, or timm and a wildcard."""
+    if words[:1] in ([], ["torchvision"]) and len(words) <= 1:
+        return None, None
+    if words[:1] == ["timm"] and len(words) <= 2:
+        return "timm", (words[1:] or [None])[0]
+    raise UsageError(f"--list_models {' '.join(words)}: give nothing (torchvision's models), or timm and at most one "
+                     "wildcard (--list_models timm 'vit_*')")
 
 
 def given_config_path(log_dir, base):
@@ -204,10 +215,10 @@ def main(argv=None, launched_at=None):
     if not TRAIN_SCRIPT.is_file():  # the package installed without the project's scripts
         raise UsageError(f"the training script {TRAIN_SCRIPT} is missing: run the launcher from the project (or "
                          "install it with pip install -e .)")
-    if args.list_models:
+    if args.list_models is not None:
         from ..models.build import list_models
 
-        print(list_models())
+        print(list_models(*checked_listing(args.list_models)))
         return 0
     num_gpus, num_nodes, world_size = resolve_topology(args)
     if os.name == "nt" and world_size > 1:

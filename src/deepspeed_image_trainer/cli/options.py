@@ -66,7 +66,8 @@ def add_training_args(parser):
     train = parser.add_argument_group("Training")
     train.add_argument("--model", default=DEFAULT_MODEL,
                        help="any torchvision classifier by name (resnet50, efficientnet_b0, convnext_tiny, vit_b_16, "
-                            "...; python launch_deepspeed.py --list_models lists them); resnet18 is ResNet18Animals90")
+                            "...; python launch_deepspeed.py --list_models lists them; resnet18 is ResNet18Animals90), "
+                            "or timm's as timm:NAME (timm:vit_base_patch16_224; --list_models timm [FILTER])")
     train.add_argument("--epochs", type=int, default=50)
     train.add_argument("--batch_size", type=int, default=16, help="micro-batch per GPU (per rank)")
     train.add_argument("--optimizer", choices=tuple(OPTIMIZERS), default="adamw",
@@ -474,7 +475,7 @@ def check_recipe(args):
     for name in ("mixup_alpha", "cutmix_alpha"):  # torchvision keeps alpha in float32: 1e-300 became 0, then failed
         if 0 < getattr(args, name) < 1e-6:
             raise UsageError(f"--{name} must be 0 (off) or at least 1e-6, got {getattr(args, name)}")
-    if args.drop_path is not None and not architecture(args.model).startswith(DROP_PATH_FAMILIES):
+    if args.drop_path is not None and not architecture(args.model).startswith(DROP_PATH_FAMILIES + ("timm:",)):
         raise UsageError(f"--drop_path: --model {args.model} has no stochastic depth that torchvision lets set; "
                          "ConvNeXt (convnext_*), EfficientNet (efficientnet_*, efficientnet_v2_*), Swin (swin_*) and "
                          "MaxViT (maxvit_t) have")

@@ -34,6 +34,7 @@ from ..engine.memory import advise_on_out_of_memory, zero3_note
 from ..engine.numerics import StepHealth
 from ..engine.rng import restore_rng_state, rng_state, seed_everything
 from ..engine.timing import StartupClock
+from ..models import timm_models
 from ..models.build import build_model, checked_model, preprocessing, synchronize_batch_norm
 from ..models.names import saved_name
 from ..outputs import run_folders, universal
@@ -235,6 +236,9 @@ def build(args, clock):
     deepspeed_overrides.install()
     if args.sync_bn and not synchronize_batch_norm(model):
         say(f"--sync_bn: {model_name} has no batch norm, so there is nothing to synchronise")
+    if args.sync_bn and (unsynced := timm_models.unsynced_batch_norms(model)):
+        say(f"--sync_bn: {model_name}'s {unsynced} batch norm layers of timm's own classes (BatchNormAct2d) "
+            "normalise each rank's micro-batch alone")
     # What is built by now (the imports, the model, the file lists) lives until the end: DeepSpeed's ZeRO-3 set-up
     # runs full collections, which took 1.5 s each on 2 CPU cores walking it, and need not.
     gc.freeze()

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ..models.names import DEFAULT_MODEL
+from ..models.timm_models import LEAF_BLOCKS as TIMM_LEAF_BLOCKS, is_timm
 from ..utils.failures import UsageError, check_name_lengths, check_writable
 from ..utils.files import parse_json
 from ..utils.text import digits, error_line
@@ -333,7 +334,7 @@ def _resolve_zero(config, args, num_params=None, world_size=1, resumed_stage=Non
     # in which the first backward then fails (DeepSpeed 0.19.8: KeyError torch.float32).
     deepcompile = stage == 3 and uses_deepcompile(config, args)
     if stage == 3 and "leaf_module" not in zero and not deepcompile and not model.startswith(WITHOUT_BLOCKS):
-        zero["leaf_module"] = {"classes": list(ZERO3_LEAF_BLOCKS)}
+        zero["leaf_module"] = {"classes": list(TIMM_LEAF_BLOCKS if is_timm(model) else ZERO3_LEAF_BLOCKS)}
     if stage == 3 and zero.get("stage3_module_granularity_threshold", AUTO) == AUTO:
         zero["stage3_module_granularity_threshold"] = 0  # DeepSpeed's: the leaf modules make the units
     allgather = zero.get("allgather_bucket_size")

@@ -121,13 +121,13 @@ class WeightEMA:
         if step % self.every:
             return
         with torch.no_grad():
-            buffers = self._rank_mean_buffers()
-            if self.n_averaged == 0:
-                torch._foreach_copy_(self.averages, self.masters)
-                torch._foreach_copy_(self.buffers, buffers)
-            else:
-                torch._foreach_lerp_(self.averages, self.masters, self.alpha)
-                torch._foreach_lerp_(self.buffers, buffers, self.alpha)
+            # pairs of lists, none empty: torch's foreach ops refuse empty ones (a ViT has no floating buffer)
+            pairs = [(a, b) for a, b in ((self.averages, self.masters), (self.buffers, self._rank_mean_buffers())) if a]
+            for averages, current in pairs:
+                if self.n_averaged == 0:
+                    torch._foreach_copy_(averages, current)
+                else:
+                    torch._foreach_lerp_(averages, current, self.alpha)
         self.n_averaged += 1
         if (epoch - 1) * self.steps_per_epoch + step + 1 <= self.warmup_steps:
             self.n_averaged = 0  # torchvision: a copy of the weights until the warmup ends

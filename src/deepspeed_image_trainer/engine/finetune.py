@@ -11,6 +11,7 @@ cannot change afterwards), but AdamW moves no weight whose learning rate is 0, w
 """
 from torch import nn
 
+from ..models.timm_models import layer_ids as timm_layer_ids
 from ..utils.failures import UsageError
 
 
@@ -108,7 +109,8 @@ def parameter_groups(model, num_classes, args=None):
     cut = grouping(args) if args is not None else {"head_and_body": True, "layer_decay": None}
     layers = None
     if cut.get("layer_decay") is not None:
-        layers = layer_ids(model, repeated_blocks())
+        layers = (timm_layer_ids(model) if type(model).__module__.startswith("timm.")
+                  else layer_ids(model, repeated_blocks()))
         if layers is None:
             raise UsageError(f"--layer_decay: {type(model).__name__} has no repeated blocks to count layers by "
                              "(AlexNet, VGG): leave it out")

@@ -22,7 +22,9 @@ from torchvision.models.resnet import BasicBlock, ResNet
 from ..utils.failures import UsageError
 from ..utils.loading import load_checked, tensors_by_name, unloadable_tensor
 from ..utils.text import error_line
+from . import timm_models
 from .names import DEFAULT_MODEL, architecture
+from .timm_models import is_timm
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -173,7 +175,7 @@ def plain_norms(model):
     for module in model.modules():
         if type(module) in plain:
             module.__class__ = plain[type(module)]
-    return model
+    return timm_models.plain_norms(model)
 
 
 class ResNet18Animals90(ResNet):
@@ -213,17 +215,25 @@ def model_names():
 
 def check_saved_model(name, source):
     """`name` as read from `source` (a checkpoint's extra_info.json, an export's sidecar) is a model we build."""
-    if not isinstance(name, str) or architecture(name) not in model_names():
+    if is_timm(name):
+        try:
+            timm_models.check_name(name)
+        except UsageError as err:
+            raise UsageError(f"{source} names the model {name!r}: {err}") from None
+    elif not isinstance(name, str) or architecture(name) not in model_names():
         raise UsageError(f"{source} names the model {name!r}, which is not a torchvision classifier; use a file "
                          "this trainer wrote")
     return name
 
 
 def check_model_name(name):
+    if is_timm(name):
+        return timm_models.check_name(name)
     if architecture(name) not in model_names():
         close = difflib.get_close_matches(name, model_names(), n=3)
         raise UsageError(f"--model {name}: not a torchvision classifier" + (f" (did you mean {', '.join(close)}?)"
-                         if close else "") + "; python launch_deepspeed.py --list_models lists them")
+                         if close else "") + "; python launch_deepspeed.py --list_models lists them (timm's: "
+                         "--model timm:NAME)")
 
 
 def construction_args(name, image_size):
@@ -248,6 +258,8 @@ def build_model(name, num_classes, image_size=224, pretrained=None, drop_path=No
     `drop_path`: its stochastic_depth_prob (None: the builder's default; the options check which take it)."""
     name = architecture(name)
     check_model_name(name)
+    if is_timm(name):
+        return timm_models.build(name, num_classes, image_size, drop_path, *timm_weights(name, pretrained))
     if name == DEFAULT_MODEL:
         model = ResNet18Animals90(num_classes=num_classes)
     else:
@@ -356,7 +368,11 @@ def checked_model(name, num_classes, image_size, batch_size, pretrained, val_cro
     --pretrained weights, downloaded here when missing. Returns the meta model."""
     shapes = check_image_size(name, num_classes, image_size, batch_size)
     check_val_crop(name, num_classes, image_size, val_crop_size)
-    if pretrained:  # loaded as a rank loads them, for the modules' own checks (into a copy: they may change it)
+    if pretrained and is_timm(name):  # timm's loader, on the meta device (the weights' keys and shapes)
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            timm_models.build(name, num_classes, image_size, None, *timm_weights(name, pretrained, mmap=True))
+    elif pretrained:  # loaded as a rank loads them, for the modules' own checks (into a copy: they may change it)
         state = pretrained_state(shapes, name, pretrained, num_classes, mmap=True)
         with warnings.catch_warnings():  # torch's, on copying into meta parameters (one per parameter)
             warnings.simplefilter("ignore")
@@ -366,12 +382,17 @@ def checked_model(name, num_classes, image_size, batch_size, pretrained, val_cro
 
 def default_image_size(name):
     """The input size of the model's DEFAULT weights (224 for most)."""
+    if is_timm(name):
+        return timm_models.default_image_size(name)
     weights = torchvision.models.get_model_weights(architecture(name)).DEFAULT
     return weights.transforms.keywords.get("crop_size", 224)
 
 
-def list_models():
-    """One line per classifier: name, parameters, input size of its default weights, its weights."""
+def list_models(source=None, pattern=None):
+    """One line per classifier: name, parameters, input size of its default weights, its weights; timm's
+    (`source` timm) by `pattern`, a wildcard."""
+    if source == "timm":
+        return timm_models.list_models(pattern)
     lines = [f"{'model':<22} {'params':>9}  {'input':>5}  weights (--pretrained)"]
     for name in model_names():
         params = sum(p.numel() for p in shape_model(name).parameters())
@@ -395,6 +416,8 @@ def preprocessing(name, pretrained):
     from ..data.folders import DEFAULT_PREPROCESSING
 
     check_model_name(architecture(name))
+    if is_timm(name):
+        return timm_models.preprocessing(name, pretrained) or dict(DEFAULT_PREPROCESSING)
     weights = _weights(architecture(name), pretrained) if isinstance(pretrained, str) else None
     if weights is None:
         return dict(DEFAULT_PREPROCESSING)
@@ -408,16 +431,9 @@ def weights_file(name, choice):
     downloaded there when missing, or a path as given. A weights name wins over a file of that name here, as
     it does for the preprocessing (./DEFAULT names the file)."""
     weights = _weights(name, choice)
-    if weights is None and Path(choice).is_file():
-        return Path(choice)
-    if weights is None and Path(choice).is_dir():
-        raise UsageError(f"--pretrained {choice}: a folder; give a state_dict file (export_model.py writes one) "
-                         "or a weights name")
-    if weights is None and Path(choice).exists():
-        raise UsageError(f"--pretrained {choice}: not a regular file (a FIFO or a device); give a state_dict file")
     if weights is None:
-        names = ", ".join(["DEFAULT", *(w.name for w in torchvision.models.get_model_weights(name))])
-        raise UsageError(f"--pretrained {choice}: no such file, and not a weights name of {name} ({names})")
+        return given_file(choice, ", ".join(["DEFAULT", *(w.name for w in torchvision.models.get_model_weights(name))]),
+                          name)
     folder = Path(torch.hub.get_dir()) / "checkpoints"
     path = folder / Path(urlparse(weights.url).path).name
     if path.is_file():
@@ -440,9 +456,40 @@ def weights_file(name, choice):
     return path
 
 
+def given_file(choice, names, name):
+    """--pretrained `choice`, not a weights name of model `name` (whose are `names`): a file."""
+    if Path(choice).is_file():
+        return Path(choice)
+    if Path(choice).is_dir():
+        raise UsageError(f"--pretrained {choice}: a folder; give a state_dict file (export_model.py writes one) "
+                         "or a weights name")
+    if Path(choice).exists():
+        raise UsageError(f"--pretrained {choice}: not a regular file (a FIFO or a device); give a state_dict file")
+    raise UsageError(f"--pretrained {choice}: no such file, and not a weights name of {name} ({names})")
+
+
+def timm_weights(name, choice, mmap=False):
+    """(state_dict, its head's class count for a file, the tag) of --pretrained `choice` for timm's model `name`:
+    a tag or DEFAULT from the hub cache, or a file; checked as torchvision's are (checked_state). (None, None,
+    None) without weights."""
+    if not choice:
+        return None, None, None
+    tag = choice if timm_models.is_tag(name, choice) else None
+    if tag is None:
+        shown = timm_models.tags(name)
+        path = given_file(choice, ", ".join(["DEFAULT", *shown[:8]]) + (", ..." if len(shown) > 8 else "")
+                          if shown else "it has none", name)
+    else:
+        path = timm_models.hub_file(name, choice)
+    state = checked_state(path, mmap)
+    return state, None if tag else timm_models.head_classes(name, state), tag
+
+
 def not_downloaded(name, choice):
     """The torch hub cache's file for weights name `choice` of model `name` where it is not there yet (a run
     downloads it into that path); None for a file, or weights already there."""
+    if is_timm(name):
+        return timm_models.not_downloaded(name, choice)
     weights = _weights(architecture(name), choice) if isinstance(choice, str) else None
     path = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(weights.url).path).name if weights else None
     return path if path is not None and not path.exists() and not path.is_symlink() else None
@@ -451,11 +498,9 @@ def not_downloaded(name, choice):
 AUXILIARY_HEADS = ("aux1.", "aux2.", "AuxLogits.")  # GoogLeNet's and Inception V3's, left out (see above)
 
 
-def pretrained_state(model, name, choice, num_classes, mmap=False):
-    """The state_dict of weights `choice` (a weights name or a file, see weights_file) to load into `model`, a
-    `name` with `num_classes` outputs (on the meta device too: only shapes are compared). The classifier
-    head is left out when the class count differs."""
-    path = weights_file(name, choice)
+def checked_state(path, mmap=False):
+    """The tensors of weights file `path`, checked before anything is built from them: read without running its
+    pickled code (utils/loading.py), tensors by name, dense, finite in fp32, no negative variance."""
     try:
         state = load_checked(path, mmap=mmap, deepspeed_classes=False)
     except UsageError as err:
@@ -480,6 +525,15 @@ def pretrained_state(model, name, choice, num_classes, mmap=False):
                      and (v < 0).any()), None)
     if negative is not None:
         raise UsageError(f"--pretrained {path}: {negative} holds negative variances; these weights cannot train")
+    return state
+
+
+def pretrained_state(model, name, choice, num_classes, mmap=False):
+    """The state_dict of weights `choice` (a weights name or a file, see weights_file) to load into `model`, a
+    `name` with `num_classes` outputs (on the meta device too: only shapes are compared). The classifier
+    head is left out when the class count differs."""
+    path = weights_file(name, choice)
+    state = checked_state(path, mmap)
     own = model.state_dict()
     versions = getattr(state, "_metadata", None)  # the file's module versions (MNASNet's stem depends on them)
     if not (isinstance(versions, dict) and all(isinstance(v, dict) for v in versions.values())):

@@ -1,0 +1,162 @@
+"""timm's models (--model timm:NAME, models/timm_models.py): listed, checked by name, their normalisation layers in
+fp32 under half-precision weights, ZeRO-3's leaf blocks and timm's layer numbering per family, weights from the
+Hugging Face hub cache through timm's loader, and a two-rank ZeRO-3 run that exports and evaluates. Each family
+trains, exports, evaluates and predicts at ZeRO-2 and 3 in test_models.py (TIMM_FAMILIES)."""
+import json
+import sys
+
+import pytest
+import timm
+import torch
+
+from conftest import data_args, history_of, launch, slim_timm
+from deepspeed_image_trainer.cli.launch import checked_listing
+from deepspeed_image_trainer.models import timm_models
+from deepspeed_image_trainer.models.build import (FP32_NORMS, build_model, check_model_name, checked_model,
+                                                  list_models, preprocessing, shape_model)
+from deepspeed_image_trainer.utils.failures import UsageError
+
+# timm's own models for tests (a ViT of 0.4 M parameters, with weights on the hub)
+VIT = "timm:test_vit"
+DEFAULT_REPO = "timm/test_vit.r160_in1k"  # its DEFAULT weights' repository
+# A model of each family, the size it is built at here
+FAMILIES = {VIT: 32, "timm:eva02_tiny_patch14_224": 28, "timm:test_convnext": 32, "timm:test_efficientnet": 32,
+            "timm:test_efficientnet_gn": 32, "timm:test_resnet": 32, "timm:test_byobnet": 32,
+            "timm:swin_tiny_patch4_window7_224": 224}
+
+
+def test_timm_models_are_listed_by_wildcard_with_their_weights_tags():
+    lines = list_models("timm", "vit_tiny_patch16_*").splitlines()
+    names = [line.split()[0] for line in lines[1:]]
+    assert names and names == [f"timm:{name}" for name in timm.list_models("vit_tiny_patch16_*")]
+    tiny = next(line for line in lines if line.startswith("timm:vit_tiny_patch16_224 "))
+    assert tiny.split()[1:4] == ["224px", "DEFAULT", "augreg_in21k"] and "augreg_in21k_ft_in1k" in tiny
+    assert list_models("timm", "no_such_model*") == "no timm model matches 'no_such_model*'"
+    assert checked_listing([]) == checked_listing(["torchvision"]) == (None, None)
+    assert checked_listing(["timm"]) == ("timm", None) and checked_listing(["timm", "vit*"]) == ("timm", "vit*")
+    for words in (["tim"], ["timm", "a*", "b*"], ["torchvision", "vit*"]):
+        with pytest.raises(UsageError, match=r"--list_models .*: give nothing \(torchvision's models\), or timm"):
+            checked_listing(words)
+
+
+def test_timm_names_are_checked_with_the_closest_ones_and_tags_go_to_pretrained():
+    check_model_name(VIT)
+    with pytest.raises(UsageError, match=r"--model timm:vit_tiny_patch16_22: not a timm model \(did you mean "
+                                         r"timm:vit_tiny_patch16_224"):
+        check_model_name("timm:vit_tiny_patch16_22")
+    with pytest.raises(UsageError, match=r"give the weights' tag with --pretrained r160_in1k and the model as "
+                                         r"--model timm:test_vit$"):
+        check_model_name(f"{VIT}.r160_in1k")
+
+
+def test_each_timm_family_normalises_in_fp32_and_has_leaf_blocks_and_timms_layers():
+    for name, size in FAMILIES.items():
+        model = shape_model(name, 3, size)
+        norms = [m for m in model.modules() if isinstance(m, timm_models.NORM_BASES)]
+        assert norms and all(isinstance(m, timm_models._FP32) or type(m) in FP32_NORMS.values() for m in norms), name
+        classes = {f"{type(m).__module__}.{type(m).__name__}" for m in model.modules()}
+        assert classes & set(timm_models.LEAF_BLOCKS), name  # what ZeRO-3 gathers whole
+        layers = timm_models.layer_ids(model)
+        names = [n for n, _ in model.named_parameters()]
+        head = next(n for n in reversed(names) if n.endswith("weight"))
+        assert set(layers) == set(names) and layers[names[0]] == 0, name  # the stem
+        assert layers[head] == max(layers.values()) > 2, name
+
+
+def test_timm_models_under_half_precision_weights_compute_as_in_fp32(monkeypatch):
+    """DeepSpeed's bf16 mode casts the parameters and leaves the buffers: EfficientNet's BatchNormAct2d then keeps
+    fp32 statistics, EVA's rotary table and fixed key bias follow the weights."""
+    slim_timm(monkeypatch)
+    for name, size in (("timm:eva02_tiny_patch14_224", 28), ("timm:test_efficientnet", 32)):
+        torch.manual_seed(0)
+        model = build_model(name, 3, size).eval()
+        images = torch.randn(2, 3, size, size)
+        with torch.no_grad():
+            expected = model(images)
+        for param in model.parameters():
+            param.data = param.data.bfloat16()
+        got = model(images.bfloat16())
+        assert got.dtype == torch.bfloat16 and torch.allclose(got.float(), expected, atol=0.05, rtol=0.05), name
+        got.float().sum().backward()  # through the norms' fp32 copies to their weights
+        norm = next(m for m in model.modules() if isinstance(m, timm_models._FP32))
+        assert norm.weight.grad is not None and norm.weight.grad.dtype == torch.bfloat16, name
+        assert all(b.dtype == torch.float32 for m in model.modules() if isinstance(m, timm_models.NORM_BASES)
+                   for b in m.buffers() if b.is_floating_point()), name
+
+
+def fake_hub(cache, repo, state):
+    """The Hugging Face hub cache's layout of `repo` holding `state` as model.safetensors."""
+    from safetensors.torch import save_file
+
+    folder = cache / f"models--{repo.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs/main").write_text("0" * 40)
+    (folder / "snapshots" / ("0" * 40)).mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, folder / "snapshots" / ("0" * 40) / "model.safetensors")
+
+
+def test_timm_weights_come_from_the_hub_cache_tensor_for_tensor_with_a_new_head(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub
+
+    monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", True)  # as a machine without the network: nothing waits
+    with pytest.raises(UsageError, match=rf"^--pretrained DEFAULT: {DEFAULT_REPO}'s model.safetensors is not in the "
+                                         rf"Hugging Face cache \({tmp_path / 'hub'}\) and could not be downloaded "
+                                         r"\(HF_HUB_OFFLINE is set\); download it there \(hf download"):
+        build_model(VIT, 3, 32, pretrained="DEFAULT")
+    source = timm.create_model("test_vit").state_dict()  # as on the hub: 1000 classes at 160 px
+    fake_hub(tmp_path / "hub", DEFAULT_REPO, source)
+    assert checked_model(VIT, 3, 32, 2, "DEFAULT") is not None  # the launcher's check, on the meta device
+    got = build_model(VIT, 3, 32, pretrained="DEFAULT").state_dict()
+    assert got["head.weight"].shape == (3, 64) and got["pos_embed"].shape == (1, 5, 64)  # resampled by timm
+    kept = [k for k in got if not k.startswith("head.") and k != "pos_embed"]
+    assert len(kept) == len(source) - 3 and all(torch.equal(got[k], source[k]) for k in kept)
+    assert preprocessing(VIT, "DEFAULT") == {"mean": [0.5] * 3, "std": [0.5] * 3, "resize_ratio": 1 / 0.95,
+                                             "interpolation": "bicubic"}
+    # a file: this trainer's own export, whose head (3 classes) is kept; another model's weights are one line
+    torch.save(got, tmp_path / "mine.pt")
+    again = build_model(VIT, 3, 32, pretrained=str(tmp_path / "mine.pt")).state_dict()
+    assert all(torch.equal(again[k], got[k]) for k in got)
+    torch.save(timm.create_model("test_resnet", num_classes=3).state_dict(), tmp_path / "other.pt")
+    with pytest.raises(UsageError, match=r"^--pretrained: not weights of timm:test_vit \(\d+ of its tensors "
+                                         r"missing, \d+ not its own: "):
+        build_model(VIT, 3, 32, pretrained=str(tmp_path / "other.pt"))
+    with pytest.raises(UsageError, match=r"--pretrained nothing: no such file, and not a weights name of "
+                                         r"timm:test_vit \(DEFAULT, r160_in1k\)"):
+        build_model(VIT, 3, 32, pretrained="nothing")
+
+
+@pytest.mark.slow
+def test_a_timm_model_fine_tunes_from_the_hub_cache_on_two_ranks_at_zero3_with_its_average(tiny_data, tmp_path,
+                                                                                           monkeypatch):
+    """--pretrained DEFAULT from the hub cache (HF_HOME) at ZeRO-3 on 2 ranks, layer decay by timm's numbering and
+    the weights' average; the --ema export evaluates to the logged figures. (bf16 computes otherwise than the
+    export's fp32, 0.02 in the loss of a 12-block ViT: its steps are test_models.py's bf16_steps.)"""
+    from deepspeed_image_trainer.cli.options import run_cli
+    from deepspeed_image_trainer.inference import evaluate
+    from deepspeed_image_trainer.inference.export import main as export
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    fake_hub(tmp_path / "hf/hub", DEFAULT_REPO, timm.create_model("test_vit").state_dict())
+    args = data_args(tiny_data) + ["--model", VIT, "--pretrained", "DEFAULT", "--epochs", "1", "--batch_size", "8",
+                                   "--image_size", "32", "--num_workers", "0", "--zero_stage", "3", "--num_gpus", "2",
+                                   "--layer_decay", "0.75", "--model_ema", "--model_ema_steps", "1"]
+    result = launch(args, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    history = history_of(tmp_path)
+    assert history["config"]["model"] == VIT and history["config"]["pretrained"] == "DEFAULT"
+    assert history["config"]["preprocessing"]["mean"] == [0.5] * 3
+    scales = [group["layer_scale"] for group in history["config"]["training"]["groups"]]
+    assert len(scales) == 6 + 2 and scales[-1] == pytest.approx(0.75 ** 7)  # the stem's, 7 layers below the head
+    config = json.loads((tmp_path / "logs/ds_config.json").read_text())
+    assert "timm.models.vision_transformer.Block" in config["zero_optimization"]["leaf_module"]["classes"]
+    export([str(tmp_path / "checkpoints_deepspeed/last"), "--ema", "--output", str(tmp_path / "ema.safetensors")])
+    with pytest.raises(SystemExit) as exited:
+        sys.exit(run_cli(evaluate.main, ["--model", str(tmp_path / "ema.safetensors"), "--data_dir",
+                                         str(tiny_data / "val"), "--output_dir", str(tmp_path / "eval"),
+                                         "--num_workers", "0"]))
+    assert exited.value.code in (0, None)
+    report, last = json.loads((tmp_path / "eval/report.json").read_text()), history["epochs"][-1]
+    assert report["loss"] == pytest.approx(last["ema_val_loss"], rel=1e-5)
+    assert report["top1"] == pytest.approx(last["ema_val_acc"])
