@@ -437,14 +437,23 @@ def test_a_file_or_link_where_the_trainer_makes_its_folders_is_refused(tiny_data
 
 
 def test_a_cache_folder_inside_the_images_it_holds_is_refused(tiny_data, tmp_path, monkeypatch, capsys):
-    """--cache_dir in --train_dir: its entries showed up in every later run as class folders without images."""
+    """--cache_dir in --train_dir: its entries showed up in every later run as class folders without images; so did
+    $TRAINER_CACHE_DIR's data check and decoded images (of a run, and of prepare_data.py --check)."""
+    from deepspeed_image_trainer.data import prepare
+
     monkeypatch.chdir(tmp_path)
     shutil.copytree(tiny_data, tmp_path / "data")
     assert_usage_error_in_process(launch_deepspeed.main, data_args(Path("data")) + [
         "--data_on_device", "cache", "--cache_dir", "data/train/c", "--dry_run"], capsys,
-        "--cache_dir data/train/c is inside --train_dir data/train, the images it holds decoded")
-    assert sorted(p.name for p in (tmp_path / "data/train").iterdir()) == sorted(
-        p.name for p in (tiny_data / "train").iterdir())
+        "--cache_dir data/train/c is inside --train_dir data/train, whose images it keeps the results of")
+    monkeypatch.setenv("TRAINER_CACHE_DIR", "data/val/antelope")
+    assert_usage_error_in_process(launch_deepspeed.main, data_args(Path("data")) + ["--dry_run"], capsys,
+                                  "$TRAINER_CACHE_DIR data/val/antelope is inside --val_dir data/val, whose images")
+    assert_usage_error_in_process(prepare.main, ["--check", "data"], capsys,
+                                  "$TRAINER_CACHE_DIR data/val/antelope is inside --check data, whose images")
+    for split in ("train", "val"):
+        assert sorted(p.name for p in (tmp_path / "data" / split).rglob("*")) == sorted(
+            p.name for p in (tiny_data / split).rglob("*"))
 
 
 @pytest.mark.parametrize("name", [".lock", ".launch.lock"])

@@ -28,7 +28,7 @@ from pathlib import Path
 from PIL import Image, UnidentifiedImageError
 
 from ..utils.failures import UsageError
-from ..utils.files import parse_json, regular_text, write_json_atomic
+from ..utils.files import parse_json, regular_text, within, write_json_atomic
 from ..utils.text import error_line, listed
 
 CACHE_VERSION = 2
@@ -341,6 +341,15 @@ def cache_place():
     """(cache_base(), what chose it): as a refusal names it (run_folders.check_output_places)."""
     chosen = f"${CACHE_DIR_ENV}" if os.environ.get(CACHE_DIR_ENV) else f"the cache folder (${CACHE_DIR_ENV} unset)"
     return cache_base(), chosen
+
+
+def check_cache_outside_data(folder, flag, data):
+    """A cache folder (`flag`: --cache_dir, $TRAINER_CACHE_DIR) inside the images it keeps results of (`data`:
+    (flag, folder) pairs): its entries showed up as class folders and files of the data."""
+    for data_flag, data_dir in data:
+        if data_dir and within(folder, data_dir):
+            raise UsageError(f"{flag} {folder} is inside {data_flag} {data_dir}, whose images it keeps the results of "
+                             "(decoded, checked): put the cache elsewhere")
 
 
 def cache_path(root):

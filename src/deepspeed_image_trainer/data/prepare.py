@@ -18,7 +18,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS
 
 from ..utils.failures import CliParser, UsageError, check_outside_checkpoints, path_argument
 from ..utils.files import parse_json, within
-from .check import cache_place, check_folders
+from .check import cache_place, check_cache_outside_data, check_folders
 
 # The 90 class folders of the Animals-90 dataset; the sample dataset borrows them as class names.
 ANIMALS_90 = (
@@ -221,6 +221,7 @@ def check_dataset(folder):
     if not folder.is_dir():
         raise UsageError(f"image folder not found: {folder}")
     check_outside_checkpoints(*cache_place())  # where the check keeps its results: a save there removed them
+    check_cache_outside_data(*cache_place(), [("--check", folder)])
     if (folder / "train").is_dir():
         check = check_folders(folder / "train", folder / "val")
     else:

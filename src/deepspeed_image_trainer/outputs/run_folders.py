@@ -20,10 +20,9 @@ import socket
 from pathlib import Path
 
 from ..data.cache import OFF
-from ..data.check import cache_place
+from ..data.check import cache_place, check_cache_outside_data
 from ..engine.config import MONITORS, monitor_enabled
 from ..utils.failures import UsageError, check_no_broken_link, check_not_taken, check_outside_checkpoints
-from ..utils.files import within
 from .checkpoints import BEST, EXTRA_INFO, LAST, STAGING, read_info, readable
 from .history import ARGS_FILE, HISTORY_FILE
 from .universal import UNIVERSAL
@@ -196,8 +195,8 @@ def check_output_places(args, config):
         places.append((Path(args.cache_dir), "--cache_dir", None))
     for folder, flag, given in places:  # first: resolve() raises RuntimeError on a link loop
         check_no_broken_link(folder, flag, given)
-    if getattr(args, "cache_dir", None) not in (None, OFF):
-        _check_cache_dir(args)
+    for folder, flag, given in places[1:]:  # the caches
+        check_cache_outside_data(folder, flag, (("--train_dir", args.train_dir), ("--val_dir", args.val_dir)))
     places += _check_json_outputs(args, config)
     own = _check_checkpoint_dir(args)
     for folder, flag, given in places:
@@ -207,14 +206,6 @@ def check_output_places(args, config):
                              f"{resolved.relative_to(own).parts[0]}, which the run replaces whole when it saves: "
                              "write it elsewhere")
         check_outside_checkpoints(folder, flag, given)
-
-
-def _check_cache_dir(args):
-    """A --cache_dir inside the images it holds: its entries showed up as class folders and files of the data."""
-    for flag in ("--train_dir", "--val_dir"):
-        if within(args.cache_dir, getattr(args, flag[2:])):
-            raise UsageError(f"--cache_dir {args.cache_dir} is inside {flag} {getattr(args, flag[2:])}, the images "
-                             "it holds decoded: put the cache elsewhere")
 
 
 def _check_json_outputs(args, config):
