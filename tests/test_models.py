@@ -2,7 +2,6 @@
 import json
 import math
 import os
-import sys
 import urllib.error
 import warnings
 from pathlib import Path
@@ -13,7 +12,6 @@ import torch
 import torch.nn.functional as F
 import torchvision
 
-from deepspeed_image_trainer.cli.options import run_cli
 from deepspeed_image_trainer.data.folders import DEFAULT_PREPROCESSING, build_transform, check_preprocessing
 from deepspeed_image_trainer.data.prepare import make_sample_dataset
 from deepspeed_image_trainer.models.build import (LayerNorm2dFP32, build_model, check_image_size, checked_model,
@@ -22,8 +20,8 @@ from deepspeed_image_trainer.models.build import (LayerNorm2dFP32, build_model, 
 from deepspeed_image_trainer.models.names import saved_name
 from deepspeed_image_trainer.utils.failures import UsageError
 
-from conftest import (TINY_CLASSES, Payload, built_instead, data_args, history_of, join_process_group, launch,
-                      slim_timm, spawn_ranks, tiny_engine)
+from conftest import (TINY_CLASSES, Payload, built_instead, data_args, history_of, join_process_group, slim_timm,
+                      spawn_ranks, tiny_engine)
 
 # One small model of each family, with a size each takes.
 FAMILIES = {"resnet18": 32, "mobilenet_v3_small": 32, "mobilenet_v2": 32, "efficientnet_b0": 32, "convnext_tiny": 32,
@@ -413,47 +411,6 @@ def test_every_family_trains_exports_evaluates_and_predicts_at_zero_2_and_3(tmp_
     for name in (name for name in BF16_STEPPED if name in sizes):
         bf16 = results[(name, "bf16")]
         assert all(map(math.isfinite, bf16["losses"])) and bf16["moved"], name
-
-
-@pytest.mark.slow
-def test_a_pretrained_torchvision_model_fine_tunes_on_two_ranks_at_zero3_exports_and_evaluates(
-        tiny_data, tmp_path, monkeypatch):
-    from deepspeed_image_trainer.inference import evaluate
-
-    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))  # the launcher and the ranks read it
-    imagenet_weights_file(tmp_path / "torch_home", "mobilenet_v3_small")
-    args = data_args(tiny_data) + ["--model", "mobilenet_v3_small", "--pretrained", "DEFAULT", "--epochs", "2",
-                                   "--freeze_backbone_epochs", "1", "--backbone_lr_scale", "0.1", "--batch_size", "4",
-                                   "--image_size", "32", "--num_workers", "0", "--zero_stage", "3", "--num_gpus", "2"]
-    result = launch(args, tmp_path)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "mobilenet_v3_small: 48 train / 15 val images" in result.stdout
-    history = history_of(tmp_path)
-    info = json.loads((tmp_path / "checkpoints_deepspeed/last/extra_info.json").read_text())
-    assert history["config"]["model"] == info["model"] == "mobilenet_v3_small"
-    assert history["config"]["pretrained"] == info["pretrained"] == "DEFAULT"
-    assert history["config"]["preprocessing"] == info["preprocessing"] == preprocessing("mobilenet_v3_small", "DEFAULT")
-    assert history["config"]["training"]["freeze_backbone_epochs"] == 1
-    first, second = history["epochs"]
-    assert first["backbone_lr"] == 0 and second["backbone_lr"] == pytest.approx(0.1 * second["lr"])
-
-    from deepspeed_image_trainer.inference.export import main as export
-
-    export([str(tmp_path / "checkpoints_deepspeed/last"), "--output", str(tmp_path / "model.safetensors")])
-    sidecar = json.loads((tmp_path / "model.safetensors.json").read_text())
-    assert sidecar["model"] == "mobilenet_v3_small" and sidecar["preprocessing"] == info["preprocessing"]
-    with pytest.raises(SystemExit) as exited:
-        sys.exit(run_cli(evaluate.main, ["--model", str(tmp_path / "model.safetensors"), "--data_dir",
-                                         str(tiny_data / "val"), "--output_dir", str(tmp_path / "eval"),
-                                         "--num_workers", "0"]))
-    assert exited.value.code in (0, None)
-    report = json.loads((tmp_path / "eval/report.json").read_text())
-    assert report["top1"] == pytest.approx(second["val_acc"])
-    # A sidecar of another export: its class count against the head's (classifier.3 here, not ResNet's fc).
-    (tmp_path / "model.safetensors.json").write_text(json.dumps({**sidecar, "class_names": ["a", "b"]}))
-    with pytest.raises(UsageError, match=f"has {TINY_CLASSES} outputs but its class names list 2"):
-        evaluate.main(["--model", str(tmp_path / "model.safetensors"), "--data_dir", str(tiny_data / "val"),
-                       "--output_dir", str(tmp_path / "eval"), "--num_workers", "0"])
 
 
 def test_a_transformer_exports_to_onnx_and_torchscript_with_a_dynamic_batch(tmp_path, monkeypatch):

@@ -127,11 +127,12 @@ def test_timm_weights_come_from_the_hub_cache_tensor_for_tensor_with_a_new_head(
 
 
 @pytest.mark.slow
-def test_a_timm_model_fine_tunes_from_the_hub_cache_on_two_ranks_at_zero3_with_its_average(tiny_data, tmp_path,
-                                                                                           monkeypatch):
-    """--pretrained DEFAULT from the hub cache (HF_HOME) at ZeRO-3 on 2 ranks, layer decay by timm's numbering and
-    the weights' average; the --ema export evaluates to the logged figures. (bf16 computes otherwise than the
-    export's fp32, 0.02 in the loss of a 12-block ViT: its steps are test_models.py's bf16_steps.)"""
+def test_a_timm_model_fine_tunes_from_the_hub_cache_on_two_ranks_at_zero3_exports_and_evaluates(
+        tiny_data, tmp_path, monkeypatch):
+    """--pretrained DEFAULT from the hub cache (HF_HOME) at ZeRO-3 on 2 ranks: the head alone for an epoch, then
+    the body at a tenth of its rate with timm's layer decay, and the weights' average; the plain and --ema exports
+    evaluate to the logged figures. (bf16 computes otherwise than the exports' fp32, 0.02 in the loss of a
+    12-block ViT: its steps are test_models.py's bf16_steps.)"""
     from deepspeed_image_trainer.cli.options import run_cli
     from deepspeed_image_trainer.inference import evaluate
     from deepspeed_image_trainer.inference.export import main as export
@@ -139,24 +140,38 @@ def test_a_timm_model_fine_tunes_from_the_hub_cache_on_two_ranks_at_zero3_with_i
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     fake_hub(tmp_path / "hf/hub", DEFAULT_REPO, timm.create_model("test_vit").state_dict())
-    args = data_args(tiny_data) + ["--model", VIT, "--pretrained", "DEFAULT", "--epochs", "1", "--batch_size", "8",
+    args = data_args(tiny_data) + ["--model", VIT, "--pretrained", "DEFAULT", "--epochs", "2", "--batch_size", "8",
                                    "--image_size", "32", "--num_workers", "0", "--zero_stage", "3", "--num_gpus", "2",
-                                   "--layer_decay", "0.75", "--model_ema", "--model_ema_steps", "1"]
+                                   "--freeze_backbone_epochs", "1", "--backbone_lr_scale", "0.1", "--layer_decay",
+                                   "0.75", "--model_ema", "--model_ema_steps", "1"]
     result = launch(args, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"{VIT}: 48 train / 15 val images" in result.stdout
     history = history_of(tmp_path)
-    assert history["config"]["model"] == VIT and history["config"]["pretrained"] == "DEFAULT"
-    assert history["config"]["preprocessing"]["mean"] == [0.5] * 3
+    info = json.loads((tmp_path / "checkpoints_deepspeed/last/extra_info.json").read_text())
+    assert history["config"]["model"] == info["model"] == VIT
+    assert history["config"]["pretrained"] == info["pretrained"] == "DEFAULT"
+    assert history["config"]["preprocessing"] == info["preprocessing"] == preprocessing(VIT, "DEFAULT")
+    first, second = history["epochs"]
+    assert first["backbone_lr"] == 0 and second["backbone_lr"] == pytest.approx(0.1 * second["lr"])
     scales = [group["layer_scale"] for group in history["config"]["training"]["groups"]]
     assert len(scales) == 6 + 2 and scales[-1] == pytest.approx(0.75 ** 7)  # the stem's, 7 layers below the head
     config = json.loads((tmp_path / "logs/ds_config.json").read_text())
     assert "timm.models.vision_transformer.Block" in config["zero_optimization"]["leaf_module"]["classes"]
-    export([str(tmp_path / "checkpoints_deepspeed/last"), "--ema", "--output", str(tmp_path / "ema.safetensors")])
-    with pytest.raises(SystemExit) as exited:
-        sys.exit(run_cli(evaluate.main, ["--model", str(tmp_path / "ema.safetensors"), "--data_dir",
-                                         str(tiny_data / "val"), "--output_dir", str(tmp_path / "eval"),
-                                         "--num_workers", "0"]))
-    assert exited.value.code in (0, None)
-    report, last = json.loads((tmp_path / "eval/report.json").read_text()), history["epochs"][-1]
-    assert report["loss"] == pytest.approx(last["ema_val_loss"], rel=1e-5)
-    assert report["top1"] == pytest.approx(last["ema_val_acc"])
+    for flags, loss, accuracy in (([], "val_loss", "val_acc"), (["--ema"], "ema_val_loss", "ema_val_acc")):
+        exported = tmp_path / f"model{len(flags)}.safetensors"
+        export([str(tmp_path / "checkpoints_deepspeed/last"), *flags, "--output", str(exported)])
+        assert json.loads(exported.with_name(f"{exported.name}.json").read_text())["model"] == VIT
+        with pytest.raises(SystemExit) as exited:
+            sys.exit(run_cli(evaluate.main, ["--model", str(exported), "--data_dir", str(tiny_data / "val"),
+                                             "--output_dir", str(tmp_path / "eval"), "--num_workers", "0"]))
+        assert exited.value.code in (0, None)
+        report = json.loads((tmp_path / "eval/report.json").read_text())
+        assert report["loss"] == pytest.approx(second[loss], rel=1e-5)
+        assert report["top1"] == pytest.approx(second[accuracy])
+    # A sidecar of another export: its class count against the head's (timm's `head`, not ResNet's fc).
+    sidecar = json.loads((tmp_path / "model0.safetensors.json").read_text())
+    (tmp_path / "model0.safetensors.json").write_text(json.dumps({**sidecar, "class_names": ["a", "b"]}))
+    with pytest.raises(UsageError, match="has 3 outputs but its class names list 2"):
+        evaluate.main(["--model", str(tmp_path / "model0.safetensors"), "--data_dir", str(tiny_data / "val"),
+                       "--output_dir", str(tmp_path / "eval"), "--num_workers", "0"])
