@@ -113,12 +113,29 @@ def synthetic_batch(args, device, dtype=torch.float32, channels_last=True):
     return images.to(dtype, memory_format=memory_format), labels
 
 
+def reference_model(args):
+    """The plain model a user would build for --model: torchvision's get_model, or timm's create_model for
+    timm:NAME (sized for --image_size where timm fixes the input size), without the trainer's fp32 norms."""
+    from deepspeed_image_trainer.models import timm_models
+    from deepspeed_image_trainer.models.build import construction_args
+
+    if timm_models.is_timm(args.model):
+        import timm
+
+        fixed = timm.models.get_pretrained_cfg(timm_models.arch(args.model))
+        return timm.create_model(timm_models.arch(args.model), num_classes=args.num_classes,
+                                 **({"img_size": args.image_size} if fixed and fixed.fixed_input_size else {}))
+    import torchvision
+
+    return torchvision.models.get_model(args.model, num_classes=args.num_classes,
+                                        **construction_args(args.model, args.image_size))
+
+
 def reference_case(settings, args, device):
     """Plain PyTorch: the loop a user writes by hand, timed like the trainer's epochs. Started by torchrun
     with several processes, it is plain DistributedDataParallel (NCCL), and images/s counts every rank."""
     import torch.distributed as dist
     import torch.nn.functional as F
-    import torchvision
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     torch.backends.cudnn.benchmark = True
@@ -129,10 +146,7 @@ def reference_case(settings, args, device):
         if device.type == "cuda":
             torch.cuda.set_device(device)
     dtype = DTYPES.get(settings["dtype"])
-    from deepspeed_image_trainer.models.build import construction_args
-
-    model = torchvision.models.get_model(args.model, num_classes=args.num_classes,
-                                         **construction_args(args.model, args.image_size)).to(device)
+    model = reference_model(args).to(device)
     if settings.get("sync_bn") and world_size > 1:
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if settings["channels_last"]:

@@ -848,8 +848,10 @@ def check_args(args, cuda):
         raise UsageError("--find_max_batch runs as one process: start it with python (--num_gpus N for N ranks); "
                          "under a launcher an out-of-memory error on one rank would leave the others waiting")
     if not 1 <= args.num_gpus <= max(1, torch.cuda.device_count()) or args.num_gpus > 1 and not args.find_max_batch:
-        raise UsageError(f"--num_gpus goes with --find_max_batch and is 1 to the GPUs here "
-                         f"({torch.cuda.device_count()}); without it start several ranks with deepspeed --num_gpus")
+        here = torch.cuda.device_count()
+        raise UsageError("--num_gpus goes with --find_max_batch and "
+                         + (f"is 1 to the GPUs here ({here})" if here else "a GPU (this machine has none)")
+                         + "; without it start several ranks with deepspeed --num_gpus")
     if args.max_batch_limit < 1:
         raise UsageError("--max_batch_limit must be at least 1")
     if args.global_batch is not None and (not args.find_max_batch or args.global_batch < 1):

@@ -70,7 +70,7 @@ def test_two_ranks_write_table_json_and_chart(tmp_path):
 
 @pytest.mark.parametrize("extra, message", [
     (["--find_max_batch"], "--find_max_batch needs a GPU (it searches for the largest micro-batch"),
-    (["--num_gpus", "2"], "--num_gpus goes with --find_max_batch"),
+    (["--num_gpus", "2"], "--num_gpus goes with --find_max_batch and a GPU (this machine has none)"),
     (["--fp16", "--bf16"], "--fp16 and --bf16 exclude each other"),
     (["--fp16"], "fp16 needs a GPU"),
     (["--global_batch", "512"], "--global_batch goes with --find_max_batch"),

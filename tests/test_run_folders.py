@@ -118,11 +118,15 @@ def test_a_second_launch_into_held_folders_writes_nothing_there(tiny_data, tmp_p
         (tmp_path / "logs/ds_config.json").write_text('{"first": "run"}')
         (tmp_path / "logs/ds_config_given.json").write_text('{"optimizer": {"params": {"lr": 0.001}}}')
         (tmp_path / "second.json").write_text('{"optimizer": {"type": "AdamW", "params": {"lr": 0.05}}}')
+        # the first run between two writes of its checkpoint: read by the second launch, it passed for damaged
+        (tmp_path / "ckpt/last").mkdir()
+        (tmp_path / "ckpt/last/extra_info.json").write_text('{"epoch": 1, "model_ema_files": 2}')
         before = digests(tmp_path / "logs"), digests(tmp_path / "ckpt")
         monkeypatch.chdir(tmp_path)
-        assert_usage_error_in_process(launch_deepspeed.main, data_args(tiny_data) + [
-            "--checkpoint_dir", "ckpt", "--log_dir", "logs", "--deepspeed_config", "second.json"], capsys,
-            f"--checkpoint_dir ckpt is in use by pid {holder.pid} on ")
+        for resume in ([], ["--resume", "auto"]):
+            assert_usage_error_in_process(launch_deepspeed.main, data_args(tiny_data) + [
+                "--checkpoint_dir", "ckpt", "--log_dir", "logs", "--deepspeed_config", "second.json", *resume],
+                capsys, f"--checkpoint_dir ckpt is in use by pid {holder.pid} on ")
         assert (digests(tmp_path / "logs"), digests(tmp_path / "ckpt")) == before
         assert run_folders._held == []  # the refused launcher let go of what it had taken
     finally:

@@ -161,6 +161,15 @@ def check_unlocked(folder, flag, name=LOCK_FILE):
                 raise _in_use(folder, flag, name)
 
 
+def check_free(args):
+    """Stop when a run holds the folders now (its launcher or its rank 0), before anything reads them: a second
+    launch read the first run's checkpoint between two of its saves and called it damaged."""
+    if os.name == "posix":
+        for folder, flag in _folders(args):
+            for name in (LAUNCH_LOCK_FILE, LOCK_FILE):
+                check_unlocked(folder, flag, name)
+
+
 def _claimed_for(folder, flag, token):
     """Whether the launcher that started this run holds `folder` for it (its token); stop when another does.
     False when nobody holds it: the launcher has gone, or its folder of that name is on another machine."""
