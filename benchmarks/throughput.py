@@ -218,7 +218,7 @@ def main():
     slug = machine_slug(env)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     path = args.output_dir / (f"throughput_{slug}.json" if args.model == "resnet18" else
-                              f"throughput_{args.model}_{slug}.json")
+                              f"throughput_{slug_of(args.model)}_{slug}.json")
     results, commands = earlier_results(path, env) if args.update else ({}, [])
     commands.append(env["command"])
     for kind, name in cases:
