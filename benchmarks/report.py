@@ -644,6 +644,8 @@ TABLES = {
     "throughput-models": lambda: "\n\n".join(throughput(name) for name in (
         *(f"throughput/throughput_{model}_nvidia_h100_80gb_hbm3.json" for model in ("resnet50", "vit_b_16")),
         *(f"throughput_{model}_nvidia_h200.json" for model in ("convnext_tiny", "swin_v2_t", "efficientnet_b0")))),
+    "timm-throughput": lambda: "\n\n".join(throughput(f"timm/throughput_{model}_nvidia_h100_80gb_hbm3.json")
+                                           for model in ("timm_vit_base_patch16_224", "vit_b_16")),
     "zero3-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{run}_nvidia_h200.json")
                                           for run in ("resnet18_b256", "vit_l_16_b32")),
     "zero12-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{run}_nvidia_h100_80gb_hbm3.json")
