@@ -9,7 +9,7 @@ import pytest
 import timm
 import torch
 
-from conftest import data_args, history_of, launch, slim_timm
+from conftest import assert_usage_error_in_process, data_args, history_of, launch, slim_timm
 from deepspeed_image_trainer.cli.launch import checked_listing
 from deepspeed_image_trainer.models import timm_models
 from deepspeed_image_trainer.models.build import (FP32_NORMS, build_model, check_model_name, checked_model,
@@ -84,6 +84,21 @@ def test_timm_models_under_half_precision_weights_compute_as_in_fp32(monkeypatch
                    for b in m.buffers() if b.is_floating_point()), name
 
 
+def test_activation_checkpointing_gives_the_gradients_of_a_plain_backward_and_torchvision_refuses_it(capsys):
+    from deepspeed_image_trainer.cli import launch as launch_deepspeed
+
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = build_model(VIT, 3, 32, grad_checkpointing=checkpointing).train()
+        images = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+        torch.nn.functional.cross_entropy(model(images), torch.tensor([0, 1, 2, 0])).backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    assert model.grad_checkpointing and all(torch.allclose(grads[1][k], grads[0][k], atol=1e-6) for k in grads[0])
+    assert_usage_error_in_process(launch_deepspeed.main, ["--model", "resnet50", "--grad_checkpointing", "--dry_run"],
+                                  capsys, "--grad_checkpointing: --model resnet50 is not a timm model (timm:NAME)")
+
+
 def fake_hub(cache, repo, state):
     """The Hugging Face hub cache's layout of `repo` holding `state` as model.safetensors."""
     from safetensors.torch import save_file
@@ -129,8 +144,9 @@ def test_timm_weights_come_from_the_hub_cache_tensor_for_tensor_with_a_new_head(
 @pytest.mark.slow
 def test_a_timm_model_fine_tunes_from_the_hub_cache_on_two_ranks_at_zero3_exports_and_evaluates(
         tiny_data, tmp_path, monkeypatch):
-    """--pretrained DEFAULT from the hub cache (HF_HOME) at ZeRO-3 on 2 ranks: the head alone for an epoch, then
-    the body at a tenth of its rate with timm's layer decay, and the weights' average; the plain and --ema exports
+    """--pretrained DEFAULT from the hub cache (HF_HOME) at ZeRO-3 on 2 ranks with activation checkpointing: the head
+    alone for an epoch, then the body at a tenth of its rate with timm's layer decay, and the weights' average; the
+    plain and --ema exports
     evaluate to the logged figures. (bf16 computes otherwise than the exports' fp32, 0.02 in the loss of a
     12-block ViT: its steps are test_models.py's bf16_steps.)"""
     from deepspeed_image_trainer.cli.options import run_cli
@@ -143,7 +159,7 @@ def test_a_timm_model_fine_tunes_from_the_hub_cache_on_two_ranks_at_zero3_export
     args = data_args(tiny_data) + ["--model", VIT, "--pretrained", "DEFAULT", "--epochs", "2", "--batch_size", "8",
                                    "--image_size", "32", "--num_workers", "0", "--zero_stage", "3", "--num_gpus", "2",
                                    "--freeze_backbone_epochs", "1", "--backbone_lr_scale", "0.1", "--layer_decay",
-                                   "0.75", "--model_ema", "--model_ema_steps", "1"]
+                                   "0.75", "--model_ema", "--model_ema_steps", "1", "--grad_checkpointing"]
     result = launch(args, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"{VIT}: 48 train / 15 val images" in result.stdout
@@ -152,6 +168,7 @@ def test_a_timm_model_fine_tunes_from_the_hub_cache_on_two_ranks_at_zero3_export
     assert history["config"]["model"] == info["model"] == VIT
     assert history["config"]["pretrained"] == info["pretrained"] == "DEFAULT"
     assert history["config"]["preprocessing"] == info["preprocessing"] == preprocessing(VIT, "DEFAULT")
+    assert history["config"]["training"]["grad_checkpointing"] is True  # blocks recomputed under ZeRO-3's hooks
     first, second = history["epochs"]
     assert first["backbone_lr"] == 0 and second["backbone_lr"] == pytest.approx(0.1 * second["lr"])
     scales = [group["layer_scale"] for group in history["config"]["training"]["groups"]]

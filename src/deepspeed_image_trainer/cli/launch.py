@@ -272,6 +272,10 @@ def main(argv=None, launched_at=None):
             weights = None
         shapes = checked_model(args.model, len(class_names), args.image_size,
                                norm_batch_size(args.batch_size, args.sync_bn, world_size), weights, args.val_crop_size)
+        if args.grad_checkpointing:  # a timm model without it stops here, not in every rank
+            from ..models.timm_models import checkpointing
+
+            checkpointing(shapes, args.model)
         num_params = sum(p.numel() for p in shapes.parameters())
         groups = len(parameter_groups(shapes, len(class_names), args)) if grouping(args) else 1
     base = load_base_config(args.deepspeed_config)

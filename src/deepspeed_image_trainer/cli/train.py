@@ -176,7 +176,8 @@ def build(args, clock):
 
     rank, world_size = init_distributed(on_stop=run_folders.release)  # a stop while waiting leaves no folder made
     seed_everything(args.seed)
-    model = build_model(args.model, len(train_set.classes), args.image_size, weights, args.drop_path)
+    model = build_model(args.model, len(train_set.classes), args.image_size, weights, args.drop_path,
+                        args.grad_checkpointing)
     model_name = saved_name(args.model)
     num_params = sum(p.numel() for p in model.parameters())
     # the optimizer's parameter groups, when flags cut them (fine-tuning, layer decay, weight decay by kind)

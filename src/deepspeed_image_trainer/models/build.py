@@ -252,14 +252,16 @@ def construction_args(name, image_size):
 SCALED_DROP_PATH = ("swin_", "maxvit_")
 
 
-def build_model(name, num_classes, image_size=224, pretrained=None, drop_path=None):
+def build_model(name, num_classes, image_size=224, pretrained=None, drop_path=None, grad_checkpointing=False):
     """The model `name` (a torchvision classifier) with `num_classes` outputs and fp32 normalisation layers;
     `pretrained`: None, a weights name of the model (DEFAULT, IMAGENET1K_V1, ...) or a state_dict file;
-    `drop_path`: its stochastic_depth_prob (None: the builder's default; the options check which take it)."""
+    `drop_path`: its stochastic_depth_prob (None: the builder's default; the options check which take it);
+    `grad_checkpointing`: timm's activation checkpointing on (the options check it is a timm model)."""
     name = architecture(name)
     check_model_name(name)
     if is_timm(name):
-        return timm_models.build(name, num_classes, image_size, drop_path, *timm_weights(name, pretrained))
+        model = timm_models.build(name, num_classes, image_size, drop_path, *timm_weights(name, pretrained))
+        return timm_models.checkpointing(model, name) if grad_checkpointing else model
     if name == DEFAULT_MODEL:
         model = ResNet18Animals90(num_classes=num_classes)
     else:

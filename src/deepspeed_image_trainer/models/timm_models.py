@@ -205,6 +205,17 @@ def fp32_norms(model):
     return swapped
 
 
+def checkpointing(model, name):
+    """`model` with timm's activation checkpointing on: its blocks' activations recomputed in the backward pass
+    (each block called again as a module, so ZeRO-3's hooks gather its weights for the recomputation)."""
+    try:
+        model.set_grad_checkpointing(True)
+    except (AssertionError, NotImplementedError, AttributeError) as err:
+        raise UsageError(f"--grad_checkpointing: timm's {name} has no activation checkpointing "
+                         f"({str(err).strip() or type(err).__name__})") from None
+    return model
+
+
 def unsynced_batch_norms(model):
     """How many of the model's batch norm layers --sync_bn does not reach (timm's BatchNormAct2d)."""
     return sum(isinstance(module, _FP32) and isinstance(module, nn.modules.batchnorm._BatchNorm)

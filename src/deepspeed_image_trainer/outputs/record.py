@@ -34,6 +34,7 @@ def run_record(args, ds_config, class_names):
                          "parameter_groups": groups_setting(args),
                          "augmentation": recipe_of(args), "ra_reps": args.ra_reps, "mixup_alpha": args.mixup_alpha,
                          "cutmix_alpha": args.cutmix_alpha, "drop_path": args.drop_path,
+                         "grad_checkpointing": getattr(args, "grad_checkpointing", False),
                          "model_ema": args.model_ema, "best_on": args.best_on,
                          "model_ema_decay": args.model_ema_decay if args.model_ema else None,
                          "model_ema_steps": args.model_ema_steps if args.model_ema else None},
