@@ -99,9 +99,13 @@ REFERENCES = {
     # fed by the trainer's GPU data path (crops_loader) instead of one synthetic batch: a DDP user who augments
     # on the GPU as the trainer does
     "torch bf16 channels_last crops": {"dtype": "bf16", "channels_last": True, "crops": True},
+    # PyTorch's FSDP2 on several GPUs: fully_shard per repeated block and the root, bf16 weights, fp32 reduction
+    # (the reference of ZeRO-3 with DeepSpeed's bf16 weights)
+    "torch bf16 FSDP2": {"dtype": None, "channels_last": False, "fsdp2": True},
 }
 BF16_REF, FP16_REF = "torch bf16 channels_last", "torch fp16 channels_last"
 SYNC_BN_REF, CROPS_REF = "torch bf16 channels_last SyncBatchNorm", "torch bf16 channels_last crops"
+FSDP2_REF = "torch bf16 FSDP2"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -151,9 +155,11 @@ def reference_case(settings, args, device):
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if settings["channels_last"]:
         model = model.to(memory_format=torch.channels_last)
+    if settings.get("fsdp2"):
+        model = fully_sharded(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05)
     scaler = torch.amp.GradScaler(enabled=dtype == torch.float16)
-    if world_size > 1:
+    if world_size > 1 and not settings.get("fsdp2"):
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     forward = torch.compile(model) if settings.get("compile") else model
     batch = synthetic_batch(args, device, channels_last=settings["channels_last"])
@@ -164,7 +170,7 @@ def reference_case(settings, args, device):
         start = time.perf_counter()
         for images, labels in itertools.islice(loader(epoch, count), count):
             with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
-                loss = F.cross_entropy(forward(images), labels)
+                loss = F.cross_entropy(forward(images).float(), labels)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
             scaler.step(optimizer)
@@ -176,6 +182,24 @@ def reference_case(settings, args, device):
     reset_peak_memory(device)
     return {"images_per_s": world_size * args.steps * args.batch_size / steps(args.steps, 1),
             "peak_gpu_memory_gib": peak_memory(device)}
+
+
+def fully_sharded(model):
+    """`model` under FSDP2 as its documentation shards a transformer: fully_shard on each repeated block (the
+    classes the trainer's ZeRO-3 gathers whole, so both shard at the same grain) and on the root; parameters in
+    bf16 for compute, gradients reduced in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from deepspeed_image_trainer.engine.config import ZERO3_LEAF_BLOCKS
+    from deepspeed_image_trainer.models.timm_models import LEAF_BLOCKS
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    blocks = set(ZERO3_LEAF_BLOCKS) | set(LEAF_BLOCKS)
+    for module in list(model.modules()):
+        if f"{type(module).__module__}.{type(module).__qualname__}" in blocks:
+            fully_shard(module, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
 
 
 def reset_peak_memory(device):

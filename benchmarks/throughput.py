@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from common import (BF16_REF, FP16_REF, REFERENCES, ROOT, SYNC_BN_REF, earlier_results, environment, failed, fmt,
+from common import (BF16_REF, FP16_REF, FSDP2_REF, REFERENCES, ROOT, SYNC_BN_REF, earlier_results, environment, failed, fmt,
                     measurement_parser, ratio, reference_case, run_case_of, settings_of, shown, slug_of,
                     trainer_case, write_profile)
 from machine import machine_slug
@@ -48,6 +48,9 @@ SYNTHETIC = {
     "step: zero1 bf16": (["--zero_stage", "1", "--bf16"], BF16_REF, None),
     "step: zero2 bf16": (["--zero_stage", "2", "--bf16"], BF16_REF, None),
     "step: zero3 bf16": (["--zero_stage", "3", "--bf16"], BF16_REF, None),
+    # ZeRO-3 as FSDP2 shards: DeepSpeed's bf16 weights, fp32 gradients reduced (several GPUs)
+    "step: zero3 bf16 half_weights": (["--zero_stage", "3", "--bf16", "--precision_mode", "half_weights"],
+                                      FSDP2_REF, None),
     "step: zero2 fp16": (["--zero_stage", "2", "--fp16"], FP16_REF, None),
     "step: zero2 bf16 half_weights": (["--zero_stage", "2", "--bf16", "--precision_mode", "half_weights"],
                                       BF16_REF, None),
@@ -103,6 +106,7 @@ REAL = {
 }
 # minutes of compiling, or measured for benchmarks/scaling.py only
 SKIPPED_BY_DEFAULT = {"torch bf16 channels_last compile", "step: zero2 bf16 compile", "step: zero2 bf16 offload_optimizer",
+                      FSDP2_REF, "step: zero3 bf16 half_weights",  # for several GPUs (--num_gpus)
                       "epoch: zero2 bf16 compile, data on GPU",
                       "epoch: zero0 bf16, data on GPU", "epoch: zero1 bf16, data on GPU",
                       *(name for name in REAL if name.startswith("epoch: zero0 bf16") and name.endswith(
