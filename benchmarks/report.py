@@ -646,6 +646,7 @@ TABLES = {
         *(f"throughput_{model}_nvidia_h200.json" for model in ("convnext_tiny", "swin_v2_t", "efficientnet_b0")))),
     "timm-throughput": lambda: "\n\n".join(throughput(f"timm/throughput_{model}_nvidia_h100_80gb_hbm3.json")
                                            for model in ("timm_vit_base_patch16_224", "vit_b_16")),
+    "zero3-fsdp2": lambda: throughput("timm/throughput_timm_vit_gigantic_patch14_clip_224_nvidia_h100_80gb_hbm3_x2.json"),
     "zero3-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{run}_nvidia_h200.json")
                                           for run in ("resnet18_b256", "vit_l_16_b32")),
     "zero12-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{run}_nvidia_h100_80gb_hbm3.json")
