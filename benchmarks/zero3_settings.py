@@ -62,6 +62,10 @@ def variants(model):
         "zero3 persistence 1e6": (zero3, {"stage3_param_persistence_threshold": 1_000_000}),
         "zero3 everything persistent": (zero3, {"stage3_param_persistence_threshold": 10**12}),
         "zero3 overlap_comm off": (zero3, {"overlap_comm": False}),
+        # the trainer caps its buckets at 5e7 elements (engine/config.py's BUCKET_CAP): a giant's block is about that
+        "zero3 prefetch bucket 2e8": (zero3, {"stage3_prefetch_bucket_size": 200_000_000}),
+        "zero3 reduce bucket 2e8": (zero3, {"reduce_bucket_size": 200_000_000}),
+        "zero3 max live 3e9": (zero3, {"stage3_max_live_parameters": 3_000_000_000}),
         "zero3 contiguous_gradients off": (zero3, {"contiguous_gradients": False}),  # as ZeRO-1/2 gained
         # torch.compile through engine.compile(): the model's graph compiled, DeepSpeed's hooks still around it
         "zero3 torch.compile": ([*zero3, "--compile"], {}),
@@ -82,12 +86,13 @@ def summary(runs):
     return {**timed[(len(timed) - 1) // 2], "runs_images_per_s": [run.get("images_per_s") for run in runs]}
 
 
-def child(name, args):
+def child(kind, name, args):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name in (REFERENCE, COMPILED):
+    if name in REFERENCES:
         result = reference_case(REFERENCES[name], args, device)
     else:
         flags, zero, *top = variants(args.model)[name]
+        flags = [*flags, *kind.get("extra", [])]
         profile = cProfile.Profile() if args.profile else None  # the host's time in --steps more steps
         with tempfile.TemporaryDirectory() as tmp:
             base = Path(tmp) / "base.json"
@@ -104,21 +109,30 @@ def get_args_parser():
     parser.add_argument("--variants", nargs="+", metavar="NAME",
                         help=f"only these (default: all but {' and '.join(sorted(COMPILING))})")
     parser.add_argument("--repeat", type=int, default=1, help="measure each variant this many times (the median)")
+    parser.add_argument("--half_weights", action="store_true",
+                        help="every variant with DeepSpeed's bf16 weights (--precision_mode half_weights)")
+    parser.add_argument("--reference", choices=sorted(REFERENCES), default=REFERENCE,
+                        help=f"the plain loop the variants are measured against (default {REFERENCE}; on several "
+                             "GPUs with --half_weights: torch bf16 FSDP2)")
     return parser
 
 
 def main():
     args = get_args_parser().parse_args()
     if args.case:
-        return child(json.loads(args.case)[1], args)
-    names = [REFERENCE, *(args.variants or [name for name in variants(args.model) if name not in COMPILING])]
-    unknown = set(names) - {REFERENCE, *variants(args.model)}
-    if any("--compile" in variants(args.model)[name][0] for name in names if name not in unknown | {REFERENCE}):
+        return child(*json.loads(args.case), args)
+    reference = args.reference
+    extra = ["--precision_mode", "half_weights"] if args.half_weights else []
+    names = [reference, *(args.variants or [name for name in variants(args.model) if name not in COMPILING])]
+    unknown = set(names) - {reference, *variants(args.model)}
+    if any("--compile" in variants(args.model)[name][0] for name in names if name not in unknown | {reference}):
         names.insert(1, COMPILED)
     if unknown:
         sys.exit(f"error: unknown variant(s): {', '.join(sorted(unknown))}; known: {', '.join(variants(args.model))}")
     env = environment()
-    path = args.output_dir / f"zero3_settings_{args.model}_b{args.batch_size}_{machine_slug(env)}.json"
+    path = args.output_dir / (f"zero3_settings_{slug_of(args.model)}_b{args.batch_size}"
+                              f"{'_half_weights' if args.half_weights else ''}_{machine_slug(env)}"
+                              f"{f'_x{args.num_gpus}' if args.num_gpus > 1 else ''}.json")
     args.output_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     settings = settings_of(args, leave_out=("case",))
@@ -126,13 +140,13 @@ def main():
     for _ in range(args.repeat):  # round by round, so that a slower spell of the machine hits every variant
         for name in names:
             started = time.perf_counter()
-            runs[name].append({**run_case_of(__file__, "variant", name, args),
+            runs[name].append({**run_case_of(__file__, {"extra": extra}, name, args),
                                "wall_s": round(time.perf_counter() - started, 1)})
             results[name] = summary(runs[name])
-            if name not in (REFERENCE, COMPILED):
+            if name not in (reference, COMPILED):
                 flags, zero, *top = variants(args.model)[name]
-                results[name].update(flags=flags, changed=zero, **({"base_config": top[0]} if top else {}),
-                                     ratio_to_reference=ratio(results, name, REFERENCE))
+                results[name].update(flags=[*flags, *extra], changed=zero, **({"base_config": top[0]} if top else {}),
+                                     reference=reference, ratio_to_reference=ratio(results, name, reference))
                 if "--compile" in flags:
                     results[name]["ratio_to_compiled_reference"] = ratio(results, name, COMPILED)
             print(f"{name}: {json.dumps(runs[name][-1])[:300]}", flush=True)
