@@ -241,7 +241,10 @@ def zero3_settings(name):
             row.insert(3, f"**{ratio:.2f}**" if isinstance(ratio, float) else ratio or "")
     settings = result["settings"]
     return source(result, name) + (
-        f"\n{settings['model']}, micro-batch {settings['batch_size']}, {settings['image_size']} px, bf16, "
+        f"\n{settings['model']}, micro-batch {settings['batch_size']}"
+        + (f" per GPU on {settings['num_gpus']} GPUs (images/s over all of them)" if settings.get("num_gpus", 1) > 1
+           else "")
+        + f", {settings['image_size']} px, bf16{' weights' if settings.get('half_weights') else ''}, "
         f"{settings['steps']} timed steps" + (f"; each variant run {settings['repeat']} times in turn, the lower "
                                                f"median shown" if settings['repeat'] > 1 else "")
         + ":\n\n") + table(header, rows)
@@ -647,6 +650,8 @@ TABLES = {
     "timm-throughput": lambda: "\n\n".join(throughput(f"timm/throughput_{model}_nvidia_h100_80gb_hbm3.json")
                                            for model in ("timm_vit_base_patch16_224", "vit_b_16")),
     "zero3-fsdp2": lambda: throughput("timm/throughput_timm_vit_gigantic_patch14_clip_224_nvidia_h100_80gb_hbm3_x2.json"),
+    "zero3-fsdp2-settings": lambda: zero3_settings(
+        "timm/zero3_settings_timm_vit_gigantic_patch14_clip_224_b32_half_weights_nvidia_h100_80gb_hbm3_x2.json"),
     "zero3-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{run}_nvidia_h200.json")
                                           for run in ("resnet18_b256", "vit_l_16_b32")),
     "zero12-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{run}_nvidia_h100_80gb_hbm3.json")
