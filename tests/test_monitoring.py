@@ -67,7 +67,8 @@ def test_early_stopping_ends_the_run_and_the_csv_monitor_holds_every_epoch(stall
                                   "warmup_epochs": 1.0, "label_smoothing": 0.1, "early_stopping_patience": 1,
                                   "backbone_lr_scale": 1.0, "freeze_backbone_epochs": 0, "parameter_groups": False,
                                   "augmentation": None, "ra_reps": 1, "mixup_alpha": 0.0, "cutmix_alpha": 0.0,
-                                  "drop_path": None, "momentum": None, "nesterov": None, "groups": None,
+                                  "drop_path": None, "grad_checkpointing": False, "momentum": None, "nesterov": None,
+                                  "groups": None,
                                   "coalesce_grad_reduction": False, "model_ema": False, "best_on": "raw",
                                   "model_ema_decay": None, "model_ema_steps": None}
     assert config["deepspeed"]["scheduler"]["type"] == "WarmupLR"
