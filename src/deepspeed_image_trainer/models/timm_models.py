@@ -235,7 +235,9 @@ def layer_ids(model):
     numbers them: stem 0, blocks 1..L, final norm and head L + 1); None for a model without a group_matcher."""
     if not hasattr(model, "group_matcher"):
         return None
-    return _timm().models.group_parameters(model, model.group_matcher(coarse=False), reverse=True)
+    ids = _timm().models.group_parameters(model, model.group_matcher(coarse=False), reverse=True)
+    top = max(ids.values(), default=0)  # a parameter its matcher leaves out: the top layer, as timm's own
+    return {name: ids.get(name, top) for name, _ in model.named_parameters()}
 
 
 def preprocessing(name, pretrained):
