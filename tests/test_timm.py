@@ -99,6 +99,16 @@ def test_activation_checkpointing_gives_the_gradients_of_a_plain_backward_and_to
                                   capsys, "--grad_checkpointing: --model resnet50 is not a timm model (timm:NAME)")
 
 
+def test_one_image_a_rank_with_sync_bn_is_refused_where_timms_own_batch_norm_sees_it_alone():
+    """--sync_bn lets one image a rank through (the layers normalise over every rank's): not for timm's
+    BatchNormAct2d, which it does not reach (EfficientNet); timm's ResNet has torch's BatchNorm2d, synchronised."""
+    with pytest.raises(UsageError, match=r"^--batch_size 1 at --image_size 32: timm:test_efficientnet's batch norm "
+                                         r"layers of timm's own classes \(BatchNormAct2d\), which --sync_bn does not"):
+        checked_model("timm:test_efficientnet", 3, 32, 2, None, micro_batch=1)
+    assert checked_model("timm:test_resnet", 3, 32, 2, None, micro_batch=1) is not None
+    assert checked_model("timm:test_efficientnet", 3, 32, 2, None, micro_batch=2) is not None
+
+
 def fake_hub(cache, repo, state):
     """The Hugging Face hub cache's layout of `repo` holding `state` as model.safetensors."""
     from safetensors.torch import save_file

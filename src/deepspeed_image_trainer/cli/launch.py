@@ -271,7 +271,8 @@ def main(argv=None, launched_at=None):
                   "does not; its shapes are checked without the weights)", file=sys.stderr)
             weights = None
         shapes = checked_model(args.model, len(class_names), args.image_size,
-                               norm_batch_size(args.batch_size, args.sync_bn, world_size), weights, args.val_crop_size)
+                               norm_batch_size(args.batch_size, args.sync_bn, world_size), weights, args.val_crop_size,
+                               args.batch_size)
         if args.grad_checkpointing:  # a timm model without it stops here, not in every rank
             from ..models.timm_models import checkpointing
 

@@ -170,7 +170,8 @@ def build(args, clock):
         weights = weights_to_load(args)
         if args.launch_token is None:  # else its launcher checked the model before any rank started
             checked_model(args.model, len(train_set.classes), args.image_size,
-                          norm_batch_size(args.batch_size, args.sync_bn, ranks), weights, args.val_crop_size)
+                          norm_batch_size(args.batch_size, args.sync_bn, ranks), weights, args.val_crop_size,
+                          args.batch_size)
     if os.environ.get("RANK", "0") == "0":
         run_folders.take(args)  # before any rank looks for a checkpoint: tidying may rename one
 
@@ -235,9 +236,10 @@ def build(args, clock):
     import deepspeed
 
     deepspeed_overrides.install()
-    if args.sync_bn and not synchronize_batch_norm(model):
+    unsynced = timm_models.unsynced_batch_norms(model) if args.sync_bn else 0
+    if args.sync_bn and not synchronize_batch_norm(model) and not unsynced:
         say(f"--sync_bn: {model_name} has no batch norm, so there is nothing to synchronise")
-    if args.sync_bn and (unsynced := timm_models.unsynced_batch_norms(model)):
+    if unsynced:
         say(f"--sync_bn: {model_name}'s {unsynced} batch norm layers of timm's own classes (BatchNormAct2d) "
             "normalise each rank's micro-batch alone")
     # What is built by now (the imports, the model, the file lists) lives until the end: DeepSpeed's ZeRO-3 set-up

@@ -364,11 +364,19 @@ def check_val_crop(name, num_classes, image_size, val_crop_size):
                          "takes") from None
 
 
-def checked_model(name, num_classes, image_size, batch_size, pretrained, val_crop_size=None):
+def checked_model(name, num_classes, image_size, batch_size, pretrained, val_crop_size=None, micro_batch=None):
     """The training script's checks of the model, on the meta device before anything starts: the image size
-    and micro-batch it can take (check_image_size), the validation crop too when it differs, and the
-    --pretrained weights, downloaded here when missing. Returns the meta model."""
+    and micro-batch it can take (check_image_size; `batch_size` the images a batch norm layer sees, all ranks'
+    with --sync_bn, `micro_batch` a rank's, which timm's own batch norm layers see), the validation crop too when
+    it differs, and the --pretrained weights, downloaded here when missing. Returns the meta model."""
     shapes = check_image_size(name, num_classes, image_size, batch_size)
+    if micro_batch == 1 and batch_size > 1 and timm_models.unsynced_batch_norms(shapes):
+        try:
+            check_image_size(name, num_classes, image_size, 1)
+        except UsageError:
+            raise UsageError(f"--batch_size 1 at --image_size {image_size}: {name}'s batch norm layers of timm's own "
+                             "classes (BatchNormAct2d), which --sync_bn does not reach, then see one value per "
+                             "channel; use --batch_size 2 or more, or a larger --image_size") from None
     check_val_crop(name, num_classes, image_size, val_crop_size)
     if pretrained and is_timm(name):  # timm's loader, on the meta device (the weights' keys and shapes)
         with torch.device("meta"), warnings.catch_warnings():

@@ -74,9 +74,12 @@ def model_states(tag_folder):
 
 
 def restore_buffers(module, tag_folder):
-    """The module's buffers (batch-norm running statistics and counts) from the checkpoint."""
+    """The module's buffers (batch-norm running statistics and counts) from the checkpoint: those its state_dict
+    holds (EVA's key bias and rotary table are not saved: the model makes them)."""
     saved = load_checked(model_states(tag_folder))["module"]
-    buffers = dict(module.named_buffers())
+    buffers = {f"{prefix}.{name}" if prefix else name: buffer for prefix, owner in module.named_modules()
+               for name, buffer in owner._buffers.items()
+               if buffer is not None and name not in owner._non_persistent_buffers_set}
     missing = sorted(set(buffers) - set(saved))
     if missing:
         raise UsageError(f"{tag_folder} holds no {missing[0]} ({len(missing)} buffer(s) missing)")
@@ -109,6 +112,9 @@ def load(engine, folder, info, checkpoint_dir):
         loaded = engine.load_checkpoint(str(output.parent), tag=tag)
         with torch.no_grad():
             restore_buffers(engine.module, output)
+    except CliError as err:  # each rank's, alike: said once
+        err.every_rank = True
+        raise
     finally:
         barrier()
         if rank() == 0:
