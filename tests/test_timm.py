@@ -109,6 +109,26 @@ def test_one_image_a_rank_with_sync_bn_is_refused_where_timms_own_batch_norm_see
     assert checked_model("timm:test_efficientnet", 3, 32, 2, None, micro_batch=2) is not None
 
 
+def test_timm_models_export_to_torchscript(tmp_path):
+    """The exporters' model: timm's norm classes back, the buffers' dtype hook gone (TorchScript compiles hooks,
+    and that one it could not: every timm export to TorchScript was refused)."""
+    from deepspeed_image_trainer.inference.export import _export_program
+    from deepspeed_image_trainer.models.build import plain_norms
+
+    for name in (VIT, "timm:test_efficientnet"):
+        torch.manual_seed(0)
+        model = plain_norms(build_model(name, 3, 32)).eval()
+        assert not model._forward_pre_hooks
+        images = torch.randn(3, 3, 32, 32)
+        with torch.no_grad():
+            expected = model(images)
+        path = tmp_path / f"{name[5:]}.ts"
+        metadata = _export_program(model, "torchscript", path, {"image_size": 32, "class_names": ["a", "b", "c"]})
+        assert metadata["checked"]["max_abs_difference"] < 1e-4, name
+        with torch.no_grad():
+            assert torch.allclose(torch.jit.load(str(path))(images[:1]), expected[:1], rtol=1e-4, atol=1e-5), name
+
+
 def fake_hub(cache, repo, state):
     """The Hugging Face hub cache's layout of `repo` holding `state` as model.safetensors."""
     from safetensors.torch import save_file
@@ -146,6 +166,13 @@ def test_timm_weights_come_from_the_hub_cache_tensor_for_tensor_with_a_new_head(
     with pytest.raises(UsageError, match=r"^--pretrained: not weights of timm:test_vit \(\d+ of its tensors "
                                          r"missing, \d+ not its own: "):
         build_model(VIT, 3, 32, pretrained=str(tmp_path / "other.pt"))
+    state = {**got, "blocks.0.norm1.weight": (got["blocks.0.norm1.weight"] * 3).long()}
+    torch.save(state, tmp_path / "integers.pt")  # loaded as whole numbers, the run learned from them: status 0
+    with pytest.raises(UsageError, match=r"^--pretrained: blocks.0.norm1.weight is a torch.int64 tensor where "
+                                         r"timm:test_vit holds torch.float32 values"):
+        build_model(VIT, 3, 32, pretrained=str(tmp_path / "integers.pt"))
+    with pytest.raises(UsageError, match=r"^--pretrained DEFAULT: timm has no pretrained weights of timm:test_vit4"):
+        build_model("timm:test_vit4", 3, 32, pretrained="DEFAULT")
     with pytest.raises(UsageError, match=r"--pretrained nothing: no such file, and not a weights name of "
                                          r"timm:test_vit \(DEFAULT, r160_in1k\)"):
         build_model(VIT, 3, 32, pretrained="nothing")

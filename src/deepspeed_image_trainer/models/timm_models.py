@@ -84,7 +84,7 @@ def build(name, num_classes, image_size, drop_path=None, state=None, state_class
     full = arch(name) if tag in (None, "DEFAULT") else f"{arch(name)}.{tag}"
     loads = []
     try:
-        with _recorded(loads):
+        with _recorded(loads), _quiet_timm():
             model = timm.create_model(full, **kwargs)
     except TypeError as err:
         if "drop_path_rate" in str(err):
@@ -97,13 +97,18 @@ def build(name, num_classes, image_size, drop_path=None, state=None, state_class
         lines = [line.strip() for line in str(err).splitlines() if line.strip()]
         raise UsageError(f"--pretrained: not weights of {name} ({(lines[1:] or lines or ['?'])[0][:300]})") from None
     if loads:  # timm loads leniently where it drops the head (another class count): what it left out, checked
+        result, cast = loads[-1]
         heads = _cfg(name, tag).get("classifier") or "head"
         heads = (heads,) if isinstance(heads, str) else tuple(heads)
-        missing = [key for key in loads[-1].missing_keys if not key.startswith(tuple(f"{h}." for h in heads))]
-        left = missing + list(loads[-1].unexpected_keys)
+        missing = [key for key in result.missing_keys if not key.startswith(tuple(f"{h}." for h in heads))]
+        left = missing + list(result.unexpected_keys)
         if left:
             raise UsageError(f"--pretrained: not weights of {name} ({len(missing)} of its tensors missing, "
                              f"{len(left) - len(missing)} not its own: {', '.join(left[:3])})")
+        if cast:  # load_state_dict casts: integer or boolean values into floating weights lose their fractions
+            key, given, held = cast[0]
+            raise UsageError(f"--pretrained: {key} is a {given} tensor where {name} holds {held} values; save the "
+                             "weights of a trained model")
     fp32_norms(model)
     model.register_forward_pre_hook(_buffers_in_weights_dtype)
     return model
@@ -111,18 +116,37 @@ def build(name, num_classes, image_size, drop_path=None, state=None, state_class
 
 @contextlib.contextmanager
 def _recorded(loads):
-    """Each load_state_dict's result (its missing and unexpected keys) appended to `loads`."""
+    """Each load_state_dict's (result: its missing and unexpected keys, [(key, the file's dtype, the model's)] of
+    integer or boolean values given for floating tensors) appended to `loads`."""
     original = nn.Module.load_state_dict
 
-    def load_state_dict(module, *args, **kwargs):
-        loads.append(original(module, *args, **kwargs))
-        return loads[-1]
+    def load_state_dict(module, state_dict, *args, **kwargs):
+        own = module.state_dict()
+        cast = [(key, value.dtype, own[key].dtype) for key, value in state_dict.items()
+                if key in own and torch.is_tensor(value) and own[key].is_floating_point()
+                and not value.is_floating_point()]
+        loads.append((original(module, state_dict, *args, **kwargs), cast))
+        return loads[-1][0]
 
     nn.Module.load_state_dict = load_state_dict
     try:
         yield
     finally:
         nn.Module.load_state_dict = original
+
+
+@contextlib.contextmanager
+def _quiet_timm():
+    """timm's own log lines (the keys its lenient load left out, which build checks and says in one line) held."""
+    import logging
+
+    log = logging.getLogger("timm")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _buffers_in_weights_dtype(model, inputs):
@@ -223,10 +247,14 @@ def unsynced_batch_norms(model):
 
 
 def plain_norms(model):
-    """`model` with timm's normalisation classes back (for the exporters)."""
+    """`model` with timm's normalisation classes back and without the buffers' dtype hook (for the exporters:
+    TorchScript compiles hooks, and cannot this one)."""
     for module in model.modules():
         if isinstance(module, _FP32):
             module.__class__ = type(module).plain
+    for key, hook in list(model._forward_pre_hooks.items()):
+        if hook is _buffers_in_weights_dtype:
+            del model._forward_pre_hooks[key]
     return model
 
 
@@ -260,10 +288,12 @@ def _hub_place(name, choice):
     """(repository, revision, the files to look for) of weights `choice` on the Hugging Face hub."""
     cfg = _cfg(name, choice)
     repo = cfg.get("hf_hub_id")
+    if not repo and not cfg.get("url"):
+        raise UsageError(f"--pretrained {choice}: timm has no pretrained weights of {name}; give a weights file's "
+                         "path, or leave --pretrained out")
     if not repo:
-        url = cfg.get("url")
-        raise UsageError(f"--pretrained {choice}: timm has the weights of {name} only at {url or 'no address'} (not "
-                         "on the Hugging Face hub); download them and give the file's path")
+        raise UsageError(f"--pretrained {choice}: timm has the weights of {name} only at {cfg['url']} (not on the "
+                         "Hugging Face hub); download them and give the file's path")
     repo, _, revision = repo.partition("@")
     return repo, revision or None, (cfg["hf_hub_filename"],) if cfg.get("hf_hub_filename") else HUB_FILES
 
