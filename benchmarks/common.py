@@ -224,7 +224,8 @@ def trainer_case(flags, args, device, profile=None, parts=()):
     from deepspeed_image_trainer.engine.distributed import init_distributed
     from deepspeed_image_trainer.engine.config import (build_ds_config, coalesces_grad_reduction, load_base_config,
                                                        precision)
-    from deepspeed_image_trainer.models.build import build_model, synchronize_batch_norm
+    from deepspeed_image_trainer.models.build import build_model
+    from deepspeed_image_trainer.models.norms import synchronize_batch_norm
     from deepspeed_image_trainer.cli.options import parse_args
     from deepspeed_image_trainer.engine.loop import input_dtype, train_one_epoch
     from deepspeed_image_trainer.engine.interrupt import StopOnSignal

@@ -13,7 +13,8 @@ import memory_profile
 from deepspeed_image_trainer.engine.distributed import (agreed, average_buffers, checked_world_size, differing,
                                                          free_port)
 from deepspeed_image_trainer.engine.interrupt import StopOnSignal
-from deepspeed_image_trainer.models.build import BatchNorm2dFP32, build_model, synchronize_batch_norm
+from deepspeed_image_trainer.models.build import build_model
+from deepspeed_image_trainer.models.norms import BatchNorm2dFP32, synchronize_batch_norm
 from deepspeed_image_trainer.utils.failures import UsageError
 
 from conftest import spawn_ranks

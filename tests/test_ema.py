@@ -35,7 +35,7 @@ class Gram(torch.nn.Module):
 
 
 def small_model():
-    from deepspeed_image_trainer.models.build import BatchNorm2dFP32  # the trainer's: bf16 weights, fp32 statistics
+    from deepspeed_image_trainer.models.norms import BatchNorm2dFP32  # the trainer's: bf16 weights, fp32 statistics
 
     torch.manual_seed(0)  # the same weights on every rank and in every engine
     return torch.nn.Sequential(torch.nn.Conv2d(3, 5, 3), BatchNorm2dFP32(5), Gram(5), torch.nn.ReLU(),

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torchvision
 
-from deepspeed_image_trainer.models.build import BatchNorm2dFP32, ResNet18Animals90
+from deepspeed_image_trainer.models.build import ResNet18Animals90
+from deepspeed_image_trainer.models.norms import BatchNorm2dFP32
 from deepspeed_image_trainer.utils.failures import UsageError
 
 

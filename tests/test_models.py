@@ -14,9 +14,9 @@ import torchvision
 
 from deepspeed_image_trainer.data.folders import DEFAULT_PREPROCESSING, build_transform, check_preprocessing
 from deepspeed_image_trainer.data.prepare import make_sample_dataset
-from deepspeed_image_trainer.models.build import (LayerNorm2dFP32, build_model, check_image_size, checked_model,
-                                                  list_models, load_weights, model_for_weights, preprocessing,
-                                                  pretrained_state, synchronize_batch_norm)
+from deepspeed_image_trainer.models.build import (build_model, check_image_size, checked_model, list_models,
+                                                  load_weights, model_for_weights, preprocessing, pretrained_state)
+from deepspeed_image_trainer.models.norms import LayerNorm2dFP32, synchronize_batch_norm
 from deepspeed_image_trainer.models.names import saved_name
 from deepspeed_image_trainer.utils.failures import UsageError
 

@@ -12,8 +12,9 @@ import torch
 from conftest import assert_usage_error_in_process, data_args, history_of, launch, slim_timm
 from deepspeed_image_trainer.cli.launch import checked_listing
 from deepspeed_image_trainer.models import timm_models
-from deepspeed_image_trainer.models.build import (FP32_NORMS, build_model, check_model_name, checked_model,
-                                                  list_models, preprocessing, shape_model)
+from deepspeed_image_trainer.models.build import (build_model, check_model_name, checked_model, list_models,
+                                                  preprocessing, shape_model)
+from deepspeed_image_trainer.models.norms import FP32_NORMS
 from deepspeed_image_trainer.utils.failures import UsageError
 
 # timm's own models for tests (a ViT of 0.4 M parameters, with weights on the hub)

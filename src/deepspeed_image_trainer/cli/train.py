@@ -35,7 +35,8 @@ from ..engine.numerics import StepHealth
 from ..engine.rng import restore_rng_state, rng_state, seed_everything
 from ..engine.timing import StartupClock
 from ..models import timm_models
-from ..models.build import build_model, checked_model, preprocessing, synchronize_batch_norm
+from ..models.build import build_model, checked_model, preprocessing
+from ..models.norms import synchronize_batch_norm
 from ..models.names import saved_name
 from ..outputs import run_folders, universal
 from ..outputs.checkpoints import CheckpointSaver, carry_best, load
