@@ -85,7 +85,7 @@ def build(name, num_classes, image_size, drop_path=None, state=None, state_class
     full = arch(name) if tag in (None, "DEFAULT") else f"{arch(name)}.{tag}"
     loads = []
     try:
-        with _recorded(loads), _quiet_timm():
+        with _recorded(loads), _quiet("timm"):
             model = timm.create_model(full, **kwargs)
     except TypeError as err:
         if "drop_path_rate" in str(err):
@@ -137,11 +137,12 @@ def _recorded(loads):
 
 
 @contextlib.contextmanager
-def _quiet_timm():
-    """timm's own log lines (the keys its lenient load left out, which build checks and says in one line) held."""
+def _quiet(logger):
+    """The library's log lines below errors held: timm's on the keys its lenient load left out (build checks them
+    and says what did not fit in one line), huggingface_hub's on each retry (hub_file's error says it once)."""
     import logging
 
-    log = logging.getLogger("timm")
+    log = logging.getLogger(logger)
     level = log.level
     log.setLevel(logging.ERROR)
     try:
@@ -313,7 +314,6 @@ def hub_file(name, choice):
     found = cached_file(name, choice)
     if found is not None:
         return found
-    import logging
     import sys
 
     from huggingface_hub import constants, hf_hub_download
@@ -322,11 +322,8 @@ def hub_file(name, choice):
     repo, revision, files = _hub_place(name, choice)
     print(f"note: --pretrained {choice}: downloading {repo} from the Hugging Face hub into {constants.HF_HUB_CACHE}",
           file=sys.stderr, flush=True)
-    hub_log = logging.getLogger("huggingface_hub")
-    level = hub_log.level
-    hub_log.setLevel(logging.ERROR)  # its retries' lines: the error below says it once
     reason = "the repository has none of them"
-    try:
+    with _quiet("huggingface_hub"):
         for filename in files:
             try:
                 return Path(hf_hub_download(repo, filename, revision=revision))
@@ -338,8 +335,6 @@ def hub_file(name, choice):
             except Exception as err:  # refused, no space, ...: huggingface_hub's many kinds, one line here
                 reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
                 break
-    finally:
-        hub_log.setLevel(level)
     raise UsageError(f"--pretrained {choice}: {repo}'s {files[0]} is not in the Hugging Face cache "
                      f"({constants.HF_HUB_CACHE}) and could not be downloaded ({reason}); download it there "
                      f"(hf download {repo} {files[0]}; HF_HOME sets the folder), or give the file's path")
