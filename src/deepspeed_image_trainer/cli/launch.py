@@ -236,7 +236,8 @@ def main(argv=None, launched_at=None):
     check_visible_gpus(num_gpus, multi_node=bool(args.hostfile))
     check_writable(args.checkpoint_dir, "--checkpoint_dir")
     check_writable(args.log_dir, "--log_dir")
-    run_folders.check_free(args)  # before the checks below read a checkpoint the run in them is writing
+    if args.node_rank in (None, 0):  # later nodes start once the first one holds the folders (below)
+        run_folders.check_free(args)  # before the checks below read a checkpoint the run in them is writing
     import torch
 
     from ..data.cache import OFF, check_usable
