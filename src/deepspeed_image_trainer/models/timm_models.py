@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from ..utils.failures import UsageError
-from .norms import FP32_NORMS, fp32_norms as torch_norms
 
 PREFIX = "timm:"
 # The blocks ZeRO-3 gathers and releases whole (see engine/config.py's ZERO3_LEAF_BLOCKS), per timm family
@@ -158,6 +157,8 @@ def _buffers_in_weights_dtype(model, inputs):
     dtype = next(model.parameters()).dtype
     if getattr(model, "_buffers_dtype", torch.float32) == dtype:
         return
+    from .norms import FP32_NORMS
+
     for module in model.modules():
         if isinstance(module, _FP32) or type(module) in FP32_NORMS.values():
             continue
@@ -213,6 +214,8 @@ def fp32_norms(model):
     """Each of `model`'s normalisation layers of timm's own classes (BatchNormAct2d, LayerNorm2d, RmsNorm, ...)
     given the _FP32 forward: its class swapped for a subclass, its state unchanged (torch's own classes take the
     trainer's, models/build.py's fp32_norms)."""
+    from .norms import FP32_NORMS, fp32_norms as torch_norms  # torchvision's import: not at the launcher's start
+
     torch_norms(model)
     swapped = 0
     for module in model.modules():
