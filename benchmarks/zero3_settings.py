@@ -67,6 +67,9 @@ def variants(model):
         "zero3 reduce bucket 2e8": (zero3, {"reduce_bucket_size": 200_000_000}),
         "zero3 max live 3e9": (zero3, {"stage3_max_live_parameters": 3_000_000_000}),
         "zero3 contiguous_gradients off": (zero3, {"contiguous_gradients": False}),  # as ZeRO-1/2 gained
+        # DeepSpeed's own Linear function (saves the partitioned weight, gathers it again in the backward): an
+        # autograd.Function whose apply binds its arguments through inspect.signature on every call
+        "zero3 memory_efficient_linear off": (zero3, {"memory_efficient_linear": False}),
         # torch.compile through engine.compile(): the model's graph compiled, DeepSpeed's hooks still around it
         "zero3 torch.compile": ([*zero3, "--compile"], {}),
         # DeepCompile (CUDA only) takes the gathers, releases and reductions out of the Python hooks and into

@@ -106,6 +106,7 @@ def train(stage, offload, precision, poison_step, grad_accum_dtype=None, zero=()
     the global gradient norms and which steps DeepSpeed skipped. `zero`: (key, value) pairs of
     zero_optimization; `contiguous`: its contiguous_gradients, if given; `coalesced`: each step's
     micro-batches coalesced as the trainer does (training.GradientAccumulation)."""
+    import deepspeed
     import torch
 
     from deepspeed_image_trainer.engine.loop import GradientAccumulation
@@ -133,7 +134,8 @@ def train(stage, offload, precision, poison_step, grad_accum_dtype=None, zero=()
         skipped.append(bool(engine.optimizer.overflow))
         norm = engine.get_global_grad_norm()
         norms.append(None if norm is None else float(norm))
-        weights.append([p.detach().float().cpu().clone() for p in engine.module.parameters()])
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=stage == 3):
+            weights.append([p.detach().float().cpu().clone() for p in engine.module.parameters()])
     contiguous = engine.optimizer.contiguous_gradients
     engine.destroy()
     return {"weights": weights, "norms": norms, "skipped": skipped, "contiguous": contiguous}
@@ -146,12 +148,17 @@ def each_way(rank, port, results, cases, ways):
 
     torch.set_num_threads(1)
     join_process_group(rank, port, world_size=2)
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
     for case in cases:
         for way, (overridden, kwargs) in ways.items():
             if overridden:
                 assert deepspeed_overrides.install()
             else:
                 deepspeed_overrides.uninstall()
+            # ZeRO-3's memory_efficient_linear replaces torch's linear for the rest of the process: torch's again
+            torch.nn.functional.linear = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk",
+                                                 torch.nn.functional.linear)
             results[(case, way, rank)] = train(*case, **kwargs)
     deepspeed_overrides.uninstall()
 
@@ -182,6 +189,29 @@ def test_offload_with_the_overrides_trains_exactly_as_deepspeed_does_on_two_rank
                 assert all(torch.equal(a, b) for a, b in zip(mine, reference)), (case, step)
             if poison is None:  # it trained: the weights moved every step
                 assert not torch.equal(ours["weights"][0][0], ours["weights"][-1][0])
+
+
+@pytest.mark.slow  # two processes
+def test_zero3_with_the_overrides_and_torchs_linear_trains_exactly_as_deepspeed_does_on_two_ranks():
+    # The ZeRO-3 overrides (each module's parameters listed once, quiet debug messages, no NVTX ranges) and
+    # torch's linear in place of DeepSpeed's memory_efficient_linear (the trainer's default with half-precision
+    # weights): fp32, bf16 weights with an infinite loss on the second step, and optimizer offload.
+    import torch
+
+    cases = [(3, False, "fp32", None), (3, False, "bf16", 1), (3, True, "bf16", None)]
+    plain = (("memory_efficient_linear", False),)
+    results = spawn_ranks(each_way, 2, cases, {"deepspeed": (False, {}), "overrides": (True, {}),
+                                               "torch's linear": (True, {"zero": plain})})
+    for case in cases:
+        for rank in range(2):
+            theirs = results[(case, "deepspeed", rank)]
+            for way in ("overrides", "torch's linear"):
+                ours = results[(case, way, rank)]
+                assert ours["skipped"] == theirs["skipped"] == [step == case[3] for step in range(STEPS)], (case, way)
+                assert ours["norms"] == pytest.approx(theirs["norms"], rel=1e-5), (case, way)
+                for mine, reference in zip(ours["weights"], theirs["weights"]):
+                    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(mine, reference)), (case, way)
+            assert not torch.equal(theirs["weights"][0][0], theirs["weights"][-1][0])  # it trained
 
 
 @pytest.mark.slow  # two processes

@@ -435,6 +435,19 @@ def test_zero12_gradients_are_not_copied_contiguous_unless_offloaded_or_set(stag
         assert "contiguous_gradients" not in build(*argv)["zero_optimization"]
 
 
+def test_zero3_with_half_weights_uses_torchs_linear_unless_autocast_offloaded_params_or_the_config_say_otherwise():
+    def linear(*argv, base=None):
+        return build("--zero_stage", "3", *argv, base=base)["zero_optimization"].get("memory_efficient_linear")
+
+    assert linear("--bf16", "--precision_mode", "half_weights") is False
+    for argv in (["--bf16", "--precision_mode", "autocast"], [], ["--bf16", "--precision_mode", "half_weights",
+                                                                  "--offload_param", "--offload_optimizer"]):
+        assert linear(*argv) is None  # DeepSpeed's default (true): it saves memory there
+    for value, expected in ((True, True), ("auto", False)):
+        assert linear("--bf16", base={"zero_optimization": {"memory_efficient_linear": value}}) is expected
+    assert "memory_efficient_linear" not in build("--zero_stage", "2", "--bf16")["zero_optimization"]
+
+
 def test_step_syncs_and_zero3_hooks_are_cut_unless_the_base_config_sets_them():
     assert build()["timers"] == {"throughput": {"enabled": False}}  # no device sync at each step's start and end
     assert build(base={"timers": {"throughput": {"enabled": True}}})["timers"]["throughput"]["enabled"] is True

@@ -1,5 +1,6 @@
 """The one place where the trainer replaces DeepSpeed code: host synchronisations per parameter in the
-ZeRO-1/2 optimizer-offload path, which stall the GPU once for every parameter of every step (or micro-batch).
+ZeRO-1/2 optimizer-offload path, which stall the GPU once for every parameter of every step (or micro-batch),
+and host work per module in ZeRO-3 (below).
 
 - `update_offload_overflow_tracker` runs in the backward hook of each parameter and tests its gradient with
   `if self._has_inf_or_nan(grad)`: a device-to-host copy per parameter, even where nothing reads the result
@@ -13,6 +14,19 @@ ZeRO-1/2 optimizer-offload path, which stall the GPU once for every parameter of
   run in stream order, so where the buffer it reads is pinned (or not made yet) and every pending copy is on
   the current stream it does not wait. The host reads those buffers only in step(), whose wait still sees them.
 
+And three in ZeRO-3's per-module work, which sets the pace of its step (benchmarks/zero3_settings.py: the host,
+not the GPU, holds it back), each a few percent of that host time and together about a fifth of timm's ViT-G/14
+step on two H100s:
+
+- `iter_params` (the parameters ZeRO-3 gathers and releases for a module) walks the module's tree through
+  `named_parameters` each time, several times per module and step; here each module's list is made once
+  (DeepSpeed's own `__params_to_release` caches on the same assumption: a module's parameters stay its own).
+- `print_rank_0` of the ZeRO-3 modules asks the process group for the rank before it looks whether there is
+  anything to print (there is not, without debug or force): here it looks first.
+- Each ZeRO-3 function DeepSpeed marks with `instrument_w_nvtx` pushes and pops an NVTX range, a call into
+  CUDA's tools library each, used only under a profiler such as Nsight Systems: off here (keep this group
+  out, through TRAINER_DEEPSPEED_OVERRIDES below, to see them in a profile).
+
 Results are the same as DeepSpeed's (tests/test_deepspeed_overrides.py trains with and without them; on the
 CPU, which records no copy events, the accumulation wait has nothing to skip: a unit test checks its logic).
 The replacements are installed only over the exact DeepSpeed source they were written against (a hash of
@@ -21,8 +35,11 @@ read. TRAINER_DEEPSPEED_OVERRIDES=0 keeps DeepSpeed's code (benchmarks measure b
 list of GROUPS' names installs those only.
 """
 import hashlib
+import importlib
 import inspect
+import itertools
 import os
+import weakref
 
 import torch
 
@@ -32,15 +49,37 @@ from ..utils.failures import UsageError
 CHECKED_SOURCES = {
     "update_offload_overflow_tracker": "0cb67c0a3f669a354cd71a18f8a4c04e5ecc48394e9000b6cb9196bf7c6b4834",
     "has_overflow": "cadc27a13cb7e9775093993e15b41aaebb2ff98d48bd86a271b8558914d05d2d",
-    "complete_grad_norm_calculation_for_cpu_offload": "7051c8064246f3254081bb35ed8620c440234fc782139a56f774ed7ef676e211",
+    "complete_grad_norm_calculation_for_cpu_offload":
+        "7051c8064246f3254081bb35ed8620c440234fc782139a56f774ed7ef676e211",
     "async_accumulate_grad_in_cpu_via_gpu": "8d3c25962356b40e71db7a1ffe4ccc99b6d9a6700a1a8787a5dfa8cdaca22e27",
     # not replaced: what the replacement above relies on
     "_wait_for_offload_copies": "e509dd0ad7458a37cb44ca56850b9f99a22d2dde0e74ca13e68fea177675567c",
     "_record_offload_copy": "8467947f2bbabdfdefff9db72363306cc800cc36e65ad4fb553e5ba2956e24db",
 }
+# The same for the ZeRO-3 functions, by module (under deepspeed.) and name
+ZERO3_SOURCES = {
+    "runtime.zero.partition_parameters.print_rank_0":
+        "bdf0d39499da2560d1e54e09360c3ebd27ab5594a5eee6e45c62c664fd355b23",
+    "runtime.zero.stage3.print_rank_0": "1fb35018bdb409f1f00f4c097b26bf29445894a2cf6ea6dfa474378cdeb098f1",
+    "runtime.zero.linear.print_rank_0": "08eae8eeb95830a33f820b66b95816ddccd8903faa70be912e50172f401644dc",
+    "runtime.zero.partitioned_param_coordinator.iter_params":
+        "594f9e285a48be132af85a833e31343017f0d8bfe8d26f297ee22962fa459057",
+    # not replaced: what the replacements rely on (the parameters iter_params adds, the flag NVTX ranges read)
+    "runtime.zero.partitioned_param_coordinator.get_all_parameters":
+        "89aab0f80f1a80b328a6b87b3cec95352b8973c4a69e3c805ac162950ff9f7fc",
+    "runtime.zero.partition_parameters._init_external_params":
+        "5ab2c1ed81e47263c45ac37da79547967df42d7dee2f5f9f0f6dd05fe2f6f874",
+    "utils.nvtx.instrument_w_nvtx": "c538ccdda7c8ea15459a22f1cc6ee0328eac835c7c562e347d5f358c8efeb689",
+}
 GROUPS = {"overflow_on_device": ("update_offload_overflow_tracker", "has_overflow"),
           "grad_norm_on_device": ("complete_grad_norm_calculation_for_cpu_offload",),
-          "pinned_accumulation_without_wait": ("async_accumulate_grad_in_cpu_via_gpu",)}
+          "pinned_accumulation_without_wait": ("async_accumulate_grad_in_cpu_via_gpu",),
+          "zero3_cached_module_parameters": (),
+          "zero3_quiet_debug_messages": (),
+          "zero3_no_nvtx_ranges": ()}
+# the modules whose print_rank_0 (their own, or partition_parameters' imported) the quiet one replaces
+PRINTING_MODULES = ("partition_parameters", "partitioned_param_coordinator", "parameter_offload", "stage3", "linear")
+_zero3_originals = {}  # (module, name) -> DeepSpeed's object, while the ZeRO-3 replacements stand
 
 
 def source_hash(function):
@@ -53,8 +92,18 @@ def changed_sources():
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     originals = getattr(DeepSpeedZeroOptimizer, "_trainer_originals", {})
-    return [name for name, expected in CHECKED_SOURCES.items()
-            if source_hash(originals.get(name, getattr(DeepSpeedZeroOptimizer, name))) != expected]
+    changed = [name for name, expected in CHECKED_SOURCES.items()
+               if source_hash(originals.get(name, getattr(DeepSpeedZeroOptimizer, name))) != expected]
+    for path, expected in ZERO3_SOURCES.items():
+        module, name = _deepspeed_attribute(path)
+        if source_hash(_zero3_originals.get((module, name), getattr(module, name))) != expected:
+            changed.append(path)
+    return changed
+
+
+def _deepspeed_attribute(path):
+    module, name = path.rsplit(".", 1)
+    return importlib.import_module(f"deepspeed.{module}"), name
 
 
 def enabled():
@@ -80,6 +129,7 @@ def install():
     groups = enabled()
     if not groups or changed_sources():
         return False
+    _install_zero3(groups)
     originals = {name: getattr(DeepSpeedZeroOptimizer, name) for name in CHECKED_SOURCES}
     has_inf_or_nan, dist = stage_1_and_2.has_inf_or_nan, stage_1_and_2.dist
 
@@ -140,9 +190,51 @@ def install():
     return True
 
 
+def _install_zero3(groups):
+    replacements = {}
+    if "zero3_cached_module_parameters" in groups:
+        deepspeeds = importlib.import_module("deepspeed.runtime.zero.partitioned_param_coordinator").iter_params
+        known = (weakref.WeakKeyDictionary(), weakref.WeakKeyDictionary())  # by recurse: module -> its parameters
+
+        def iter_params(module, recurse=False):
+            external = module.__dict__.get("_external_params")  # DeepSpeed's registry, read each time as it does
+            if external is None:  # not a module DeepSpeed registered: its own code (and its error)
+                return deepspeeds(module, recurse)
+            params = known[bool(recurse)].get(module)
+            if params is None:
+                params = known[bool(recurse)][module] = tuple(p for _, p in module.named_parameters(recurse=recurse))
+            return itertools.chain(params, external.values()) if external else iter(params)
+
+        for module in ("partitioned_param_coordinator", "parameter_offload"):
+            replacements[(f"runtime.zero.{module}", "iter_params")] = iter_params
+    if "zero3_quiet_debug_messages" in groups:
+        for module in PRINTING_MODULES:
+            original = getattr(importlib.import_module(f"deepspeed.runtime.zero.{module}"), "print_rank_0", None)
+            if original is not None:
+                replacements[(f"runtime.zero.{module}", "print_rank_0")] = _quiet(original)
+    if "zero3_no_nvtx_ranges" in groups:
+        replacements[("utils.nvtx", "enable_nvtx")] = False
+    for (path, name), replacement in replacements.items():
+        module = importlib.import_module(f"deepspeed.{path}")
+        _zero3_originals[(module, name)] = getattr(module, name)
+        setattr(module, name, replacement)
+
+
+def _quiet(print_rank_0):
+    """DeepSpeed's print_rank_0(message, debug=False, force=False), asking for the rank only where it may print."""
+    def quiet(message, debug=False, force=False):
+        if debug or force:
+            print_rank_0(message, debug, force)
+    return quiet
+
+
 def uninstall():
     """Put DeepSpeed's methods back (tests compare both)."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    for (module, name), original in _zero3_originals.items():
+        setattr(module, name, original)
+    _zero3_originals.clear()
 
     originals = DeepSpeedZeroOptimizer.__dict__.get("_trainer_originals")
     if originals is not None:
