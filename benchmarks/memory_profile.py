@@ -834,7 +834,8 @@ def check_args(args, cuda):
     check_outside_checkpoints(args.output_dir, "--output_dir")  # the checkpoint's next save deleted the report
     check_writable(args.output_dir, "--output_dir")
     check_input_fits(args.batch_size, args.image_size)
-    shapes = check_image_size(args.model, args.num_classes, args.image_size, args.batch_size)  # on the meta device
+    shapes = check_image_size(args.model, args.num_classes, args.image_size, args.batch_size,  # on the meta device
+                              sync_bn=False)
     weights_gib, memory = sum(p.numel() for p in shapes.parameters()) * 4 / 2**30, memory_gib()
     if memory is not None and weights_gib > memory:  # a head of 10**8 classes: an allocation's traceback
         raise UsageError(f"--num_classes {args.num_classes}: the model's fp32 weights alone are {weights_gib:,.0f} GiB, "

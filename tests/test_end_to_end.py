@@ -128,6 +128,36 @@ def test_best_checkpoint_reproduces_logged_val_acc(name, trained, tiny_data):
     assert accuracy(model, tiny_data / "val") == pytest.approx(best_epoch(history)["val_acc"])
 
 
+@pytest.mark.parametrize("old_removed", [False, True], ids=["old kept", "old removed"])
+def test_an_export_while_the_run_publishes_a_new_last_reads_one_checkpoint(old_removed, trained, tmp_path, monkeypatch):
+    # The trainer publishes by renaming folders: `last` becomes another folder between the export's first read
+    # (extra_info.json, the files' check) and DeepSpeed's consolidation. The weights must be those of the epoch
+    # the sidecar names: the old folder's (it still exists) or, where it was removed meanwhile, the new one's.
+    from deepspeed_image_trainer.inference import export as export_model
+
+    workdir, _ = trained("zero3")
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(workdir / "checkpoints_deepspeed", checkpoints)
+    expected = {epoch: export_model.consolidated_state_dict(checkpoints / f"epoch_{epoch}")[0] for epoch in (1, 2)}
+    check = export_model.check_checkpoint_files
+    swaps = []
+
+    def publishing_meanwhile(folder, tag):
+        if not swaps:  # once: epoch 1's checkpoint published as last, as a run would publish a new one
+            swaps.append((checkpoints / "last").rename(checkpoints / ".old-last"))
+            shutil.copytree(checkpoints / "epoch_1", checkpoints / "last")
+            if old_removed:
+                shutil.rmtree(checkpoints / ".old-last")
+        return check(folder, tag)
+
+    monkeypatch.setattr(export_model, "check_checkpoint_files", publishing_meanwhile)
+    state_dict, info = export_model.consolidated_state_dict(checkpoints / "last")
+    assert swaps and info["folder"] == str(checkpoints / "last")
+    assert info["epoch"] == (1 if old_removed else 2)
+    assert all(torch.equal(state_dict[name], expected[info["epoch"]][name]) for name in state_dict)
+    assert not torch.equal(expected[1]["fc.weight"], expected[2]["fc.weight"])
+
+
 def best_epoch(history):
     return next(e for e in history["epochs"] if e["epoch"] == history["best"]["epoch"])
 

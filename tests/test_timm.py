@@ -12,7 +12,8 @@ import torch
 from conftest import assert_usage_error_in_process, data_args, history_of, launch, slim_timm
 from deepspeed_image_trainer.cli.launch import checked_listing
 from deepspeed_image_trainer.models import timm_models
-from deepspeed_image_trainer.models.build import (build_model, check_model_name, checked_model, list_models,
+from deepspeed_image_trainer.models.build import (build_model, check_image_size, check_model_name, checked_model,
+                                                  list_models,
                                                   preprocessing, shape_model)
 from deepspeed_image_trainer.models.norms import FP32_NORMS
 from deepspeed_image_trainer.utils.failures import UsageError
@@ -48,6 +49,10 @@ def test_timm_names_are_checked_with_the_closest_ones_and_tags_go_to_pretrained(
     with pytest.raises(UsageError, match=r"give the weights' tag with --pretrained r160_in1k and the model as "
                                          r"--model timm:test_vit$"):
         check_model_name(f"{VIT}.r160_in1k")
+    for hub, fix in (("timm:hf-hub:timm/test_vit.r160_in1k", "--model timm:test_vit --pretrained r160_in1k"),
+                     ("timm:local-dir:/x/test_vit", "--model timm:test_vit ")):
+        with pytest.raises(UsageError, match=f"--model {hub}: name the model as timm lists it.*: {fix}"):
+            check_model_name(hub)
 
 
 def test_each_timm_family_normalises_in_fp32_and_has_leaf_blocks_and_timms_layers():
@@ -230,3 +235,15 @@ def test_a_timm_model_fine_tunes_from_the_hub_cache_on_two_ranks_at_zero3_export
     with pytest.raises(UsageError, match="has 3 outputs but its class names list 2"):
         evaluate.main(["--model", str(tmp_path / "model0.safetensors"), "--data_dir", str(tiny_data / "val"),
                        "--output_dir", str(tmp_path / "eval"), "--num_workers", "0"])
+
+
+def test_a_batch_of_one_suggests_sync_bn_only_where_it_reaches_the_batch_norms_and_the_command_has_it():
+    def message(name, **kwargs):
+        with pytest.raises(UsageError) as refused:
+            check_image_size(name, 3, 32, 1, **kwargs)
+        return str(refused.value)
+
+    assert message("resnet18").endswith("use --batch_size 2 or more, a larger --image_size, or --sync_bn on "
+                                        "several ranks")
+    for name, kwargs in (("timm:test_efficientnet", {}), ("resnet18", {"sync_bn": False})):  # memory_profile's
+        assert message(name, **kwargs).endswith("use --batch_size 2 or more or a larger --image_size"), name

@@ -41,11 +41,57 @@ ONNX_SINGLE_FILE_BYTES = 1.8 * 2**30  # protobuf's 2 GiB limit: larger models ke
 EXPORT_TOLERANCE = {"rtol": 1e-3, "atol": 1e-4}
 
 
-def consolidated_state_dict(checkpoint):
+# reads of a checkpoint folder that the trainer published anew meanwhile, before giving up
+READS = 3
+
+
+def consolidated_state_dict(checkpoint, ema=False):
     """(fp32 state_dict, extra_info) of a checkpoint written by the trainer: its folder, its tag
-    folder, or a name like checkpoints_deepspeed/best_model."""
-    folder = find_checkpoint(str(checkpoint), ".")
-    info = {**read_info(folder), "folder": str(folder)}
+    folder, or a name like checkpoints_deepspeed/best_model; with `ema`, the weights' average in the weights'
+    place. Every file comes from one folder: a running trainer publishes a new checkpoint under the same name
+    (last, best_model) by renaming folders, so the name is read through the folder it named at the start
+    (pinned_folder), and read again where that folder was removed meanwhile."""
+    for attempt in range(READS):
+        folder = find_checkpoint(str(checkpoint), ".")
+        with pinned_folder(folder) as (path, moved):
+            try:
+                return _consolidated(path, str(folder), ema)
+            except Exception:
+                if attempt + 1 < READS and moved():
+                    continue
+                raise
+
+
+@contextlib.contextmanager
+def pinned_folder(folder):
+    """(path, moved): a path that names `folder`'s directory for as long as this lasts, whatever is renamed
+    meanwhile (Linux's /proc/self/fd; elsewhere `folder` itself), and moved() whether `folder` names another
+    directory now. Errors inside name `folder`."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        held = os.fstat(fd)
+        pinned = f"/proc/self/fd/{fd}"
+        path = pinned if os.path.isdir(pinned) and os.path.samestat(os.stat(pinned), held) else str(folder)
+
+        def moved():
+            try:
+                return not os.path.samestat(os.stat(folder), held)
+            except OSError:
+                return True
+
+        try:
+            yield Path(path), moved
+        except UsageError as error:
+            if path == str(folder):
+                raise
+            message = str(error).replace(path + os.sep, str(folder) + os.sep).replace(path, str(folder))
+            raise UsageError(message) from None
+    finally:
+        os.close(fd)
+
+
+def _consolidated(folder, shown, ema):
+    info = {**read_info(folder), "folder": shown}
     info["model"] = check_saved_model(info.get("model", MODEL_NAME), Path(folder) / "extra_info.json")
     tag_dir = Path(folder) / info["tag"]
     check_checkpoint_files(folder, info["tag"])  # before zero_to_fp32, which unpickles anything
@@ -64,7 +110,8 @@ def consolidated_state_dict(checkpoint):
     if not all(isinstance(k, str) and torch.is_tensor(v) for k, v in module.items()):
         raise UsageError(f"{tag_dir} holds a model state that is not tensors by name: use another checkpoint")
     # Floating tensors become fp32; integer buffers (num_batches_tracked) keep their type.
-    return {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in module.items()}, info
+    state_dict = {k: (v.float() if v.is_floating_point() else v).contiguous() for k, v in module.items()}
+    return (with_ema(state_dict, info, folder) if ema else state_dict), info
 
 
 def sidecar_path(output):
@@ -89,12 +136,12 @@ def check_format_support(kind):
                              f"which torch.onnx exports with: pip install {' '.join(missing)}")
 
 
-def with_ema(state_dict, info):
-    """`state_dict` with the weights' average of the checkpoint (--model_ema) in place of its weights and floating
-    buffers, consolidated from every rank's part (engine/ema.py)."""
+def with_ema(state_dict, info, folder):
+    """`state_dict` with the weights' average of the checkpoint in `folder` (--model_ema) in place of its weights and
+    floating buffers, consolidated from every rank's part (engine/ema.py)."""
     from ..engine.ema import BUFFER, read_files, saved_with_ema
 
-    tag_dir = Path(info["folder"]) / info["tag"]
+    tag_dir = Path(folder) / info["tag"]
     if not saved_with_ema(info):
         raise UsageError(f"--ema: {info['folder']} holds no weights' average (its run was trained without "
                          "--model_ema)")
@@ -121,9 +168,7 @@ def export(checkpoint, output, kind=None, ema=False):
     check_not_taken(sidecar_path(output), "--output", output)
     if kind == "onnx":
         check_not_taken(onnx_data_path(output), "--output", output)
-    state_dict, info = consolidated_state_dict(checkpoint)
-    if ema:
-        state_dict = with_ema(state_dict, info)
+    state_dict, info = consolidated_state_dict(checkpoint, ema)
     # strict: the export must load as it is
     model = model_for_weights(info["model"], len(info["class_names"]), info["image_size"])
     load_weights(model, state_dict, info["folder"])

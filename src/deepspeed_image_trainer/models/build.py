@@ -183,10 +183,11 @@ def shape_model(name, num_classes=1000, image_size=224):
             return build_model(name, num_classes, image_size).to("meta")
 
 
-def check_image_size(name, num_classes, image_size, batch_size=2):
+def check_image_size(name, num_classes, image_size, batch_size=2, sync_bn=True):
     """Stop before anything starts when `name` cannot take `image_size` px (too small for its downsampling,
     not a multiple of its patch or window), or a micro-batch of `batch_size` (one image where a batch norm
-    layer then sees one value per channel): forward passes on the meta device. Returns that meta model."""
+    layer then sees one value per channel; `sync_bn`: whether the caller has --sync_bn to suggest): forward
+    passes on the meta device. Returns that meta model."""
     try:
         model = shape_model(name, num_classes, image_size)
     except (ValueError, AssertionError) as err:  # ViT and MaxViT check the size at construction
@@ -200,9 +201,11 @@ def check_image_size(name, num_classes, image_size, batch_size=2):
         try:
             model(torch.zeros(1, 3, image_size, image_size, device="meta"))
         except ValueError as err:  # "Expected more than 1 value per channel when training"
+            synced = sync_bn and not timm_models.unsynced_batch_norms(model)  # --sync_bn reaches torch's only
             raise UsageError(f"--batch_size 1 at --image_size {image_size}: a batch norm layer of {name} then sees "
-                             f"one value per channel ({error_line(err)}); use --batch_size 2 or more, a larger "
-                             "--image_size, or --sync_bn on several ranks") from None
+                             f"one value per channel ({error_line(err)}); use --batch_size 2 or more"
+                             + (", a larger --image_size, or --sync_bn on several ranks" if synced
+                                else " or a larger --image_size")) from None
     return model
 
 

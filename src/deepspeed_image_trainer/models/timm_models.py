@@ -43,6 +43,11 @@ def arch(name):
 def check_name(name):
     timm = _timm()
     model = arch(name)
+    if ":" in model or "/" in model:  # timm's hf-hub:/local-dir: forms: a name and a tag here, weights by tag
+        named, _, tag = model.replace(":", "/").rsplit("/", 1)[-1].partition(".")
+        raise UsageError(f"--model {name}: name the model as timm lists it, and its weights with --pretrained: "
+                         f"--model {PREFIX}{named}" + (f" --pretrained {tag}" if tag else "") +
+                         " (read from the Hugging Face cache)")
     if "." in model:
         raise UsageError(f"--model {name}: give the weights' tag with --pretrained {model.split('.', 1)[1]} and the "
                          f"model as --model {PREFIX}{model.split('.', 1)[0]}")
