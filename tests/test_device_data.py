@@ -179,13 +179,26 @@ def test_choice_of_data_path(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "disk_usage", lambda path: asked.append(path) or SimpleNamespace(free=5 * 2**30))
     assert auto_tier(2**30, 2**30, 8 * 2**30, cache)[0] == "device"
     tier, why = auto_tier(4 * 2**30, 4 * 2**30, 8 * 2**30, cache)
-    assert tier == "cache" and why.endswith(f"need more than 25% of the GPU's free 8.0 GiB: decoded once into the "
-                                            f"cache {cache}")
+    assert tier == "cache" and why.endswith(f"need more than 25% of the GPU's 8.0 GiB free beside the model's states: "
+                                            f"decoded once into the cache {cache}")
     assert asked == [tmp_path]
     tier, why = auto_tier(4 * 2**30, 4 * 2**30, 8 * 2**30, None)
-    assert tier == "workers" and why.endswith("of the GPU's free 8.0 GiB, and --cache_dir is off")
+    assert tier == "workers" and why.endswith("of the GPU's 8.0 GiB free beside the model's states, and --cache_dir "
+                                              "is off")
     tier, why = auto_tier(6 * 2**30, 6 * 2**30, 8 * 2**30, cache)
     assert tier == "workers" and why.endswith("and the cache's disk has 5.0 GiB free")
+    # the model's states counted on each GPU: ZeRO's shards split over the ranks, offloaded ones left out (a 7 B
+    # model at ZeRO-3 on two GPUs took the whole GPU's 80 GiB on each, and the reason then read "free -22.3 GiB")
+    from deepspeed_image_trainer.engine.memory import state_bytes_per_gpu
+
+    def zero(stage, **offload):
+        return {"zero_optimization": {"stage": stage, **{key: {"device": "cpu"} for key in offload}}}
+
+    for config, ranks, per_param in ((zero(0), 2, 16), (zero(1), 2, 12), (zero(2), 2, 10), (zero(3), 2, 8),
+                                     (zero(3), 1, 16), (zero(2, offload_optimizer=1), 2, 4),
+                                     (zero(1, offload_optimizer=1), 4, 8),
+                                     (zero(3, offload_optimizer=1, offload_param=1), 2, 0)):
+        assert state_bytes_per_gpu(config, ranks, 1000) == per_param * 1000, (config, ranks)
     # training squares of the validation resize by default (256 for 224), or of --device_train_size
     assert dataset_bytes(100, 10, 224) == 3 * (100 * 256**2 + 10 * 224**2)
     assert dataset_bytes(100, 10, 224, train_size=384) == 3 * (100 * 384**2 + 10 * 224**2)

@@ -30,7 +30,7 @@ from ..engine.distributed import (agreed, alike_on_each_node, all_reduce, any_ra
 from ..engine.finetune import GroupLearningRates, grouping, parameter_groups, whole_run_frozen
 from ..engine.interrupt import StopOnSignal, die_with_parent_call, say_finished, stopped_at_once
 from ..engine.loop import evaluate, input_dtype, peak_gpu_memory_gib, replace_lr_scheduler, train_one_epoch
-from ..engine.memory import advise_on_out_of_memory, zero3_note
+from ..engine.memory import advise_on_out_of_memory, state_bytes_per_gpu, zero3_note
 from ..engine.numerics import StepHealth
 from ..engine.rng import restore_rng_state, rng_state, seed_everything
 from ..engine.timing import StartupClock
@@ -219,7 +219,8 @@ def build(args, clock):
         say(note)
     cache = cache_root(args.cache_dir)
     tier, why = choose_device_data(args.data_on_device, device, len(train_set), len(val_set), args.image_size,
-                                   args.device_train_size, num_params, cache, inputs)
+                                   args.device_train_size, state_bytes_per_gpu(ds_config, world_size, num_params),
+                                   cache, inputs)
     # auto decides on each rank's own GPU and disk: ranks on other tiers would wait in other collectives
     reach = ("workers", "cache", "device")
     lowest = reach[int(all_reduce({"tier": reach.index(tier)}, device, dist.ReduceOp.MIN)["tier"])]

@@ -47,7 +47,6 @@ ERASE_SCALE, ERASE_RATIO, ERASE_TRIES = (0.02, 0.33), (0.3, 3.3), 10  # torchvis
 # keys the erasing's and the policy's generators apart from the crops' (same seed, rank and epoch)
 ERASE_STREAM, POLICY_STREAM = 1, 2
 FREE_MEMORY_SHARE = 0.25  # auto mode uses the GPU for data when it needs at most this share of free memory
-MODEL_STATE_BYTES_PER_PARAMETER = 16  # fp32 weights, gradients and AdamW's two moments
 # The reading thread takes the GIL between its ops, which a Python-heavy step (ZeRO-2's gradient hooks) holds
 # for up to sys.getswitchinterval() at a time, so reads start this many batches ahead (pinned and device memory:
 # this many batches more). ResNet18, ZeRO-2, H100: 5% of the epoch waiting for data (one ahead, before the copies
@@ -81,20 +80,20 @@ def dataset_bytes(num_train, num_val, image_size, train_size=None, preprocessing
 TIERS = {"on": "device", "cache": "cache", "off": "workers"}  # --data_on_device -> where batches come from
 
 
-def choose_device_data(mode, device, num_train, num_val, image_size, train_size=None, num_params=0,
+def choose_device_data(mode, device, num_train, num_val, image_size, train_size=None, state_bytes=0,
                        cache_root=None, preprocessing=None):
     """(tier, why) for --data_on_device auto|on|cache|off: "device" (the decoded dataset in the device's
     memory), "cache" (memory-mapped from the decoded-image cache under `cache_root`, each batch copied to
     the device) or "workers" (DataLoader workers decode every epoch). Decided before the engine exists (the
-    dataset decodes while DeepSpeed sets up), so the model's states, at most 16 bytes a parameter for
-    AdamW with fp32 weights, are counted as taken."""
+    dataset decodes while DeepSpeed sets up), so the model's states on this GPU, `state_bytes`
+    (engine.memory.state_bytes_per_gpu), are counted as taken."""
     if mode != "auto":
         return TIERS[mode], f"--data_on_device {mode}"
     if device.type != "cuda":
         return "workers", "auto: the device is a CPU"
     data = dataset_bytes(num_train, num_val, image_size, train_size, preprocessing)
     needed = data + crop_weights_bytes(train_square_size(image_size, train_size, preprocessing), image_size)
-    free = torch.cuda.mem_get_info(device)[0] - MODEL_STATE_BYTES_PER_PARAMETER * num_params
+    free = max(torch.cuda.mem_get_info(device)[0] - state_bytes, 0)
     return auto_tier(data, needed, free, cache_root)
 
 
@@ -104,7 +103,7 @@ def auto_tier(data, needed, free, cache_root):
     if needed <= FREE_MEMORY_SHARE * free:
         return "device", f"auto: the decoded dataset and crop weights ({needed / 2**30:.2f} GiB) fit on the GPU"
     too_large = (f"auto: the decoded dataset and crop weights ({needed / 2**30:.2f} GiB) need more than "
-                 f"{FREE_MEMORY_SHARE:.0%} of the GPU's free {free / 2**30:.1f} GiB")
+                 f"{FREE_MEMORY_SHARE:.0%} of the GPU's {free / 2**30:.1f} GiB free beside the model's states")
     if cache_root is None:
         return "workers", f"{too_large}, and --cache_dir is off"
     disk = shutil.disk_usage(existing_parent(cache_root)).free

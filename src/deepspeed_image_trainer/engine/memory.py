@@ -49,6 +49,26 @@ def out_of_memory_advice(ds_config, data_on_device=False, detail="", coalesced=F
 ZERO2_FITS_SHARE = 0.25
 
 
+def state_bytes_per_gpu(ds_config, world_size, num_params):
+    """About the bytes of the model's states on each GPU (fp32 weights, gradients and AdamW's two moments, 16 a
+    parameter): what ZeRO shards split over the ranks, what is offloaded left out."""
+    zero = ds_config["zero_optimization"]
+    stage, shards = zero["stage"], max(world_size, 1)
+    weights, grads, moments = 4.0, 4.0, 8.0
+    if stage >= 1:
+        moments /= shards
+    if stage >= 2:
+        grads /= shards
+    if stage == 3:
+        weights /= shards
+    if _offloads(zero, "offload_optimizer"):  # the moments, and from ZeRO-2 on the gradients' partitions
+        moments = 0.0
+        grads = 0.0 if stage >= 2 else grads
+    if _offloads(zero, "offload_param"):
+        weights = 0.0
+    return int((weights + grads + moments) * num_params)
+
+
 def zero3_note(ds_config, world_size, num_params, gpu_bytes):
     """A line for ZeRO-3 without parameter offload on several GPUs for a model whose states fit every GPU
     (None otherwise): ZeRO-2 is faster there (measured: docs/performance.md, Several GPUs)."""
