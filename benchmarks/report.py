@@ -606,6 +606,35 @@ def zero_memory(names):
                        [[config, *[cell(rows.get(config)) for rows in rows_of]] for config in configs])
 
 
+# dense bf16 tensor-core peak of each GPU, TFLOP/s (NVIDIA's data sheets; the H200 has the H100's chip)
+BF16_PEAK_TFLOPS = {"NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H200": 989.4}
+
+
+def finetune_run(name):
+    """finetune_run.py: one epoch through the launcher, the export and evaluate.py, as a user runs them."""
+    result = load(name)
+    settings, r = result["settings"], result["result"]
+    epoch, evaluated = r["epoch"], r["evaluate"]
+    peak = BF16_PEAK_TFLOPS.get(result["environment"]["gpu"])
+    gpus = r["num_gpus"]
+    flags = " ".join(f for f in r["launch_flags"] if not f.startswith("/"))
+    rows = [["training", f"{epoch['images_per_s']:.1f} images/s over {gpus} GPU(s), {r['tflops_per_gpu']:.0f} TFLOP/s "
+                         f"per GPU" + (f" ({r['tflops_per_gpu'] / peak:.0%} of its bf16 peak)" if peak else "")],
+            ["peak GPU memory", f"{epoch['peak_gpu_memory_gib']:.1f} GiB"],
+            ["the epoch", f"{epoch['epoch_wall_s']:.0f} s: training {epoch['epoch_time_s']:.0f} s, validation "
+                          f"{epoch['validation_s']:.0f} s, checkpoint {epoch['checkpoint_s']:.0f} s"],
+            ["start", r["startup"].replace("First optimizer step ", "first optimizer step ")],
+            ["checkpoint", f"about {r['checkpoint_gb']:.0f} GB"],
+            ["export", f"{r['export_gb']:.1f} GB, one fp32 safetensors file, {r['export_s']:.0f} s"],
+            ["evaluate.py on the export", f"loss {evaluated['loss']:.4f}, top-1 {evaluated['top1']:.4f} in "
+                                          f"{r['evaluate_s']:.0f} s (the run validated loss {epoch['val_loss']:.4f}, "
+                                          f"top-1 {epoch['val_acc']:.4f})"]]
+    return source(result, name) + (
+        f"\n`{flags}`, {settings['train_per_class']} sample images per class (90 classes), one epoch; "
+        f"{r['training_tflop_per_image']:.2f} TFLOP per training image (forward and backward, recomputation not "
+        f"counted):\n\n") + table(["", settings["model"]], rows)
+
+
 def ema_cost(name):
     """ema_cost.py: the step without and with the weights' average, what one update costs beside torch's
     AveragedModel, and evaluate.py with and without --tta flip."""
@@ -654,6 +683,7 @@ TABLES = {
         "timm/zero3_settings_timm_vit_gigantic_patch14_clip_224_b32_half_weights_nvidia_h100_80gb_hbm3_x2.json"),
     "zero3-fsdp2-linear": lambda: zero3_settings(
         "timm/zero3_linear/zero3_settings_timm_vit_gigantic_patch14_clip_224_b32_half_weights_nvidia_h100_80gb_hbm3_x2.json"),
+    "finetune-7b": lambda: finetune_run("timm/finetune_timm_vit_7b_patch16_dinov3_nvidia_h100_80gb_hbm3_x2.json"),
     "zero3-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{run}_nvidia_h200.json")
                                           for run in ("resnet18_b256", "vit_l_16_b32")),
     "zero12-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{run}_nvidia_h100_80gb_hbm3.json")
