@@ -301,6 +301,9 @@ TIMM_HALVES = (("timm:eva02_tiny_patch14_224", "timm:test_resnet"),
 # shards). ZeRO-0 keeps the model whole and ZeRO-1 runs ZeRO-2's optimizer: the session's trained runs
 # (conftest's TRAINED_RUNS) and test_end_to_end's exports cover them, not every family.
 STAGES = (2, 3)
+# exported, evaluated and predicted from: ZeRO-3's consolidation is the family's (its leaf blocks' shards);
+# ZeRO-2's export is test_end_to_end's, and here its run checks that ZeRO-3 trains the same model
+EXPORTED_STAGE = 3
 # 4 train and 2 validation images per class: one step of 12 (a quarter of the compute of the shared tiny
 # dataset's epoch, which for ViT-B/16 was a quarter of a run).
 FAMILY_TRAIN_IMAGES, FAMILY_VAL_IMAGES = 4 * TINY_CLASSES, 2 * TINY_CLASSES
@@ -361,16 +364,17 @@ def train_export_evaluate_predict(process, _, results, data, workdir, halves, si
                 "--model", name, "--image_size", str(size), "--zero_stage", str(stage), "--epochs", "1",
                 "--batch_size", str(FAMILY_TRAIN_IMAGES), "--learning_rate", "0.05", "--warmup_epochs", "0",
                 "--num_workers", "0", "--checkpoint_dir", str(work / "checkpoints"), "--log_dir", str(work / "logs")])
-            export_model.main([str(work / "checkpoints/last"), "--output", str(exported)])
-            evaluate.main(["--model", str(exported), "--data_dir", str(data / "val"), "--output_dir",
-                           str(work / "eval"), "--num_workers", "0"])
-            with contextlib.redirect_stdout(io.StringIO()) as printed:
-                predict.main(["--model", str(exported), str(data / "val"), "--json"])
-            results[(name, stage)] = {
-                "code": code, "history": history_of(work),
-                "sidecar": json.loads(Path(f"{exported}.json").read_text()),
-                "report": json.loads((work / "eval/report.json").read_text()),
-                "predictions": json.loads(printed.getvalue()), "leaf_modules": len(leaves[-1])}
+            result = {"code": code, "history": history_of(work), "leaf_modules": len(leaves[-1])}
+            if stage == EXPORTED_STAGE:
+                export_model.main([str(work / "checkpoints/last"), "--output", str(exported)])
+                evaluate.main(["--model", str(exported), "--data_dir", str(data / "val"), "--output_dir",
+                               str(work / "eval"), "--num_workers", "0"])
+                with contextlib.redirect_stdout(io.StringIO()) as printed:
+                    predict.main(["--model", str(exported), str(data / "val"), "--json"])
+                result.update(sidecar=json.loads(Path(f"{exported}.json").read_text()),
+                              report=json.loads((work / "eval/report.json").read_text()),
+                              predictions=json.loads(printed.getvalue()))
+            results[(name, stage)] = result  # a shared dict: stored whole
             gc.unfreeze()  # the trainer froze what it built: collectable again (a full collection here took 2 s a run)
             shutil.rmtree(work)  # a ViT-B/16 run writes 1.5 GB
         if name in BF16_STEPPED:
@@ -393,12 +397,15 @@ def test_every_family_trains_exports_evaluates_and_predicts_at_zero_2_and_3(tmp_
     for name in sizes:
         for stage in STAGES:
             result = results[(name, stage)]
-            history, report = result["history"], result["report"]
+            history, report = result["history"], result.get("report")
             last = history["epochs"][-1]
             assert result["code"] == 0 and history["config"]["model"] == saved_name(name), (name, stage)
-            assert history["config"]["zero_stage"] == stage and result["sidecar"]["model"] == saved_name(name)
+            assert history["config"]["zero_stage"] == stage
             # It learnt (not chance's loss), so an export of other weights could not match the loss below.
             assert abs(last["val_loss"] - math.log(TINY_CLASSES)) > 1e-4, (name, stage)
+            if stage != EXPORTED_STAGE:
+                continue
+            assert result["sidecar"]["model"] == saved_name(name)
             # The export is the model the trainer validated: the same loss and accuracy on the same images.
             assert report["loss"] == pytest.approx(last["val_loss"], rel=1e-5), (name, stage)
             assert report["top1"] == pytest.approx(last["val_acc"]), (name, stage)
