@@ -146,7 +146,7 @@ def fake_hub(cache, repo, state):
     save_file({k: v.contiguous() for k, v in state.items()}, folder / "snapshots" / ("0" * 40) / "model.safetensors")
 
 
-def test_timm_weights_come_from_the_hub_cache_tensor_for_tensor_with_a_new_head(tmp_path, monkeypatch):
+def test_timm_weights_come_from_the_hub_cache_tensor_for_tensor_with_a_new_head(tmp_path, monkeypatch, capsys):
     import huggingface_hub.constants as hub
 
     monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -155,6 +155,7 @@ def test_timm_weights_come_from_the_hub_cache_tensor_for_tensor_with_a_new_head(
                                          rf"Hugging Face cache \({tmp_path / 'hub'}\) and could not be downloaded "
                                          r"\(HF_HUB_OFFLINE is set\); download it there \(hf download"):
         build_model(VIT, 3, 32, pretrained="DEFAULT")
+    assert "downloading" not in capsys.readouterr().err  # offline: no note of a download before that line
     source = timm.create_model("test_vit").state_dict()  # as on the hub: 1000 classes at 160 px
     fake_hub(tmp_path / "hub", DEFAULT_REPO, source)
     assert checked_model(VIT, 3, 32, 2, "DEFAULT") is not None  # the launcher's check, on the meta device

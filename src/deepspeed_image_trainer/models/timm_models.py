@@ -328,8 +328,9 @@ def hub_file(name, choice):
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     repo, revision, files = _hub_place(name, choice)
-    print(f"note: --pretrained {choice}: downloading {repo} from the Hugging Face hub into {constants.HF_HUB_CACHE}",
-          file=sys.stderr, flush=True)
+    if not constants.HF_HUB_OFFLINE:  # offline the error line below says it all
+        print(f"note: --pretrained {choice}: downloading {repo} from the Hugging Face hub into "
+              f"{constants.HF_HUB_CACHE}", file=sys.stderr, flush=True)
     reason = "the repository has none of them"
     with _quiet("huggingface_hub"):
         for filename in files:
