@@ -89,7 +89,9 @@ def test_weights_bring_their_preprocessing_and_files_are_checked_for_it():
                     {**DEFAULT_PREPROCESSING, "resize_ratio": "big"}, {**DEFAULT_PREPROCESSING, "interpolation": "os"},
                     {**DEFAULT_PREPROCESSING, "resize_ratio": "1.1"}, {**DEFAULT_PREPROCESSING, "resize_ratio": True},
                     {**DEFAULT_PREPROCESSING, "mean": ["0.4", "0.4", "0.4"]},
-                    {**DEFAULT_PREPROCESSING, "val_crop_size": 0}, {**DEFAULT_PREPROCESSING, "val_resize_size": "48"}):
+                    {**DEFAULT_PREPROCESSING, "val_crop_size": 0}, {**DEFAULT_PREPROCESSING, "val_resize_size": "48"},
+                    # finite, but every logit NaN (round 25)
+                    {**DEFAULT_PREPROCESSING, "mean": [1e308, 0, 0]}, {**DEFAULT_PREPROCESSING, "std": [1e300, 1, 1]}):
         with pytest.raises(UsageError, match="x.json: its preprocessing is not one this trainer writes"):
             check_preprocessing(damaged, "x.json")
 

@@ -173,6 +173,15 @@ def test_timm_weights_come_from_the_hub_cache_tensor_for_tensor_with_a_new_head(
     with pytest.raises(UsageError, match=r"^--pretrained: not weights of timm:test_vit \(\d+ of its tensors "
                                          r"missing, \d+ not its own: "):
         build_model(VIT, 3, 32, pretrained=str(tmp_path / "other.pt"))
+    # timm's strict load (the file's head kept) names its keys in torch's long message: counted the same way; and
+    # a file without tensors, which timm took as no weights at all (random weights, status 0: round 25)
+    torch.save({k: v for k, v in got.items() if not k.startswith("blocks.1.")}, tmp_path / "part.pt")
+    with pytest.raises(UsageError, match=r"^--pretrained: not weights of timm:test_vit \(\d+ of its tensors missing, "
+                                         r"0 not its own: blocks\.1\.[\w.]+, blocks\.1\.[\w.]+, blocks\.1\.[\w.]+\)$"):
+        build_model(VIT, 3, 32, pretrained=str(tmp_path / "part.pt"))
+    torch.save({}, tmp_path / "empty.pt")
+    with pytest.raises(UsageError, match=r"^--pretrained: no weights of timm:test_vit in it \(0 tensors\)$"):
+        build_model(VIT, 3, 32, pretrained=str(tmp_path / "empty.pt"))
     state = {**got, "blocks.0.norm1.weight": (got["blocks.0.norm1.weight"] * 3).long()}
     torch.save(state, tmp_path / "integers.pt")  # loaded as whole numbers, the run learned from them: status 0
     with pytest.raises(UsageError, match=r"^--pretrained: blocks.0.norm1.weight is a torch.int64 tensor where "

@@ -58,15 +58,17 @@ def check_preprocessing(preprocessing, source):
         triples = [list(map(number, preprocessing[key])) for key in ("mean", "std")]
         ratio = number(preprocessing["resize_ratio"])
         sizes = {key: size(key) for key in ("val_resize_size", "val_crop_size")}
-        # std at least 1e-6: below it (1e-320) the division made every image "not readable"
-        usable = (all(len(t) == 3 and all(np.isfinite(t)) for t in triples) and min(triples[1]) >= 1e-6
+        # std at least 1e-6: below it (1e-320) the division made every image "not readable"; pixels are 0-1, so
+        # a mean far outside that (1e308) made every logit NaN
+        usable = (all(len(t) == 3 and all(np.isfinite(t)) for t in triples) and all(-1 <= m <= 2 for m in triples[0])
+                  and all(1e-6 <= s <= 10 for s in triples[1])
                   and 1 <= ratio <= 2 and preprocessing["interpolation"] in INTERPOLATIONS)
     except (KeyError, TypeError, ValueError, OverflowError, AttributeError):  # OverflowError: 400 digits
         usable = False
     if not usable:
-        raise UsageError(f"{source}: its preprocessing is not one this trainer writes (mean and std of 3 "
-                         f"channels, resize_ratio 1-2, interpolation {' or '.join(INTERPOLATIONS)}, validation sizes "
-                         f"1-{MAX_VAL_SIZE} px): export again")
+        raise UsageError(f"{source}: its preprocessing is not one this trainer writes (mean -1 to 2 and std "
+                         f"1e-6 to 10 for 3 channels, resize_ratio 1-2, interpolation {' or '.join(INTERPOLATIONS)}, "
+                         f"validation sizes 1-{MAX_VAL_SIZE} px): export again")
     return {**preprocessing, "mean": triples[0], "std": triples[1], "resize_ratio": ratio,
             **{key: value for key, value in sizes.items() if value is not None}}
 

@@ -4,6 +4,7 @@ count), their preprocessing from the weights' pretrained_cfg. timm is imported o
 takes seconds, which the torchvision path does not pay."""
 import contextlib
 import difflib
+import re
 from pathlib import Path
 
 import torch
@@ -83,6 +84,8 @@ def build(name, num_classes, image_size, drop_path=None, state=None, state_class
         kwargs["img_size"] = image_size
     if drop_path is not None:
         kwargs["drop_path_rate"] = drop_path
+    if state is not None and not state:  # timm would take it as no weights: the hub's, or random ones (round 25)
+        raise UsageError(f"--pretrained: no weights of {name} in it (0 tensors)")
     if state is not None:  # timm's loader: its filter (positions resampled, original layouts converted), the head
         kwargs.update(pretrained=True, pretrained_cfg_overlay={"state_dict": state, **(
             {"num_classes": state_classes} if state_classes else {})})
@@ -96,20 +99,26 @@ def build(name, num_classes, image_size, drop_path=None, state=None, state_class
             raise UsageError(f"--drop_path: --model {name} has no stochastic depth that timm lets set "
                              "(drop_path_rate)") from None
         raise
-    except RuntimeError as err:  # load_state_dict's, strict: what did not fit, on its second line
+    except RuntimeError as err:  # load_state_dict's, strict: the keys that did not fit, or a shape
         if state is None:
             raise
-        lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+        text = str(err)
+        missing, unexpected = (re.findall(r'"([^"]+)"', text.partition(f"{kind} key(s) in state_dict:")[2]
+                                          .partition("key(s) in state_dict:")[0].partition("size mismatch")[0])
+                               for kind in ("Missing", "Unexpected"))
+        if missing or unexpected:
+            raise _not_weights(name, missing, unexpected) from None
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
         raise UsageError(f"--pretrained: not weights of {name} ({(lines[1:] or lines or ['?'])[0][:300]})") from None
+    if state is not None and not loads:  # whatever else timm's loader passes over
+        raise UsageError(f"--pretrained: no weights of {name} in it ({len(state)} tensors)")
     if loads:  # timm loads leniently where it drops the head (another class count): what it left out, checked
         result, cast = loads[-1]
         heads = _cfg(name, tag).get("classifier") or "head"
         heads = (heads,) if isinstance(heads, str) else tuple(heads)
         missing = [key for key in result.missing_keys if not key.startswith(tuple(f"{h}." for h in heads))]
-        left = missing + list(result.unexpected_keys)
-        if left:
-            raise UsageError(f"--pretrained: not weights of {name} ({len(missing)} of its tensors missing, "
-                             f"{len(left) - len(missing)} not its own: {', '.join(left[:3])})")
+        if missing or result.unexpected_keys:
+            raise _not_weights(name, missing, result.unexpected_keys)
         if cast:  # load_state_dict casts: integer or boolean values into floating weights lose their fractions
             key, given, held = cast[0]
             raise UsageError(f"--pretrained: {key} is a {given} tensor where {name} holds {held} values; save the "
@@ -117,6 +126,12 @@ def build(name, num_classes, image_size, drop_path=None, state=None, state_class
     fp32_norms(model)
     model.register_forward_pre_hook(_buffers_in_weights_dtype)
     return model
+
+
+def _not_weights(name, missing, unexpected):
+    left = [*missing, *unexpected]
+    return UsageError(f"--pretrained: not weights of {name} ({len(missing)} of its tensors missing, "
+                      f"{len(unexpected)} not its own: {', '.join(left[:3])})")
 
 
 @contextlib.contextmanager
