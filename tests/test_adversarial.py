@@ -761,7 +761,7 @@ def test_an_export_and_its_sidecar_are_as_readable_as_the_files_open_makes(tmp_p
     info = {"model": "ResNet18Animals90", "class_names": ["a", "b", "c"], "image_size": 32, "epoch": 1,
             "folder": str(tmp_path / "ck")}
     state_dict = build_model("resnet18", 3, 32).state_dict()
-    monkeypatch.setattr(export_model, "consolidated_state_dict", lambda checkpoint: (state_dict, info))
+    monkeypatch.setattr(export_model, "consolidated_state_dict", lambda checkpoint, ema=False: (state_dict, info))
     umask = os.umask(0o022)
     try:
         (tmp_path / "opened").write_text("")
