@@ -13,7 +13,7 @@ from deepspeed_image_trainer.engine.config import (OPTIMIZER_SETTINGS, ZERO3_LEA
                                                    num_parameters, precision, resolve_scheduler, steps_per_epoch)
 from deepspeed_image_trainer.utils.failures import UsageError
 
-from conftest import ROOT, join_process_group, spawn_ranks
+from conftest import ROOT, data_args, join_process_group, spawn_ranks
 
 
 def make_args(*argv):
@@ -632,8 +632,6 @@ def test_launcher_refuses_tensorboard_without_the_package_before_starting(tiny_d
     import runpy
     import sys
 
-    from conftest import data_args
-
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "argv", ["launch_deepspeed.py", *data_args(tiny_data), "--tensorboard", "--dry_run"])
@@ -718,6 +716,19 @@ def test_the_launcher_imports_neither_torchvision_nor_deepspeed():
             "print(sorted(m for m in ('torchvision', 'deepspeed') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert result.stdout.strip().splitlines()[-1] == "[]", result.stderr[-2000:]
+
+
+def test_a_launcher_dry_run_does_not_import_torchs_compiler(tiny_data, tmp_path):
+    """torch._dynamo took a second of every launch (torch.optim's wrapper imports it where the launcher checks the
+    optimizer's settings): the training processes import it anyway."""
+    import subprocess
+    import sys
+
+    argv = [*data_args(tiny_data), "--dry_run", "--log_dir", str(tmp_path / "logs")]
+    code = (f"import sys; sys.argv = ['launch_deepspeed.py']; import launch_deepspeed; "
+            f"launch_deepspeed.main({argv!r}); print('torch._dynamo' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert result.stdout.strip().splitlines()[-1] == "False", result.stderr[-2000:]
 
 
 def test_image_suffixes_are_torchvisions():

@@ -855,6 +855,11 @@ def built_optimizer(config, where, device_type, parameter_groups=1):
         built = None
     try:
         if built is not None:
+            # torch.optim's add_param_group is wrapped to keep torch.compile out, and the wrapper imports
+            # torch._dynamo on its first call: a second of the launcher's start. The method itself checks the same.
+            unwrapped = getattr(torch.optim.Optimizer.add_param_group, "__wrapped__", None)
+            if unwrapped is not None:
+                built = type(built.__name__, (built,), {"add_param_group": unwrapped})
             return built(stand_in, **params)
         module, cls = DEEPSPEED_OPTIMIZER_CLASSES.get(name, (None, None))
         if module is not None:
