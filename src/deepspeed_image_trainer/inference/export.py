@@ -27,7 +27,7 @@ from ..data.folders import check_preprocessing
 from ..models.build import check_saved_model, load_weights, model_for_weights, plain_norms
 from ..models.names import MODEL_NAME
 from ..outputs.checkpoints import find_checkpoint, read_info
-from ..utils.failures import (CliParser, UsageError, check_not_taken, check_output_file, path_argument,
+from ..utils.failures import (CliError, CliParser, UsageError, check_not_taken, check_output_file, path_argument,
                               stop_on_write_error)
 from ..utils.files import as_open_would, fingerprint, replace_together, save_safetensors, written_beside
 from ..utils.loading import check_checkpoint_files, load_checked
@@ -81,11 +81,11 @@ def pinned_folder(folder):
 
         try:
             yield Path(path), moved
-        except UsageError as error:
+        except CliError as error:  # the one line a user reads names their path
             if path == str(folder):
                 raise
             message = str(error).replace(path + os.sep, str(folder) + os.sep).replace(path, str(folder))
-            raise UsageError(message) from None
+            raise type(error)(message) from None
     finally:
         os.close(fd)
 
