@@ -685,6 +685,9 @@ TABLES = {
         "timm/zero3_linear/zero3_settings_timm_vit_gigantic_patch14_clip_224_b32_half_weights_nvidia_h100_80gb_hbm3_x2.json"),
     "finetune-7b": lambda: finetune_run(
         "timm/finetune_timm_vit_7b_patch16_dinov3_nvidia_h100_80gb_hbm3_x2.json"),
+    "zero3-overrides": lambda: "\n\n".join(zero3_settings(
+        f"timm/zero3_overrides/{way}/zero3_settings_timm_vit_large_patch16_224_b32_half_weights_nvidia_h100_80gb_hbm3.json")
+        for way in ("off", "on")),
     "zero3-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{run}_nvidia_h200.json")
                                           for run in ("resnet18_b256", "vit_l_16_b32")),
     "zero12-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{run}_nvidia_h100_80gb_hbm3.json")
