@@ -1,7 +1,9 @@
+import atexit
 import hashlib
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -16,8 +18,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers share the cores: one thread each, and each run they start
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
-# The data check's cache goes to a folder of the test session's own, for the tests and every process they start.
-os.environ["TRAINER_CACHE_DIR"] = tempfile.mkdtemp(prefix="test-cache-")
+# The data check's cache goes to a folder of the test session's own, for the tests and every process they start:
+# made once per pytest process (the processes tests spawn import this too, and left one folder each behind) and
+# removed when it ends.
+if not os.environ.get("TRAINER_TEST_CACHE_DIR"):
+    os.environ["TRAINER_TEST_CACHE_DIR"] = tempfile.mkdtemp(prefix="test-cache-")
+    atexit.register(shutil.rmtree, os.environ["TRAINER_TEST_CACHE_DIR"], ignore_errors=True)
+os.environ["TRAINER_CACHE_DIR"] = os.environ["TRAINER_TEST_CACHE_DIR"]
 # The package, for the Python processes the tests start from scripts of their own (the project's scripts find it).
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
 
