@@ -191,9 +191,10 @@ def install():
 
 
 def _install_zero3(groups):
-    replacements = {}
+    replacements = {}  # as ZERO3_SOURCES names them -> the replacement
     if "zero3_cached_module_parameters" in groups:
-        deepspeeds = importlib.import_module("deepspeed.runtime.zero.partitioned_param_coordinator").iter_params
+        module, name = _deepspeed_attribute("runtime.zero.partitioned_param_coordinator.iter_params")
+        deepspeeds = getattr(module, name)
         known = (weakref.WeakKeyDictionary(), weakref.WeakKeyDictionary())  # by recurse: module -> its parameters
 
         def iter_params(module, recurse=False):
@@ -206,16 +207,16 @@ def _install_zero3(groups):
             return itertools.chain(params, external.values()) if external else iter(params)
 
         for module in ("partitioned_param_coordinator", "parameter_offload"):
-            replacements[(f"runtime.zero.{module}", "iter_params")] = iter_params
+            replacements[f"runtime.zero.{module}.iter_params"] = iter_params
     if "zero3_quiet_debug_messages" in groups:
-        for module in PRINTING_MODULES:
-            original = getattr(importlib.import_module(f"deepspeed.runtime.zero.{module}"), "print_rank_0", None)
-            if original is not None:
-                replacements[(f"runtime.zero.{module}", "print_rank_0")] = _quiet(original)
+        for path in (f"runtime.zero.{module}.print_rank_0" for module in PRINTING_MODULES):
+            module, name = _deepspeed_attribute(path)
+            if hasattr(module, name):
+                replacements[path] = _quiet(getattr(module, name))
     if "zero3_no_nvtx_ranges" in groups:
-        replacements[("utils.nvtx", "enable_nvtx")] = False
-    for (path, name), replacement in replacements.items():
-        module = importlib.import_module(f"deepspeed.{path}")
+        replacements["utils.nvtx.enable_nvtx"] = False
+    for path, replacement in replacements.items():
+        module, name = _deepspeed_attribute(path)
         _zero3_originals[(module, name)] = getattr(module, name)
         setattr(module, name, replacement)
 

@@ -110,8 +110,6 @@ def build(name, num_classes, image_size, drop_path=None, state=None, state_class
             raise _not_weights(name, missing, unexpected) from None
         lines = [line.strip() for line in text.splitlines() if line.strip()]
         raise UsageError(f"--pretrained: not weights of {name} ({(lines[1:] or lines or ['?'])[0][:300]})") from None
-    if state is not None and not loads:  # whatever else timm's loader passes over
-        raise UsageError(f"--pretrained: no weights of {name} in it ({len(state)} tensors)")
     if loads:  # timm loads leniently where it drops the head (another class count): what it left out, checked
         result, cast = loads[-1]
         heads = _cfg(name, tag).get("classifier") or "head"
