@@ -13,22 +13,17 @@ passes' worth, counted by torch's FlopCounterMode on the meta device) and what t
 """
 import argparse
 import json
-import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, environment
+from common import ROOT, environment, slug_of
 from machine import machine_slug
 
 
 REPORTED = ("images", "loss", "top1", "top5", "decode", "device")  # of evaluate.py's report
-
-
-def slug(model):
-    return re.sub(r"[^a-z0-9]+", "_", model.lower()).strip("_")
 
 
 def training_flops_per_image(model, image_size, num_classes):
@@ -110,7 +105,7 @@ def main():
     result["training_tflop_per_image"] = flops / 1e12
     if "epoch" in result:
         result["tflops_per_gpu"] = flops * result["epoch"]["images_per_s"] / gpus / 1e12
-    path = args.output_dir / f"finetune_{slug(args.model)}_{machine_slug(env)}{f'_x{gpus}' if gpus > 1 else ''}.json"
+    path = args.output_dir / f"finetune_{slug_of(args.model)}_{machine_slug(env)}{f'_x{gpus}' if gpus > 1 else ''}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"environment": env, "settings": {k: str(v) if isinstance(v, Path) else v
                                                                  for k, v in vars(args).items()},
