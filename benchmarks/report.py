@@ -561,23 +561,26 @@ def scaling_accuracy(name):
 
 
 def scaling_chain(name):
-    """scaling.py --only chain: a run stopped mid-epoch on 1 GPU, then on N, finished on 1, beside it uninterrupted."""
+    """scaling.py --only chain: a run stopped mid-epoch on A GPUs, then on B, finished on C, beside it uninterrupted."""
     result = load(name)
     settings, results = result["settings"], result["results"]
     n = settings["max_gpus"]
-    rows = []
+    rows, chains = [], set()
     for label, r in results.items():
         label = re.sub(r"\bN\b", str(n), label.removeprefix("resume mid-epoch: "))
         if "error" in r:
             rows.append([label, f"failed: {error_line(r['error'])}", "", "", ""])
             continue
+        chains.add(tuple(r["num_gpus"]))
         for run, stopped, figures in ((f"{label.split(',')[0]}, uninterrupted (1 GPU)", "", r["uninterrupted"]),
                                       (label, " then ".join(r["stopped_at"]), r)):
             rows.append([run, stopped, *curve_cells(figures)])
+    first, then, last = (" / ".join(sorted({f"{chain[i]} GPU{'s' if chain[i] > 1 else ''}" for chain in chains}))
+                         for i in range(3)) if chains else ("A", "B", "C")
     return source(result, name) + (
         f"\nThe built-in sample dataset, resnet18 at 96 px, bf16, global batch {settings['accuracy_batch']}: one run "
-        f"of `--epochs {2 * settings['resume_epochs']}` stopped by SIGTERM mid-epoch on one GPU, resumed with "
-        f"`--resume auto` on {n} and stopped mid-epoch again, then resumed on one to its end (the same command but "
+        f"of `--epochs {2 * settings['resume_epochs']}` stopped by SIGTERM mid-epoch on {first}, resumed with "
+        f"`--resume auto` on {then} and stopped mid-epoch again, then resumed on {last} to its end (the same command but "
         "for `--num_gpus` and `--batch_size`), beside the same run never stopped:\n\n") + table(
         ["run", "stopped at", "val acc per epoch", "last val acc", "last val loss"], rows)
 

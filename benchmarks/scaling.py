@@ -35,9 +35,10 @@ MEASUREMENTS = [("reference", DDP)] + [("synthetic", f"step: zero{stage} bf16") 
 # --only sync_bn: --sync_bn and torch's SyncBatchNorm beside the same runs without them; named or chosen so only
 SYNC_BN = [DDP, SYNC_BN_REF, "step: zero2 bf16", "step: zero2 bf16 sync_bn", "epoch: zero2 bf16, data on GPU",
            "epoch: zero2 bf16 sync_bn, data on GPU"]
-# speed-up on 2 GPUs (the two-GPU issue's goals)
-GOALS = {**{f"epoch: zero{stage} bf16, data on GPU": 1.9 for stage in range(3)},
-         "epoch: zero3 bf16, data on GPU": 1.8, CACHE: 1.9}
+# speed-up on N GPUs: N -> {name: goal} (the two-GPU and the four-GPU issues' goals)
+GOALS = {2: {**{f"epoch: zero{stage} bf16, data on GPU": 1.9 for stage in range(3)},
+             "epoch: zero3 bf16, data on GPU": 1.8, CACHE: 1.9},
+         4: {**{f"epoch: zero{stage} bf16, data on GPU": 3.7 for stage in range(3)}, CACHE: 3.7}}
 # Same global batch on 1 and N GPUs: the micro-batch is divided by N; with and without --sync_bn.
 ACCURACY = {"accuracy: 1 GPU": (1, []), "accuracy: N GPUs": (None, []), "accuracy: N GPUs --sync_bn": (None, ["--sync_bn"])}
 # what every row of one JSON shares (--update refuses others)
@@ -46,9 +47,14 @@ SHARED_SETTINGS = ("model", "batch_size", "image_size", "num_classes", "steps", 
 # A run saved on one GPU count goes on on the other: name -> (ZeRO stage, GPUs before, GPUs after; "N": --max_gpus)
 RESUMES = {f"resume: zero{stage}, {before} → {after} GPUs": (stage, before, after)
            for stage in (2, 3) for before, after in ((1, "N"), ("N", 1))}
-# One run stopped by SIGTERM mid-epoch on 1 GPU, resumed on N and stopped mid-epoch again, then resumed on 1 to its
-# end, beside the same run uninterrupted: name -> ZeRO stage
-CHAINS = {f"resume mid-epoch: zero{stage}, 1 → N → 1 GPUs": stage for stage in (2, 3)}
+# One run stopped by SIGTERM mid-epoch on A GPUs, resumed on B and stopped mid-epoch again, then resumed on C to its
+# end (--chain_gpus A B C; 1 N 1 by default), beside the same run uninterrupted on 1 GPU, at ZeRO-2 and ZeRO-3
+CHAIN_STAGES = (2, 3)
+
+
+def chain_name(stage, counts, n):
+    """The chain's row: its GPU counts, N where a count is --max_gpus ("resume mid-epoch: zero2, 1 → N → 1 GPUs")."""
+    return f"resume mid-epoch: zero{stage}, {' → '.join('N' if c == n else str(c) for c in counts)} GPUs"
 
 
 def reference_of(name):
@@ -139,9 +145,10 @@ def stopped_run(num_gpus, epochs, flags, args, workdir, stop_in):
     return shown(command), stopped[1]
 
 
-def chain_run(stage, n, args):
-    """2 x --resume_epochs epochs at ZeRO `stage`: stopped mid-epoch 2 on 1 GPU, resumed on `n` and stopped
-    mid-epoch --resume_epochs + 1, resumed on 1 to the end; beside the same run on 1 GPU never stopped."""
+def chain_run(stage, counts, args):
+    """2 x --resume_epochs epochs at ZeRO `stage`: stopped mid-epoch 2 on counts[0] GPUs, resumed on counts[1] and
+    stopped mid-epoch --resume_epochs + 1, resumed on counts[2] to the end; beside the same run on 1 GPU never
+    stopped."""
     epochs, flags = 2 * args.resume_epochs, ["--zero_stage", str(stage), "--save_every", "0"]
     with tempfile.TemporaryDirectory() as tmp:
         whole_command, whole = sample_run(1, epochs, flags, args, Path(tmp) / "whole")
@@ -149,17 +156,17 @@ def chain_run(stage, n, args):
             return {"commands": [whole_command], **whole}
         commands, stops, workdir = [whole_command], [], Path(tmp) / "chain"
         workdir.mkdir()
-        for num_gpus, stop_in in ((1, 2), (n, args.resume_epochs + 1)):
+        for num_gpus, stop_in in ((counts[0], 2), (counts[1], args.resume_epochs + 1)):
             command, stopped = stopped_run(num_gpus, epochs, [*flags, "--resume", "auto"], args, workdir, stop_in)
             commands.append(command)
             if isinstance(stopped, dict):
                 return {"commands": commands, **stopped}
             stops.append(stopped)
-        command, history = sample_run(1, epochs, [*flags, "--resume", "auto"], args, workdir)
+        command, history = sample_run(counts[2], epochs, [*flags, "--resume", "auto"], args, workdir)
         commands.append(command)
     if "error" in history:
         return {"commands": commands, **history}
-    return {"commands": commands, "num_gpus": [1, n, 1], "global_batch": args.accuracy_batch, "stopped_at": stops,
+    return {"commands": commands, "num_gpus": list(counts), "global_batch": args.accuracy_batch, "stopped_at": stops,
             "last_val_acc": history["epochs"][-1]["val_acc"], **per_epoch(history),
             "uninterrupted": {"last_val_acc": whole["epochs"][-1]["val_acc"], **per_epoch(whole)}}
 
@@ -176,6 +183,8 @@ def get_args_parser():
                         help="global batch of the accuracy and resume runs")
     parser.add_argument("--resume_epochs", type=int, default=3,
                         help="epochs before a resume on the other GPU count, and as many after it")
+    parser.add_argument("--chain_gpus", type=int, nargs=3, metavar=("A", "B", "C"),
+                        help="the chain part's GPU counts: stopped on A, then on B, finished on C (default 1 N 1)")
     return parser
 
 
@@ -186,17 +195,21 @@ def main():
               or "sync" not in name.lower() and (not only or kind in only)]
     accuracy = [name for name in ACCURACY if not only or name in only or "accuracy" in only]
     resumes = [name for name in RESUMES if not only or name in only or "resume" in only]
-    chains = [name for name in CHAINS if not only or name in only or "chain" in only]
+    chain_gpus = tuple(args.chain_gpus or (1, args.max_gpus, 1))
+    every_chain = {chain_name(stage, chain_gpus, args.max_gpus): stage for stage in CHAIN_STAGES}
+    chains = {name: stage for name, stage in every_chain.items() if not only or name in only or "chain" in only}
     unknown = only - {"reference", "synthetic", "real", "accuracy", "resume", "chain", "sync_bn",
-                      *(name for _, name in MEASUREMENTS), *ACCURACY, *RESUMES, *CHAINS}
+                      *(name for _, name in MEASUREMENTS), *ACCURACY, *RESUMES, *every_chain}
     if unknown:
         sys.exit(f"error: unknown measurement(s): {', '.join(sorted(unknown))}")
-    if (accuracy or resumes or chains) and args.accuracy_batch % args.max_gpus:
-        sys.exit(f"error: --accuracy_batch {args.accuracy_batch} must divide by --max_gpus {args.max_gpus}: the same "
-                 "global batch on 1 and N GPUs")
+    if (accuracy or resumes or chains) and any(args.accuracy_batch % n for n in {args.max_gpus, *chain_gpus}):
+        sys.exit(f"error: --accuracy_batch {args.accuracy_batch} must divide by --max_gpus {args.max_gpus} and the "
+                 "--chain_gpus counts: the same global batch on every GPU count")
     if chosen and not (args.data / "train").is_dir():
+        val_per_class = max(1, args.images_per_class // 5)
         subprocess.run([sys.executable, str(ROOT / "src" / "prepare_data.py"), "sample", "--output", str(args.data),
-                        "--num_classes", str(args.num_classes), "--train_per_class", "48", "--val_per_class", "12",
+                        "--num_classes", str(args.num_classes), "--train_per_class",
+                        str(args.images_per_class - val_per_class), "--val_per_class", str(val_per_class),
                         "--image_size", "256", "--seed", "0"], check=True, stdout=subprocess.DEVNULL)
     if (accuracy or resumes or chains) and not (args.sample_data / "train").is_dir():
         subprocess.run([sys.executable, str(ROOT / "src" / "prepare_data.py"), "sample", "--output",
@@ -225,7 +238,7 @@ def main():
             print(f"{name} on {num_gpus} GPU(s): {json.dumps(measured)[:300]}", flush=True)
         one, many = (results[name][f"{n}_gpu"].get("images_per_s") for n in gpu_counts)
         if one and many:
-            results[name].update(speedup=many / one, efficiency=many / one / args.max_gpus, goal=GOALS.get(name))
+            results[name].update(speedup=many / one, efficiency=many / one / args.max_gpus, goal=GOALS.get(args.max_gpus, {}).get(name))
         reference = reference_of(name)
         ref_many = results.get(reference, {}).get(f"{args.max_gpus}_gpu", {}).get("images_per_s")
         if many and ref_many and name != reference:
@@ -242,8 +255,8 @@ def main():
                                                                   for count in (before, after)), args)}
         print(f"{name}: {json.dumps(results[name])[:300]}", flush=True)
         save()
-    for name in chains:
-        results[name] = {"kind": "chain", **chain_run(CHAINS[name], args.max_gpus, args)}
+    for name, stage in chains.items():
+        results[name] = {"kind": "chain", **chain_run(stage, chain_gpus, args)}
         print(f"{name}: {json.dumps(results[name])[:300]}", flush=True)
         save()
 
