@@ -442,15 +442,19 @@ def half_weights_gain(rows_of):
 def scaling(names, kind="real"):
     """scaling.py's end-to-end epochs (kind "real") or steps on a synthetic batch ("synthetic") on 1 and N GPUs
     beside plain DDP, one table per model."""
-    parts = []
-    for name in names:
-        result = load(name)
+    parts, loaded = [], [load(name) for name in names]
+    # a row one model's run has and another's lacks (its run ended first) is said to be missing
+    every_row = list(dict.fromkeys(label for result in loaded for label, r in result["results"].items()
+                                   if r["kind"] in ("reference", kind)))
+    for name, result in zip(names, loaded):
         settings, results = result["settings"], result["results"]
         n = settings["max_gpus"]
         ddp = next(r for r in results.values() if r["kind"] == "reference")
         rows = []
-        for label, r in results.items():
-            if r["kind"] not in ("reference", kind):
+        for label in every_row:
+            r = results.get(label)
+            if r is None:
+                rows.append([label, "not measured"] + [""] * 4)
                 continue
             one, many = r["1_gpu"], r[f"{n}_gpu"]
             if "error" in one or "error" in many:
@@ -469,6 +473,29 @@ def scaling(names, kind="real"):
             ["measurement", "1 GPU images/s", f"{n} GPUs images/s", "speed-up", f"of DDP on {n} GPUs",
              f"peak GiB ({n} GPUs)"], rows))
     return "\n\n".join(parts)
+
+
+def epoch_beyond_step(epochs_name, steps_name):
+    """What the trainer's epochs take beyond its steps at the same images, per ZeRO stage and GPU count: an epoch's
+    images (the full micro-batches of each rank) at the epoch's images/s less at the step's."""
+    epochs, steps = load(epochs_name), load(steps_name)
+    settings, n = epochs["settings"], epochs["settings"]["max_gpus"]
+    train = settings["num_classes"] * (settings["images_per_class"] - max(1, settings["images_per_class"] // 5))
+    rows = []
+    for stage in range(4):
+        epoch, step = (epochs["results"].get(f"epoch: zero{stage} bf16, data on GPU"),
+                       steps["results"].get(f"step: zero{stage} bf16"))
+        if not epoch or not step:
+            continue
+        cells = []
+        for gpus in (1, n):
+            images = train // gpus // settings["batch_size"] * settings["batch_size"] * gpus
+            extra = images / epoch[f"{gpus}_gpu"]["images_per_s"] - images / step[f"{gpus}_gpu"]["images_per_s"]
+            steps_per_epoch = images // (settings["batch_size"] * gpus)
+            cells += [f"{1000 * extra:.0f} ms ({steps_per_epoch} steps, {1000 * extra / steps_per_epoch:.1f} a step)"]
+        rows.append([f"ZeRO-{stage}", *cells])
+    return (f"\n{settings['model']}: what an epoch took beyond the step on a synthetic batch, for the same images "
+            f"(both runs above):\n\n") + table(["stage", "1 GPU", f"{n} GPUs"], rows)
 
 
 def epoch_parts(names):
@@ -580,8 +607,8 @@ def scaling_chain(name):
     return source(result, name) + (
         f"\nThe built-in sample dataset, resnet18 at 96 px, bf16, global batch {settings['accuracy_batch']}: one run "
         f"of `--epochs {2 * settings['resume_epochs']}` stopped by SIGTERM mid-epoch on {first}, resumed with "
-        f"`--resume auto` on {then} and stopped mid-epoch again, then resumed on {last} to its end (the same command but "
-        "for `--num_gpus` and `--batch_size`), beside the same run never stopped:\n\n") + table(
+        f"`--resume auto` on {then} and stopped mid-epoch again, then resumed on {last} to its end (the same command "
+        "but for `--num_gpus` and `--batch_size`), beside the same run never stopped:\n\n") + table(
         ["run", "stopped at", "val acc per epoch", "last val acc", "last val loss"], rows)
 
 
@@ -605,7 +632,10 @@ def zero_memory(names):
             f"{first['batch_size']} per GPU, {first['image_size']} px, bf16 autocast (fp32 weights); GiB per GPU: "
             f"model states held between steps measured / the ZeRO paper's formula / DeepSpeed's estimator · "
             f"peak allocated:\n\n")
-    return out + table(["configuration", *[f"{count} GPU{'s' if count > 1 else ''}" for count in counts]],
+    gpus = [run["environment"]["gpu"] for run in runs]
+    mixed = len(set(gpus)) > 1  # the columns then name their GPU
+    return out + table(["configuration", *[f"{count} GPU{'s' if count > 1 else ''}" + (f" ({gpu})" if mixed else "")
+                                           for count, gpu in zip(counts, gpus)]],
                        [[config, *[cell(rows.get(config)) for rows in rows_of]] for config in configs])
 
 
@@ -706,12 +736,17 @@ TABLES = {
                                         for n in (1, 2)]),
     "scaling-steps": lambda: scaling([f"scaling_{model}nvidia_h200_x2.json" for model in ("", "vit_b_16_")],
                                      kind="synthetic"),
+    "scaling-epochs-4gpus": lambda: scaling([f"scaling_x4/scaling_{model}nvidia_h200_x4.json"
+                                             for model in ("", "resnet50_", "vit_b_16_")]),
+    "scaling-steps-4gpus": lambda: scaling(["scaling_x4/steps/scaling_nvidia_h200_x4.json"], kind="synthetic") +
+    epoch_beyond_step("scaling_x4/scaling_nvidia_h200_x4.json", "scaling_x4/steps/scaling_nvidia_h200_x4.json"),
     "zero3-vit-b-16": lambda: zero3_settings("zero3_vit_b_16/zero3_settings_vit_b_16_b256_nvidia_h100_80gb_hbm3.json"),
     "scaling-sync-bn": lambda: scaling_sync_bn("scaling_sync_bn/scaling_nvidia_h100_80gb_hbm3_x2.json"),
     "scaling-accuracy": lambda: scaling_accuracy("scaling_accuracy/scaling_nvidia_h100_80gb_hbm3_x2.json"),
     "scaling-chain": lambda: scaling_chain("scaling_chain/scaling_nvidia_h200_x2.json"),
+    "scaling-chain-4gpus": lambda: scaling_chain("scaling_chain/scaling_nvidia_h200_x4.json"),
     "zero-memory": lambda: zero_memory([f"zero_memory/memory_vit_h_14_nvidia_h100_80gb_hbm3_x{n}.json"
-                                        for n in (1, 2)]),
+                                        for n in (1, 2)] + ["zero_memory/memory_vit_h_14_nvidia_h200_x4.json"]),
     "capacity-8gib-2gpus": lambda: capacity("capacity_8gib", 2),
     "fp16-offload": fp16_offload,
     "augmentation": augmentation,
