@@ -132,6 +132,15 @@ def plain_loop_case(flags, args):
             "val_acc": epochs[-1]["val_acc"], "data_tier": "workers", "peak_gpu_memory_gib": None}
 
 
+def best_epochs(epochs):
+    """Whether each epoch's validation accuracy was the best so far (the trainer then saved best_model)."""
+    best, flags = float("-inf"), []
+    for epoch in epochs:
+        flags.append(epoch["val_acc"] > best)
+        best = max(best, epoch["val_acc"])
+    return flags
+
+
 def real_case(flags, args, workdir):
     """src/train_deepspeed.py end to end on the JPEG folder (one process, as `python` runs it, for one GPU;
     launch_deepspeed.py for several); figures from the history it writes."""
@@ -153,6 +162,9 @@ def real_case(flags, args, workdir):
     # "decoded N images in S s", or with the decoded-image cache "read N decoded by an earlier run ... in S s"
     decoded = re.search(r"(?:decoded|read) \d+ [^\n]*? in ([\d.]+) s", result.stdout)
     return {"command": shown(command), "images_per_s": statistics.median(e["images_per_s"] for e in later),
+            # each epoch's, and whether the one before it saved best_model (written in the background meanwhile)
+            "images_per_s_per_epoch": [e["images_per_s"] for e in history["epochs"]],
+            "after_a_best_save": [False] + best_epochs(history["epochs"])[:-1],
             "data_wait_share": statistics.median(e["data_wait_s"] / e["epoch_time_s"] for e in later),
             "peak_gpu_memory_gib": max(e["peak_gpu_memory_gib"] for e in later),
             "val_acc": history["epochs"][-1]["val_acc"], "decode_s": float(decoded[1]) if decoded else None,
