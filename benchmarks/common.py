@@ -190,11 +190,11 @@ def fully_sharded(model):
     bf16 for compute, gradients reduced in fp32."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from deepspeed_image_trainer.engine.config import ZERO3_LEAF_BLOCKS
+    from deepspeed_image_trainer.models.names import BLOCKS
     from deepspeed_image_trainer.models.timm_models import LEAF_BLOCKS
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    blocks = set(ZERO3_LEAF_BLOCKS) | set(LEAF_BLOCKS)
+    blocks = set(BLOCKS) | set(LEAF_BLOCKS)
     for module in list(model.modules()):
         if f"{type(module).__module__}.{type(module).__qualname__}" in blocks:
             fully_shard(module, mp_policy=policy)

@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from deepspeed_image_trainer.cli.options import add_training_args, parse_args
-from deepspeed_image_trainer.engine.config import (OPTIMIZER_SETTINGS, ZERO3_LEAF_BLOCKS, build_ds_config,
+from deepspeed_image_trainer.engine.config import (OPTIMIZER_SETTINGS, build_ds_config,
                                                    check_device_support, check_monitor_support, check_trainer_support,
                                                    coalesces_grad_reduction, load_base_config, lr_schedule,
                                                    num_parameters, precision, resolve_scheduler, steps_per_epoch)
+from deepspeed_image_trainer.models.names import BLOCKS
 from deepspeed_image_trainer.utils.failures import UsageError
 
 from conftest import ROOT, data_args, join_process_group, spawn_ranks
@@ -452,8 +453,8 @@ def test_step_syncs_and_zero3_hooks_are_cut_unless_the_base_config_sets_them():
     assert build()["timers"] == {"throughput": {"enabled": False}}  # no device sync at each step's start and end
     assert build(base={"timers": {"throughput": {"enabled": True}}})["timers"]["throughput"]["enabled"] is True
     zero3 = build("--zero_stage", "3")["zero_optimization"]
-    assert zero3["leaf_module"] == {"classes": list(ZERO3_LEAF_BLOCKS)} and "torchvision.models.resnet.BasicBlock" in \
-        ZERO3_LEAF_BLOCKS and zero3["stage3_module_granularity_threshold"] == 0
+    assert zero3["leaf_module"] == {"classes": list(BLOCKS)} and "torchvision.models.resnet.BasicBlock" in \
+        BLOCKS and zero3["stage3_module_granularity_threshold"] == 0
     assert not {"stage3_module_granularity_threshold", "leaf_module"} & set(build("--zero_stage", "2")["zero_optimization"])
     assert "leaf_module" not in build("--zero_stage", "3", "--model", "vgg11")["zero_optimization"]  # no blocks
     for value, expected in ((200_000, 200_000), ("auto", 0)):

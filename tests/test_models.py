@@ -16,12 +16,12 @@ from deepspeed_image_trainer.data.folders import DEFAULT_PREPROCESSING, build_tr
 from deepspeed_image_trainer.data.prepare import make_sample_dataset
 from deepspeed_image_trainer.models.build import (build_model, check_image_size, checked_model, list_models,
                                                   load_weights, model_for_weights, preprocessing, pretrained_state)
+from deepspeed_image_trainer.models.names import WITHOUT_BLOCKS, saved_name
 from deepspeed_image_trainer.models.norms import LayerNorm2dFP32, synchronize_batch_norm
-from deepspeed_image_trainer.models.names import saved_name
 from deepspeed_image_trainer.utils.failures import UsageError
 
-from conftest import (TINY_CLASSES, Payload, built_instead, data_args, history_of, join_process_group, slim_timm,
-                      spawn_ranks, tiny_engine)
+from conftest import (TINY_CLASSES, Payload, assert_usage_error_in_process, built_instead, data_args, history_of,
+                      join_process_group, slim_timm, spawn_ranks, tiny_engine)
 
 # One small model of each family, with a size each takes.
 FAMILIES = {"resnet18": 32, "mobilenet_v3_small": 32, "mobilenet_v2": 32, "efficientnet_b0": 32, "convnext_tiny": 32,
@@ -52,6 +52,32 @@ def test_a_model_or_size_no_run_can_use_is_refused_before_anything_starts():
 def test_sync_bn_reaches_the_batch_norm_of_any_model():
     assert synchronize_batch_norm(build_model("efficientnet_b0", 3)) == 49
     assert synchronize_batch_norm(build_model("vit_b_16", 3, 32)) == 0  # layer norm only: the run says so
+
+
+def test_activation_checkpointing_recomputes_torchvisions_blocks_and_steps_as_without_it(capsys):
+    """--grad_checkpointing keeps only each block's input (a tenth of what a plain forward keeps here) and trains to
+    the same bits: drop path's draws replayed, batch-norm statistics updated once a step, not again when the block
+    is recomputed; AlexNet and VGG, without blocks, are refused."""
+    from deepspeed_image_trainer.cli import launch as launch_deepspeed
+
+    images, labels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 2])
+    for name, drop_path in (("resnet18", None), ("efficientnet_b0", 0.2)):
+        runs = []
+        for checkpointing in (False, True):
+            torch.manual_seed(0)
+            model = build_model(name, 3, 16, drop_path=drop_path, grad_checkpointing=checkpointing).train()
+            kept = []
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t.numel() * t.element_size()) or t,
+                                                          lambda t: t):
+                loss = F.cross_entropy(model(images), labels)
+            loss.backward()
+            torch.optim.SGD(model.parameters(), lr=0.1).step()
+            runs.append((model.state_dict(), sum(kept)))
+        (plain, plain_kept), (recomputed, recomputed_kept) = runs
+        assert list(recomputed) == list(plain) and all(torch.equal(recomputed[k], plain[k]) for k in plain), name
+        assert recomputed_kept < plain_kept / 5, name
+    assert_usage_error_in_process(launch_deepspeed.main, ["--model", "vgg11", "--grad_checkpointing", "--dry_run"],
+                                  capsys, "--grad_checkpointing: --model vgg11 has no repeated blocks to recompute")
 
 
 def test_resnet18_keeps_its_name_and_keys_and_others_keep_torchvisions():
@@ -331,6 +357,12 @@ def slim_transformers(monkeypatch=None):
                   monkeypatch)
 
 
+def recomputes(name):
+    """Whether the family harness's ZeRO-3 run of `name` turns on --grad_checkpointing: torchvision's families with
+    repeated blocks (timm's own checkpointing is test_timm.py's)."""
+    return not name.startswith(("timm:", *WITHOUT_BLOCKS))
+
+
 def train_export_evaluate_predict(process, _, results, data, workdir, halves, sizes):
     """For each model of halves[process] (sizes: its --image_size): a run of the trainer at each ZeRO stage in
     fp32, its export, evaluate and predict on it; then bf16_steps. The trainer's main() in this process: a
@@ -365,7 +397,8 @@ def train_export_evaluate_predict(process, _, results, data, workdir, halves, si
             code = train_deepspeed.main(data_args(data) + [
                 "--model", name, "--image_size", str(size), "--zero_stage", str(stage), "--epochs", "1",
                 "--batch_size", str(FAMILY_TRAIN_IMAGES), "--learning_rate", "0.05", "--warmup_epochs", "0",
-                "--num_workers", "0", "--checkpoint_dir", str(work / "checkpoints"), "--log_dir", str(work / "logs")])
+                "--num_workers", "0", "--checkpoint_dir", str(work / "checkpoints"), "--log_dir", str(work / "logs"),
+                *(["--grad_checkpointing"] if stage == 3 and recomputes(name) else [])])
             result = {"code": code, "history": history_of(work), "leaf_modules": len(leaves[-1])}
             if stage == EXPORTED_STAGE:
                 export_model.main([str(work / "checkpoints/last"), "--output", str(exported)])
@@ -413,7 +446,9 @@ def test_every_family_trains_exports_evaluates_and_predicts_at_zero_2_and_3(tmp_
             assert report["top1"] == pytest.approx(last["val_acc"]), (name, stage)
             classes = [Path(p["image"]).parent.name == p["predictions"][0]["class"] for p in result["predictions"]]
             assert len(classes) == FAMILY_VAL_IMAGES and sum(classes) / len(classes) == pytest.approx(report["top1"])
-        # ZeRO-3 gathers the family's repeated blocks whole (leaf modules) and trains the model ZeRO-2 does.
+        # ZeRO-3 gathers the family's repeated blocks whole (leaf modules) and trains the model ZeRO-2 does, for
+        # torchvision's families with those blocks recomputed in the backward pass (--grad_checkpointing)
+        assert results[(name, 3)]["history"]["config"]["training"]["grad_checkpointing"] is recomputes(name), name
         assert results[(name, 3)]["leaf_modules"] > 0 and results[(name, 2)]["leaf_modules"] == 0, name
         losses = [results[(name, stage)]["history"]["epochs"][-1]["val_loss"] for stage in (2, 3)]
         assert losses[1] == pytest.approx(losses[0], rel=1e-5), name

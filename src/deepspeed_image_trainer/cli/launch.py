@@ -264,6 +264,7 @@ def main(argv=None, launched_at=None):
     if (args.model != DEFAULT_MODEL or args.pretrained or args.batch_size == 1 or grouping(args)
             or args.val_crop_size not in (None, args.image_size)):
         from ..models.build import checked_model, not_downloaded
+        from ..models.timm_models import checkpointing, is_timm
 
         # downloads torchvision's weights once, here, rather than in every rank; a dry run writes nothing
         weights = weights_to_load(args)
@@ -274,9 +275,7 @@ def main(argv=None, launched_at=None):
         shapes = checked_model(args.model, len(class_names), args.image_size,
                                norm_batch_size(args.batch_size, args.sync_bn, world_size), weights, args.val_crop_size,
                                args.batch_size)
-        if args.grad_checkpointing:  # a timm model without it stops here, not in every rank
-            from ..models.timm_models import checkpointing
-
+        if args.grad_checkpointing and is_timm(args.model):  # a timm model without it stops here, not in every rank
             checkpointing(shapes, args.model)
         num_params = sum(p.numel() for p in shapes.parameters())
         groups = len(parameter_groups(shapes, len(class_names), args)) if grouping(args) else 1

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..data.recipe import (AUTO_AUGMENT_POLICIES, DROP_PATH_FAMILIES, RECIPE_DEFAULTS, RECIPE_RANGES,
                            check_val_size_flags)
 from ..engine.config import OPTIMIZERS
-from ..models.names import DEFAULT_MODEL, architecture
+from ..models.names import DEFAULT_MODEL, WITHOUT_BLOCKS, architecture
 from ..utils.failures import (WORKERS_PER_CPU, CliError, UsageError, check_name_lengths, check_num_workers,
                               first_rank_of_node, path_argument)
 from ..utils.streams import outlive_closed_output
@@ -92,7 +92,8 @@ def add_training_args(parser):
                        help="train the classifier head alone for the first N epochs (the body's learning rate is 0)")
     train.add_argument("--grad_checkpointing", action="store_true",
                        help="activation checkpointing: each block's activations recomputed in the backward pass "
-                            "instead of kept (timm's set_grad_checkpointing; timm models)")
+                            "instead of kept (timm's set_grad_checkpointing; for torchvision's models, each "
+                            "family's repeated block)")
     train.add_argument("--layer_decay", type=float, default=None, metavar="R",
                        help="timm's layer-wise learning-rate decay: the head at --learning_rate, each block below "
                             "it R times the one above (ViT, Swin, MaxViT, ConvNeXt, EfficientNet and other models "
@@ -478,9 +479,9 @@ def check_recipe(args):
     for name in ("mixup_alpha", "cutmix_alpha"):  # torchvision keeps alpha in float32: 1e-300 became 0, then failed
         if 0 < getattr(args, name) < 1e-6:
             raise UsageError(f"--{name} must be 0 (off) or at least 1e-6, got {getattr(args, name)}")
-    if args.grad_checkpointing and not architecture(args.model).startswith("timm:"):
-        raise UsageError(f"--grad_checkpointing: --model {args.model} is not a timm model (timm:NAME), whose own "
-                         "activation checkpointing it turns on; torchvision's models have none yet here")
+    if args.grad_checkpointing and architecture(args.model).startswith(WITHOUT_BLOCKS):
+        raise UsageError(f"--grad_checkpointing: --model {args.model} has no repeated blocks to recompute (AlexNet "
+                         "and VGG keep their activations)")
     if args.drop_path is not None and not architecture(args.model).startswith(DROP_PATH_FAMILIES + ("timm:",)):
         raise UsageError(f"--drop_path: --model {args.model} has no stochastic depth that torchvision lets set; "
                          "ConvNeXt (convnext_*), EfficientNet (efficientnet_*, efficientnet_v2_*), Swin (swin_*) and "

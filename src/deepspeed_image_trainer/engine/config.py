@@ -7,7 +7,7 @@ import math
 import sys
 from pathlib import Path
 
-from ..models.names import DEFAULT_MODEL
+from ..models.names import BLOCKS, DEFAULT_MODEL, WITHOUT_BLOCKS
 from ..models.timm_models import LEAF_BLOCKS as TIMM_LEAF_BLOCKS, is_timm
 from ..utils.failures import UsageError, check_name_lengths, check_writable
 from ..utils.files import parse_json
@@ -260,21 +260,6 @@ def _autocast_half(section):
     return AUTOCAST_DTYPE_NAMES[dtype]
 
 
-# ZeRO-3 gathers and releases parameters in Python hooks around every module, per step: hundreds for a
-# torchvision model, and on a GPU the step then waits on the host. The trainer makes each family's repeated
-# block a leaf module (DeepSpeed's zero_optimization.leaf_module): gathered and released whole, no hooks
-# inside: the fastest ZeRO-3 setting measured for ResNet18 and vit_l_16 (docs/performance.md, from
-# benchmarks/zero3_settings.py). Fully qualified, so a name matches one family only.
-ZERO3_LEAF_BLOCKS = tuple(f"torchvision.models.{name}" for name in (
-    "resnet.BasicBlock", "resnet.Bottleneck", "vision_transformer.EncoderBlock", "swin_transformer.SwinTransformerBlock",
-    "swin_transformer.SwinTransformerBlockV2", "convnext.CNBlock", "efficientnet.MBConv", "efficientnet.FusedMBConv",
-    "mobilenetv2.InvertedResidual", "mobilenetv3.InvertedResidual", "shufflenetv2.InvertedResidual",
-    "mnasnet._InvertedResidual", "regnet.ResBottleneckBlock", "densenet._DenseBlock", "squeezenet.Fire",
-    "googlenet.Inception", "inception.InceptionA", "inception.InceptionB", "inception.InceptionC",
-    "inception.InceptionD", "inception.InceptionE", "maxvit.MaxVitLayer"))
-# Families without a repeated block: naming leaf modules there only earns DeepSpeed's "matched no modules".
-WITHOUT_BLOCKS = ("alexnet", "vgg")
-
 # DeepSpeed allocates these buffers at their full size whatever the model: ZeRO-1/2 with contiguous
 # gradients (the trainer keeps them under offload and overlap_comm) two reduce buckets of 5e8 elements,
 # 3.7 GiB in fp32 for ResNet18's 11 M parameters, allocated in the backward pass, where memory peaks. A
@@ -334,8 +319,12 @@ def _resolve_zero(config, args, num_params=None, world_size=1, resumed_stage=Non
     # parameters inside the compiled graph and removes ZeRO-3's hooks, but not the leaf modules' gradient hooks,
     # in which the first backward then fails (DeepSpeed 0.19.8: KeyError torch.float32).
     deepcompile = stage == 3 and uses_deepcompile(config, args)
+    # ZeRO-3 gathers and releases parameters in Python hooks around every module, each step: hundreds for a
+    # torchvision model, and on a GPU the step waits on the host. Each family's repeated block as a leaf module
+    # is gathered and released whole, no hooks inside: the fastest ZeRO-3 setting measured for ResNet18 and
+    # vit_l_16 (docs/performance.md, from benchmarks/zero3_settings.py).
     if stage == 3 and "leaf_module" not in zero and not deepcompile and not model.startswith(WITHOUT_BLOCKS):
-        zero["leaf_module"] = {"classes": list(TIMM_LEAF_BLOCKS if is_timm(model) else ZERO3_LEAF_BLOCKS)}
+        zero["leaf_module"] = {"classes": list(TIMM_LEAF_BLOCKS if is_timm(model) else BLOCKS)}
     if stage == 3 and zero.get("stage3_module_granularity_threshold", AUTO) == AUTO:
         zero["stage3_module_granularity_threshold"] = 0  # DeepSpeed's: the leaf modules make the units
     allgather = zero.get("allgather_bucket_size")

@@ -92,10 +92,10 @@ def repeated_blocks():
     """The classes of torchvision's repeated blocks (ZeRO-3's leaf modules): the layers of --layer_decay."""
     import importlib
 
-    from .config import ZERO3_LEAF_BLOCKS
+    from ..models.names import BLOCKS
 
     return tuple(getattr(importlib.import_module(path.rsplit(".", 1)[0]), path.rsplit(".", 1)[1])
-                 for path in ZERO3_LEAF_BLOCKS)
+                 for path in BLOCKS)
 
 
 def parameter_groups(model, num_classes, args=None):

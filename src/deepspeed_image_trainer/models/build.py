@@ -19,6 +19,7 @@ from ..utils.failures import UsageError
 from ..utils.loading import load_checked, tensors_by_name, unloadable_tensor
 from ..utils.text import error_line
 from . import timm_models
+from .checkpointing import checkpoint_blocks
 from .names import DEFAULT_MODEL, architecture
 from .norms import FP32_NORMS, BatchNorm2dFP32, fp32_norms
 from .timm_models import is_timm
@@ -112,7 +113,8 @@ def build_model(name, num_classes, image_size=224, pretrained=None, drop_path=No
     """The model `name` (a torchvision classifier) with `num_classes` outputs and fp32 normalisation layers;
     `pretrained`: None, a weights name of the model (DEFAULT, IMAGENET1K_V1, ...) or a state_dict file;
     `drop_path`: its stochastic_depth_prob (None: the builder's default; the options check which take it);
-    `grad_checkpointing`: timm's activation checkpointing on (the options check it is a timm model)."""
+    `grad_checkpointing`: activation checkpointing on, timm's own or each torchvision family's repeated block (the
+    options check the model has blocks)."""
     name = architecture(name)
     check_model_name(name)
     if is_timm(name):
@@ -133,6 +135,8 @@ def build_model(name, num_classes, image_size=224, pretrained=None, drop_path=No
                 module.cpb_mlp.register_forward_pre_hook(_in_weights_dtype)
     if pretrained:
         load_pretrained(model, name, pretrained, num_classes)
+    if grad_checkpointing:
+        checkpoint_blocks(model)
     return model
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from ..utils.failures import UsageError
 
 PREFIX = "timm:"
-# The blocks ZeRO-3 gathers and releases whole (see engine/config.py's ZERO3_LEAF_BLOCKS), per timm family
+# The blocks ZeRO-3 gathers and releases whole (as models/names.py's BLOCKS are torchvision's), per timm family
 LEAF_BLOCKS = tuple(f"timm.models.{name}" for name in (
     "vision_transformer.Block", "vision_transformer.ParallelScalingBlock", "eva.EvaBlock", "beit.Block",
     "convnext.ConvNeXtBlock", "_efficientnet_blocks.InvertedResidual", "_efficientnet_blocks.DepthwiseSeparableConv",
