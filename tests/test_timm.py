@@ -169,6 +169,10 @@ def test_timm_weights_come_from_the_hub_cache_tensor_for_tensor_with_a_new_head(
     with pytest.raises(UsageError, match=r"^--pretrained: not weights of timm:test_vit \(\d+ of its tensors "
                                          r"missing, \d+ not its own: "):
         build_model(VIT, 3, 32, pretrained=str(tmp_path / "other.pt"))
+    # ConvNeXt's checkpoint filter reads its own keys from the file: a KeyError traceback before (round 26)
+    with pytest.raises(UsageError, match=r"^--pretrained: not weights of timm:test_convnext \(\d+ of its tensors "
+                                         r"missing, \d+ not its own: "):
+        build_model("timm:test_convnext", 3, 32, pretrained=str(tmp_path / "other.pt"))
     # timm's strict load (the file's head kept) names its keys in torch's long message: counted the same way; and
     # a file without tensors, which timm took as no weights at all (random weights, status 0: round 25)
     torch.save({k: v for k, v in got.items() if not k.startswith("blocks.1.")}, tmp_path / "part.pt")

@@ -110,6 +110,17 @@ def build(name, num_classes, image_size, drop_path=None, state=None, state_class
             raise _not_weights(name, missing, unexpected) from None
         lines = [line.strip() for line in text.splitlines() if line.strip()]
         raise UsageError(f"--pretrained: not weights of {name} ({(lines[1:] or lines or ['?'])[0][:300]})") from None
+    except (KeyError, IndexError, ValueError) as err:  # a family's checkpoint filter on another model's keys
+        if state is None:
+            raise
+        kwargs.pop("pretrained_cfg_overlay")
+        with _quiet("timm"):  # the model itself builds (else its own error): the weights are not its
+            own = timm.create_model(arch(name), **{**kwargs, "pretrained": False}).state_dict()
+        missing, unexpected = [key for key in own if key not in state], [key for key in state if key not in own]
+        if missing or unexpected:
+            raise _not_weights(name, missing, unexpected) from None
+        raise UsageError(f"--pretrained: not weights of {name} (timm's loader: {type(err).__name__} "
+                         f"{str(err)[:200]})") from None
     if loads:  # timm loads leniently where it drops the head (another class count): what it left out, checked
         result, cast = loads[-1]
         heads = _cfg(name, tag).get("classifier") or "head"
