@@ -106,6 +106,11 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "FAST_WRITER": {"checkpoint": {"writer": {"type": "fast"}}},
         # DeepSpeed then loaded the trainer's own checkpoints as universal ones: --resume auto's AttributeError
         "LOAD_UNIVERSAL": {"checkpoint": {"load_universal": True}},
+        # round 26: each passed the dry run and failed in every rank (a KeyError at the engine's start; the inputs
+        # cast to fp16 for fp32 weights)
+        "RANDOM_LTD": {"data_efficiency": {"enabled": True, "data_routing": {"enabled": True,
+                                                                           "random_ltd": {"enabled": True}}}},
+        "AUTO_CAST_OFF": {"fp16": {"enabled": False, "auto_cast": True}},
         # sections the trainer reads itself: an AttributeError traceback
         "CHECKPOINT_NUMBER": {"checkpoint": 5},
         "WANDB_LIST": {"wandb": []},
@@ -241,6 +246,10 @@ FLAGS = [
      "values, param_groups has 2.)"),
     (["--deepspeed_config", "SGD_UNTESTED"], "zero_allow_untested_optimizer false: DeepSpeed's ZeRO then refuses"),
     (["--deepspeed_config", "FAST_WRITER"], "checkpoint.writer: DeepSpeed's checkpoint writers"),
+    (["--deepspeed_config", "RANDOM_LTD"], "data_efficiency.data_routing.random_ltd: DeepSpeed's random layerwise "
+                                           "token dropping works on a language model's layers"),
+    (["--deepspeed_config", "AUTO_CAST_OFF"], "fp16.auto_cast casts the inputs to fp16, which only fp16 weights take "
+                                              "(fp16.enabled, --fp16); this run computes in fp32: remove it"),
     (["--deepspeed_config", "LOAD_UNIVERSAL"], "checkpoint.load_universal: the trainer sets it itself, for a resume "
                                                "that needs it (a ZeRO-1/2/3 checkpoint resumed on another number of "
                                                "ranks, through DeepSpeed's universal checkpoint); remove it"),

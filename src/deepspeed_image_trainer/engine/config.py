@@ -648,6 +648,19 @@ def check_trainer_support(config, args):
         raise UsageError("checkpoint.load_universal: the trainer sets it itself, for a resume that needs it (a "
                          "ZeRO-1/2/3 checkpoint resumed on another number of ranks, through DeepSpeed's universal "
                          "checkpoint); remove it")
+    # DeepSpeed's engine casts every input to fp16 whenever fp16.auto_cast is set, fp16 on or not: with fp32 or
+    # bf16 weights the first forward failed on the dtypes
+    if config.get("fp16", {}).get("auto_cast") and precision(config) != "fp16":
+        raise UsageError("fp16.auto_cast casts the inputs to fp16, which only fp16 weights take (fp16.enabled, "
+                         f"--fp16); this run computes in {precision(config)}: remove it")
+    # random-LTD drops tokens inside the layers DeepSpeed's convert_to_random_ltd converted, a language model's:
+    # on an image classifier it failed at the engine's start, or with every key given changed nothing
+    data_efficiency = config.get("data_efficiency") if isinstance(config.get("data_efficiency"), dict) else {}
+    routing = data_efficiency.get("data_routing") if isinstance(data_efficiency.get("data_routing"), dict) else {}
+    if isinstance(routing.get("random_ltd"), dict) and routing["random_ltd"].get("enabled"):
+        raise UsageError("data_efficiency.data_routing.random_ltd: DeepSpeed's random layerwise token dropping "
+                         "works on a language model's layers, converted for it, which no image classifier here "
+                         "is; remove it")
     if config.get("tensor_parallel", {}).get("autotp_size") not in (None, 0, 1):
         raise UsageError("tensor_parallel.autotp_size: DeepSpeed's automatic tensor parallelism is for language "
                          "models; an image classifier's run is data-parallel (leave the section out)")
