@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import report
-from common import ROOT
+from common import ROOT, slug_of
 
 # model -> micro-batch of the whole-GPU reference (the table: what the plain loop runs well at)
 LADDER = {"resnet50": 128, "vit_b_16": 64, "convnext_large": 64, "vit_l_16": 32, "vit_h_14": 32, "regnet_y_128gf": 32}
@@ -60,7 +60,8 @@ def main(argv=None):
         for model in args.models:
             configs = args.configs
             if args.update and not args.replace:
-                done = {row["config"] for path in (args.output_dir / folder(gib)).glob(f"memory_{model}_*_x{args.num_gpus}.json")
+                reports = (args.output_dir / folder(gib)).glob(f"memory_{slug_of(model)}_*_x{args.num_gpus}.json")
+                done = {row["config"] for path in reports
                         for row in json.loads(path.read_text())["results"]}
                 configs = [name for name in configs if name not in done]
                 if not configs:

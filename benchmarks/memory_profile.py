@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 import max_batch
-from common import environment, settings_of
+from common import environment, settings_of, slug_of
 from deepspeed_image_trainer.cli import train as train_deepspeed
 from deepspeed_image_trainer.cli.options import check_input_fits, memory_gib, parse_args, run_cli
 from deepspeed_image_trainer.data.folders import batch_memory_format
@@ -55,6 +55,8 @@ from deepspeed_image_trainer.engine.distributed import (alike_on_each_node, chec
                                                         init_distributed, rank_zero_only, run_on_free_port, shut_down)
 from deepspeed_image_trainer.engine.loop import GradientAccumulation, input_dtype
 from deepspeed_image_trainer.models.build import build_model, check_image_size, construction_args, shape_model
+from deepspeed_image_trainer.models import timm_models
+from deepspeed_image_trainer.models.timm_models import is_timm
 from deepspeed_image_trainer.utils.failures import (CliParser, UsageError, check_outside_checkpoints, check_writable,
                                                     path_argument)
 from deepspeed_image_trainer.utils.files import check_regular, parse_json
@@ -99,7 +101,8 @@ OUT_OF_MEMORY = 3  # exit status of a --probe or --search process whose last try
 
 def get_args_parser():
     parser = CliParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="resnet18", help="any torchvision classifier, as the trainer's --model")
+    parser.add_argument("--model", default="resnet18",
+                        help="any torchvision classifier or timm:NAME, as the trainer's --model")
     parser.add_argument("--num_classes", type=int, default=90)
     parser.add_argument("--batch_size", type=int, default=64,
                         help="micro-batch per rank (with --find_max_batch: the whole-GPU reference's)")
@@ -255,16 +258,19 @@ def host_peak_rss_gib():
 
 
 class PlainEngine:
-    """Plain PyTorch behind the calls these measurements make of a DeepSpeed engine: torchvision's model of
-    that name, AdamW (fused on a GPU), autocast and channels_last on a GPU, DistributedDataParallel on
+    """Plain PyTorch behind the calls these measurements make of a DeepSpeed engine: torchvision's or timm's
+    model of that name, AdamW (fused on a GPU), autocast and channels_last on a GPU, DistributedDataParallel on
     several ranks: the loop a user writes by hand."""
 
     def __init__(self, args, device, world_size):
         import torchvision
 
         half = torch.float16 if args.fp16 else torch.bfloat16 if args.bf16 else None
-        model = torchvision.models.get_model(args.model, num_classes=args.num_classes,
-                                             **construction_args(args.model, args.image_size)).to(device)
+        if is_timm(args.model):  # timm's create_model, as the trainer builds it (a torchvision name error before)
+            model = timm_models.build(args.model, args.num_classes, args.image_size).to(device)
+        else:
+            model = torchvision.models.get_model(args.model, num_classes=args.num_classes,
+                                                 **construction_args(args.model, args.image_size)).to(device)
         model = model.to(memory_format=batch_memory_format(device))
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.05, fused=device.type == "cuda")
         self.scaler = torch.amp.GradScaler(device.type, enabled=half == torch.float16)
@@ -597,7 +603,7 @@ def fmt(value):
 
 
 def results_path(args, env, world_size):
-    return args.output_dir / f"memory_{args.model}_{machine_slug(env)}_x{world_size}.json"
+    return args.output_dir / f"memory_{slug_of(args.model)}_{machine_slug(env)}_x{world_size}.json"
 
 
 def earlier_results(args, env, world_size):

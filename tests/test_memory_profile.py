@@ -68,6 +68,15 @@ def test_two_ranks_write_table_json_and_chart(tmp_path):
     assert "ZeRO-0 (DDP-like)" in result.stdout and "2 rank(s) on CPU" in result.stdout
 
 
+def test_the_plain_pytorch_reference_builds_timms_models_and_the_report_name_holds_no_colon(tmp_path):
+    """`--model timm:NAME` reached torchvision's get_model in the plain-PyTorch configuration: a ValueError
+    traceback (round 26); its report was named memory_timm:NAME_..."""
+    args = Namespace(model="timm:test_vit", num_classes=3, image_size=32, fp16=False, bf16=False, output_dir=tmp_path)
+    engine = memory_profile.PlainEngine(args, torch.device("cpu"), 1)
+    assert engine(torch.randn(2, 3, 32, 32)).shape == (2, 3)
+    assert memory_profile.results_path(args, {"gpu": None}, 1).name == "memory_timm_test_vit_cpu_x1.json"
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--find_max_batch"], "--find_max_batch needs a GPU (it searches for the largest micro-batch"),
     (["--num_gpus", "2"], "--num_gpus goes with --find_max_batch and a GPU (this machine has none)"),
