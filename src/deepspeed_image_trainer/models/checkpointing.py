@@ -20,6 +20,9 @@ class _Checkpointed:
     def __call__(self, *args, **kwargs):
         if not (self.training and torch.is_grad_enabled()):
             return super().__call__(*args, **kwargs)
+        if torch.compiler.is_compiling():  # --compile: the recomputation is the graph's, whose buffer updates
+            # are applied once (and torch.compile takes no context_fn but dispatch modes)
+            return checkpoint(super().__call__, *args, use_reentrant=False, **kwargs)
         return checkpoint(super().__call__, *args, use_reentrant=False,
                           context_fn=functools.partial(_contexts, self), **kwargs)
 
