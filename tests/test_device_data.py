@@ -14,7 +14,7 @@ from torchvision.transforms import functional as TF
 from deepspeed_image_trainer.data.device import (DeviceTrainLoader, DeviceValLoader, ResizedCrops, auto_tier,
                                                  build_device_loaders, choose_device_data, crop_weights_bytes,
                                                  dataset_bytes, random_resized_crops, recipe_arguments)
-from deepspeed_image_trainer.data.folders import build_loaders, build_transform, load_datasets
+from deepspeed_image_trainer.data.folders import DEFAULT_PREPROCESSING, build_loaders, build_transform, load_datasets
 from deepspeed_image_trainer.models.build import ResNet18Animals90
 
 from conftest import TINY_CLASSES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, data_args, history_of, launch
@@ -117,6 +117,15 @@ def test_the_policy_on_a_chunk_of_batches_gives_each_batch_what_it_gives_alone(p
     together, apart = list(chunked.epoch(2)), list(alone.epoch(2))
     assert len(together) == len(apart) == 10
     assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(together, apart))
+
+
+def test_weights_of_bicubic_preprocessing_get_the_policy_bilinear_on_the_device_tiers():
+    """Most of timm's weights resize bicubically, which torchvision's tensor affine does not take: every rank
+    stopped in a traceback (round 26); the GPU path's resizes are bilinear, and so are its policy's ops."""
+    bicubic = {**DEFAULT_PREPROCESSING, "interpolation": "bicubic"}
+    assert recipe_arguments(RECIPE, bicubic)["policy"].mode == "bilinear"
+    nearest = {**DEFAULT_PREPROCESSING, "interpolation": "nearest"}
+    assert recipe_arguments(RECIPE, nearest)["policy"].mode == "nearest"
 
 
 def test_the_dataloader_tier_augments_each_image_the_same_with_any_workers_and_from_any_batch(tiny_data):

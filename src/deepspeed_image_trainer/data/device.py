@@ -612,6 +612,10 @@ def recipe_arguments(recipe, preprocessing=None):
         from .batched_policies import BatchedPolicy  # torchvision's private kernels, only when asked for
 
         interpolation = InterpolationMode((preprocessing or DEFAULT_PREPROCESSING)["interpolation"])
+        # torchvision's tensor affine takes nearest and bilinear only: weights of bicubic preprocessing (most of
+        # timm's) stopped every rank; the GPU path resizes bilinearly too
+        if interpolation not in (InterpolationMode.NEAREST, InterpolationMode.BILINEAR):
+            interpolation = InterpolationMode.BILINEAR
         policy = BatchedPolicy(auto_augment_policy(recipe, interpolation))
     return {"random_erase": recipe["random_erase"], "policy": policy}
 
