@@ -206,11 +206,7 @@ def main():
         sys.exit(f"error: --accuracy_batch {args.accuracy_batch} must divide by --max_gpus {args.max_gpus} and the "
                  "--chain_gpus counts: the same global batch on every GPU count")
     if chosen and not (args.data / "train").is_dir():
-        val_per_class = max(1, args.images_per_class // 5)
-        subprocess.run([sys.executable, str(ROOT / "src" / "prepare_data.py"), "sample", "--output", str(args.data),
-                        "--num_classes", str(args.num_classes), "--train_per_class",
-                        str(args.images_per_class - val_per_class), "--val_per_class", str(val_per_class),
-                        "--image_size", "256", "--seed", "0"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(throughput.drawing_command(args), check=True, stdout=subprocess.DEVNULL)
     if (accuracy or resumes or chains) and not (args.sample_data / "train").is_dir():
         subprocess.run([sys.executable, str(ROOT / "src" / "prepare_data.py"), "sample", "--output",
                         str(args.sample_data)], check=True, stdout=subprocess.DEVNULL)
@@ -238,7 +234,8 @@ def main():
             print(f"{name} on {num_gpus} GPU(s): {json.dumps(measured)[:300]}", flush=True)
         one, many = (results[name][f"{n}_gpu"].get("images_per_s") for n in gpu_counts)
         if one and many:
-            results[name].update(speedup=many / one, efficiency=many / one / args.max_gpus, goal=GOALS.get(args.max_gpus, {}).get(name))
+            results[name].update(speedup=many / one, efficiency=many / one / args.max_gpus,
+                                 goal=GOALS.get(args.max_gpus, {}).get(name))
         reference = reference_of(name)
         ref_many = results.get(reference, {}).get(f"{args.max_gpus}_gpu", {}).get("images_per_s")
         if many and ref_many and name != reference:

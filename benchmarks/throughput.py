@@ -132,6 +132,15 @@ def plain_loop_case(flags, args):
             "val_acc": epochs[-1]["val_acc"], "data_tier": "workers", "peak_gpu_memory_gib": None}
 
 
+def drawing_command(args):
+    """prepare_data.py drawing the JPEG folder of the real-data measurements into --data: --images_per_class a
+    class, a fifth of them (at least one) for validation, 256 px."""
+    val_per_class = max(1, args.images_per_class // 5)
+    return [sys.executable, str(ROOT / "src" / "prepare_data.py"), "sample", "--output", str(args.data),
+            "--num_classes", str(args.num_classes), "--train_per_class", str(args.images_per_class - val_per_class),
+            "--val_per_class", str(val_per_class), "--image_size", "256", "--seed", "0"]
+
+
 def best_epochs(epochs):
     """Whether each epoch's validation accuracy was the best so far (the trainer then saved best_model)."""
     best, flags = float("-inf"), []
@@ -224,12 +233,7 @@ def main():
     cases = selected(args)
     drawing = None
     if any(kind == "real" for kind, _ in cases):  # drawn on the CPU while the first measurements run
-        val_per_class = max(1, args.images_per_class // 5)
-        drawing = subprocess.Popen([sys.executable, str(ROOT / "src" / "prepare_data.py"), "sample",
-                                    "--output", str(args.data), "--num_classes", str(args.num_classes),
-                                    "--train_per_class", str(args.images_per_class - val_per_class),
-                                    "--val_per_class", str(val_per_class), "--image_size", "256", "--seed", "0"],
-                                   stdout=subprocess.DEVNULL)
+        drawing = subprocess.Popen(drawing_command(args), stdout=subprocess.DEVNULL)
     env = environment()
     slug = machine_slug(env)
     args.output_dir.mkdir(parents=True, exist_ok=True)

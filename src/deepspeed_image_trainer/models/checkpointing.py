@@ -57,11 +57,12 @@ def checkpoint_blocks(model):
     def visit(module):
         nonlocal count
         cls = type(module)
-        if isinstance(module, _Checkpointed) or f"{cls.__module__}.{cls.__qualname__}" in BLOCKS:
-            if cls not in _CLASSES and not isinstance(module, _Checkpointed):
+        if not isinstance(module, _Checkpointed) and f"{cls.__module__}.{cls.__qualname__}" in BLOCKS:
+            if cls not in _CLASSES:
                 _CLASSES[cls] = type(cls.__name__, (_Checkpointed, cls),
                                      {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
-            module.__class__ = _CLASSES.get(cls, cls)
+            module.__class__ = _CLASSES[cls]
+        if isinstance(module, _Checkpointed):
             count += 1
             return
         for child in module.children():
