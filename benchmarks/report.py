@@ -439,6 +439,18 @@ def half_weights_gain(rows_of):
             f"images/s.\n")
 
 
+def other_commits(result):
+    """A line naming the rows an --update run added at another commit than the JSON's (none before rows
+    recorded theirs)."""
+    commit = result["environment"]["commit"][:12]
+    other = {}
+    for label, row in result["results"].items():
+        if row.get("commit") and row["commit"][:12] != commit:
+            other.setdefault(row["commit"][:12], []).append(label)
+    return "".join(f"*measured at commit {found} (the other rows at the commit above): {'; '.join(labels)}*\n"
+                   for found, labels in other.items())
+
+
 def scaling(names, kind="real"):
     """scaling.py's end-to-end epochs (kind "real") or steps on a synthetic batch ("synthetic") on 1 and N GPUs
     beside plain DDP, one table per model."""
@@ -453,7 +465,7 @@ def scaling(names, kind="real"):
         rows = []
         for label in every_row:
             r = results.get(label)
-            if r is None:
+            if r is None or f"{n}_gpu" not in r:  # its run ended first
                 rows.append([label, "not measured"] + [""] * 4)
                 continue
             one, many = r["1_gpu"], r[f"{n}_gpu"]
@@ -464,7 +476,7 @@ def scaling(names, kind="real"):
             rows.append([label, f"{one['images_per_s']:,.0f}", f"{many['images_per_s']:,.0f}",
                          f"**{r['speedup']:.2f}**", "1 (reference)" if r is ddp else f"**{of_ddp:.2f}**",
                          f"{many['peak_gpu_memory_gib']:.2f}"])
-        parts.append(source(result, name) + (
+        parts.append(source(result, name) + other_commits(result) + (
             f"\n{settings['model']}, {settings['num_classes']} classes, micro-batch {settings['batch_size']} per GPU, "
             f"{settings['image_size']} px, bf16; " + (
                 "the trainer's images/s over its epochs after the first, DDP's over its timed steps"
@@ -503,6 +515,8 @@ def epoch_parts(names):
     against the plain loop (DDP on several GPUs) on one batch and, where measured, on the trainer's crops."""
     results = [load(name) for name in names]
     columns, rows = [], {}
+    every_label = list(dict.fromkeys(label for result in results for label in list(result["results"])[1:]
+                                     if label != "torch bf16 channels_last crops"))
     for result in results:
         settings, measured = result["settings"], result["results"]
         gpus = settings["num_gpus"]
@@ -522,9 +536,11 @@ def epoch_parts(names):
         if crops:
             rows.setdefault("plain PyTorch, the trainer's crops", []).extend(
                 [f"{ms(crops):.2f}", f"{ms(crops) - ms(reference):+.2f}", of(crops, reference), "1"])
-        for label, r in measured.items():
+        for label in every_label:
+            r = measured.get(label)
             rows.setdefault(label, []).extend(
-                [f"{ms(r):.2f}", f"{ms(r) - ms(measured['step']):+.2f}", of(r, reference), of(r, crops)])
+                [f"{ms(r):.2f}", f"{ms(r) - ms(measured['step']):+.2f}", of(r, reference), of(r, crops)] if r
+                else ["not measured", "", "", ""])  # the call's time ran out first
     settings = results[0]["settings"]
     return "\n".join(source(result, name) for result, name in zip(results, names)) + (
         f"\n{settings['model']}, micro-batch {settings['batch_size']} per GPU, {settings['image_size']} px, "
@@ -733,11 +749,12 @@ TABLES = {
     "host-time": lambda: "\n\n".join(throughput(f"host_time/throughput_{size}px_nvidia_h200.json")
                                        for size in (32, 224)),
     "epoch-parts": lambda: epoch_parts([f"epoch_parts/epoch_parts_resnet18_zero2_nvidia_h200_x{n}.json"
-                                        for n in (1, 2)]),
+                                        for n in (1, 2, 4)]),
     "scaling-steps": lambda: scaling([f"scaling_{model}nvidia_h200_x2.json" for model in ("", "vit_b_16_")],
                                      kind="synthetic"),
     "scaling-epochs-4gpus": lambda: scaling([f"scaling_x4/scaling_{model}nvidia_h200_x4.json"
                                              for model in ("", "resnet50_", "vit_b_16_")]),
+    "scaling-epochs-4gpus-long": lambda: scaling(["scaling_x4/long_epochs/scaling_nvidia_h200_x4.json"]),
     "scaling-steps-4gpus": lambda: scaling(["scaling_x4/steps/scaling_nvidia_h200_x4.json"], kind="synthetic") +
     epoch_beyond_step("scaling_x4/scaling_nvidia_h200_x4.json", "scaling_x4/steps/scaling_nvidia_h200_x4.json"),
     "zero3-vit-b-16": lambda: zero3_settings("zero3_vit_b_16/zero3_settings_vit_b_16_b256_nvidia_h100_80gb_hbm3.json"),

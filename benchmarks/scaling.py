@@ -225,7 +225,7 @@ def main():
                                     "results": results}, indent=2) + "\n")
 
     for kind, name in chosen:
-        results[name] = {"kind": kind}
+        results[name] = {"kind": kind, "commit": env["commit"]}  # an --update's rows may come from several commits
         for num_gpus in gpu_counts:
             args.num_gpus = num_gpus
             started = time.perf_counter()
