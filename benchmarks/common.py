@@ -237,7 +237,7 @@ def trainer_case(flags, args, device, profile=None, parts=()):
     device = torch.device(device.type, torch.cuda.current_device()) if device.type == "cuda" else device
     torch.backends.cudnn.benchmark = True
     images_per_epoch = args.batch_size * world_size * (args.warmup_steps + args.steps)
-    model = build_model(args.model, args.num_classes, args.image_size)
+    model = build_model(args.model, args.num_classes, args.image_size, grad_checkpointing=train_args.grad_checkpointing)
     if train_args.sync_bn:
         synchronize_batch_norm(model)
     config = build_ds_config(train_args, world_size, images_per_epoch, base=load_base_config(train_args.deepspeed_config),

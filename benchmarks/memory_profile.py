@@ -23,6 +23,8 @@ there, on one GPU or, with --num_gpus N, on N ranks of this host (each try a tor
 the speed every configuration is compared with. The configurations named ", coalesced" (measured only when
 named in --configs) run with the trainer's --coalesce_grad_reduction on: each step's micro-batches inside
 DeepSpeed's coalesce_grad_reduction(); the ZeRO-2 offload ones without it, with off: DeepSpeed's own way.
+The ones named " + activation checkpointing" (also only when named) train with the trainer's
+--grad_checkpointing: each repeated block's activations recomputed in the backward.
 
     python src/memory_profile.py --model resnet18 --batch_size 64 --bf16
     deepspeed --num_gpus 2 src/memory_profile.py --model wide_resnet50_2 --bf16
@@ -95,6 +97,10 @@ CONFIGS = {
 COALESCED = ", coalesced"
 for _name in ("ZeRO-2", "ZeRO-2 + offload optimizer", "ZeRO-2 + offload optimizer, half weights"):
     CONFIGS[_name + COALESCED] = with_coalescing(CONFIGS[_name], "on")
+# --grad_checkpointing: each repeated block's activations recomputed in the backward (measured when named)
+CHECKPOINTED = " + activation checkpointing"
+for _name in ("ZeRO-2", "ZeRO-3"):
+    CONFIGS[_name + CHECKPOINTED] = [*CONFIGS[_name], "--grad_checkpointing"]
 GIB = 2**30
 OUT_OF_MEMORY = 3  # exit status of a --probe or --search process whose last try ran out of memory
 
@@ -113,7 +119,7 @@ def get_args_parser():
                         help="as the trainer's flag: autocast keeps fp32 weights, half_weights DeepSpeed's fp16/bf16 "
                              "(the configurations named 'half weights' always use them)")
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), metavar="NAME",
-                        default=[name for name in CONFIGS if not name.endswith(COALESCED)],
+                        default=[name for name in CONFIGS if not name.endswith((COALESCED, CHECKPOINTED))],
                         help=f"configurations to measure (default: all): {', '.join(CONFIGS)}")
     parser.add_argument("--steps", type=int, default=3, help="training steps per configuration (timed ones with "
                                                              "--find_max_batch)")
@@ -299,7 +305,8 @@ def new_engine(args, name, config, device, world_size):
     import deepspeed
 
     deepspeed_overrides.install()
-    model = build_model(args.model, args.num_classes, args.image_size)
+    model = build_model(args.model, args.num_classes, args.image_size,
+                        grad_checkpointing="--grad_checkpointing" in CONFIGS[name])
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
