@@ -189,12 +189,9 @@ def data_tiers(name):
             starts.append([f"{int(size):,}", *[f"{run['phases']['launcher_s']:.1f} s" for run in (first, second)],
                            *[f"{run['phases']['data_s']:.1f} s" for run in (first, second)],
                            *[f"{run['startup_s']:.1f} s" for run in (first, second)]])
-    # a size measured by another run than the last names its commit (rows from before commits were recorded: none)
-    commits = {size: {run["commit"][:12] for run in runs.values() if isinstance(run, dict) and run.get("commit")}
-               for size, runs in result["results"].items()}
-    other = [f"{int(size):,} images at commit {', '.join(sorted(found))}" for size, found in commits.items()
-             if found and found != {result["environment"]["commit"][:12]}]
-    out = source(result, name) + (f"*{'; '.join(other)}*\n" if other else "") + (
+    out = source(result, name) + other_commits(result, [
+        (f"{int(size):,} images, {column}", run.get("commit")) for size, runs in result["results"].items()
+        for column, run in runs.items() if isinstance(run, dict)]) + (
         f"\nresnet18, ZeRO-2 bf16 (the last column ZeRO-0), micro-batch {settings['batch_size']}, "
         f"{settings['image_size']} px crops; images/s of the training loop (the median of the epochs after the "
         f"first) with its ratio to the plain synthetic loop and to the plain DataLoader loop of the same run:\n\n")
@@ -439,15 +436,15 @@ def half_weights_gain(rows_of):
             f"images/s.\n")
 
 
-def other_commits(result):
-    """A line naming the rows an --update run added at another commit than the JSON's (none before rows
-    recorded theirs)."""
+def other_commits(result, labelled):
+    """A line for each commit other than the JSON's, naming what was measured at it: `labelled` holds (label,
+    commit) pairs of the rows, the commit None for rows from before rows recorded theirs."""
     commit = result["environment"]["commit"][:12]
     other = {}
-    for label, row in result["results"].items():
-        if row.get("commit") and row["commit"][:12] != commit:
-            other.setdefault(row["commit"][:12], []).append(label)
-    return "".join(f"*measured at commit {found} (the other rows at the commit above): {'; '.join(labels)}*\n"
+    for label, found in labelled:
+        if found and found[:12] != commit and label not in other.setdefault(found[:12], []):
+            other[found[:12]].append(label)
+    return "".join(f"*measured at commit {found} (the rest at the commit above): {'; '.join(labels)}*\n"
                    for found, labels in other.items())
 
 
@@ -476,7 +473,8 @@ def scaling(names, kind="real"):
             rows.append([label, f"{one['images_per_s']:,.0f}", f"{many['images_per_s']:,.0f}",
                          f"**{r['speedup']:.2f}**", "1 (reference)" if r is ddp else f"**{of_ddp:.2f}**",
                          f"{many['peak_gpu_memory_gib']:.2f}"])
-        parts.append(source(result, name) + other_commits(result) + (
+        parts.append(source(result, name) + other_commits(result, [
+            (label, row.get("commit")) for label, row in results.items()]) + (
             f"\n{settings['model']}, {settings['num_classes']} classes, micro-batch {settings['batch_size']} per GPU, "
             f"{settings['image_size']} px, bf16; " + (
                 "the trainer's images/s over its epochs after the first, DDP's over its timed steps"
