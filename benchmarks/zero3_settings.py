@@ -61,6 +61,11 @@ def variants(model):
         "zero3 reuse distance 0": (zero3, {"stage3_max_reuse_distance": 0}),
         "zero3 persistence 1e6": (zero3, {"stage3_param_persistence_threshold": 1_000_000}),
         "zero3 everything persistent": (zero3, {"stage3_param_persistence_threshold": 10**12}),
+        # nothing persistent: every parameter gathered with its block, as FSDP2 does; DeepSpeed otherwise gathers
+        # each persistent one (a bias, a norm) by its own collective after every optimizer step
+        "zero3 persistence 0": (zero3, {"stage3_param_persistence_threshold": 0}),
+        "zero3 persistence 0, prefetch bucket 2e8": (zero3, {"stage3_param_persistence_threshold": 0,
+                                                             "stage3_prefetch_bucket_size": 200_000_000}),
         "zero3 overlap_comm off": (zero3, {"overlap_comm": False}),
         # the trainer caps its buckets at 5e7 elements (engine/config.py's BUCKET_CAP): a giant's block is about that
         "zero3 prefetch bucket 2e8": (zero3, {"stage3_prefetch_bucket_size": 200_000_000}),
