@@ -132,7 +132,7 @@ def child(args):
     if device.type == "cuda":
         text += f"By the GPU's own time:\n{table.table(sort_by='self_cuda_time_total', row_limit=15)}\n"
     overrides = os.environ.get("TRAINER_DEEPSPEED_OVERRIDES", "1")
-    path = args.output_dir / (f"offload_profile_{args.model}_{slug_of(args.config)}"
+    path = args.output_dir / (f"offload_profile_{slug_of(args.model)}_{slug_of(args.config)}"
                               + ("" if plain or overrides == "1" else f"_overrides_{slug_of(overrides)}")
                               + ("_coalesced" if args.coalesced else "") + ".txt")
     path.write_text(text)
@@ -168,7 +168,7 @@ def main():
     args.output_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
     results = {}
-    path = args.output_dir / f"offload_profile_{args.model}_{machine_slug(env)}.json"
+    path = args.output_dir / f"offload_profile_{slug_of(args.model)}_{machine_slug(env)}.json"
     settings = settings_of(args, leave_out=("config",))
     for name in args.configs:
         flags = memory_profile.CONFIGS[name]

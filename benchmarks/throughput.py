@@ -195,7 +195,7 @@ def child(kind, name, args):
         profile = cProfile.Profile() if args.profile else None  # the host's time in --steps more steps
         result = trainer_case(SYNTHETIC[name][0], args, device, profile)
         if profile is not None and int(os.environ.get("RANK", "0")) == 0:
-            write_profile(profile, args.output_dir / f"profile_{args.model}_{slug_of(name)}.txt")
+            write_profile(profile, args.output_dir / f"profile_{slug_of(args.model)}_{slug_of(name)}.txt")
     else:
         with tempfile.TemporaryDirectory() as tmp:
             result = real_case(REAL[name][0], args, Path(tmp))

@@ -107,7 +107,7 @@ def child(kind, name, args):
             base.write_text(json.dumps({"zero_optimization": zero, **(top[0] if top else {})}))
             result = trainer_case([*flags, "--deepspeed_config", str(base)], args, device, profile)
         if profile is not None:
-            write_profile(profile, args.output_dir / f"zero3_profile_{args.model}_{slug_of(name)}.txt")
+            write_profile(profile, args.output_dir / f"zero3_profile_{slug_of(args.model)}_{slug_of(name)}.txt")
     print("RESULT " + json.dumps(result), flush=True)
 
 
