@@ -735,6 +735,12 @@ TABLES = {
     "zero3-overrides": lambda: "\n\n".join(zero3_settings(
         f"timm/zero3_overrides/{way}/zero3_settings_timm_vit_large_patch16_224_b32_half_weights_nvidia_h100_80gb_hbm3.json")
         for way in ("off", "on")),
+    "zero3-overrides-x2": lambda: "\n\n".join(zero3_settings(
+        f"timm/zero3_overrides_x2/{way}/zero3_settings_timm_vit_gigantic_patch14_clip_224_b32_half_weights_nvidia_h200_x2.json")
+        for way in ("off", "on")),
+    "zero3-persistence": lambda: "\n\n".join(zero3_settings(
+        f"timm/zero3_persistence/{run}/zero3_settings_timm_vit_gigantic_patch14_clip_224_b32_half_weights_nvidia_h200_x2.json")
+        for run in ("first", "second")),
     "zero3-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{run}_nvidia_h200.json")
                                           for run in ("resnet18_b256", "vit_l_16_b32")),
     "zero12-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{run}_nvidia_h100_80gb_hbm3.json")
