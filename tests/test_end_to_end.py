@@ -52,6 +52,9 @@ def test_training_run_writes_history_and_checkpoints(name, trained, tiny_data):
     coalesced = "offload-accumulation" in name
     assert config["training"]["coalesce_grad_reduction"] is coalesced
     assert ("2 micro-batches a step, their gradients reduced once" in result.stdout) is coalesced
+    # bf16 on a CPU whose oneDNN has no bf16 kernels (AVX2 only) runs PyTorch's reference convolution: said once
+    slow_bf16 = "bf16" in name and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert result.stdout.count("warning: this CPU has no bf16 instructions for oneDNN") == slow_bf16
 
     epochs = history["epochs"]
     assert [e["epoch"] for e in epochs] == list(range(1, TRAINED_EPOCHS + 1))

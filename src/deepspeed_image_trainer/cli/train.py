@@ -278,6 +278,11 @@ def build(args, clock):
                                                      world_size, args.seed, pin_memory=device_type == "cuda",
                                                      repetitions=args.ra_reps)
             say(f"Data from {args.num_workers} DataLoader worker(s) per rank ({why})")
+    # oneDNN's bf16 kernels need AVX-512 or AMX; without them PyTorch's reference convolution runs instead
+    if device_type == "cpu" and "bf16" in precision(ds_config) and not getattr(
+            torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)():
+        say("warning: this CPU has no bf16 instructions for oneDNN: bf16 convolutions run in PyTorch's slow "
+            "fallback, many times slower than fp32 (docs/training.md); leave out --bf16 on this machine")
     clock.lap("data")
     # Ranks with other images (nodes whose copies of the folder differ) would run epochs of other lengths and
     # wait for each other in a collective for good.
