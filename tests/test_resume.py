@@ -100,33 +100,25 @@ def test_keep_last_prunes_old_epoch_checkpoints(uninterrupted):
     assert names == ["best_model", "epoch_2", "last"]
 
 
-def test_kill_9_then_resume_equals_an_uninterrupted_run(tiny_data, tmp_path, uninterrupted):
+def test_kill_9_then_sigterm_mid_epoch_then_resume_equals_an_uninterrupted_run(tiny_data, tmp_path, uninterrupted):
+    """kill -9 after epoch 1, then a SIGTERM in the middle of the resumed run's epoch 2. With the dataset on the
+    device every batch, crop and policy draw of an epoch comes from (seed, rank, epoch), and each mixing from its
+    step: the run resumed twice ends with the metrics of one that never stopped, and goes on on two ranks from
+    the same place."""
     run = start(train_args(tiny_data) + ON_DEVICE, tmp_path, tmp_path / "killed.log")
     # epoch 1's checkpoint is written before its line in the history: wait for both
     wait_for(lambda: last_epoch_saved(tmp_path) == 1 and epochs_logged(tmp_path) == 1, run)
     kill_9_everything(run)
     assert len(history_of(tmp_path)["epochs"]) == 1, "the kill came after epoch 2 had finished"
 
-    result = launch(train_args(tiny_data) + ON_DEVICE + ["--resume", "auto"], tmp_path)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "Resumed from checkpoints_deepspeed/last: epoch 2" in result.stdout
-    assert [e["epoch"] for e in history_of(tmp_path)["epochs"]] == [1, 2]
-    assert metrics(tmp_path) == metrics(uninterrupted)
-    assert history_of(tmp_path)["best"] == history_of(uninterrupted)["best"]
-
-
-def test_sigterm_mid_epoch_saves_and_resumes_exactly_with_the_data_on_the_device(tiny_data, tmp_path, uninterrupted):
-    """With the dataset on the device every batch, crop and policy draw of an epoch comes from (seed, rank,
-    epoch), and each mixing from its step: a run stopped mid-epoch and resumed ends with the metrics of one that
-    never stopped, and goes on on two ranks from the same place."""
-    on_device = ON_DEVICE
     log = tmp_path / "stopped.log"
-    run = start(train_args(tiny_data) + on_device, tmp_path, log)
+    run = start(train_args(tiny_data) + ON_DEVICE + ["--resume", "auto"], tmp_path, log)
     # a few steps into epoch 2 (tqdm's counter, "3/12"), so the stop falls mid-epoch
     wait_for(lambda: re.search(r"Epoch 2 train:[^\r\n]*\| [3-9]/12", log.read_text()), run)
     os.kill(run.pid, signal.SIGTERM)
     assert run.wait(timeout=120) == 128 + signal.SIGTERM
     output = log.read_text()
+    assert "Resumed from checkpoints_deepspeed/last: epoch 2" in output
     assert "Stopped by SIGTERM at epoch 2, step" in output and "--resume auto" in output
     info = json.loads((tmp_path / "checkpoints_deepspeed/last/extra_info.json").read_text())
     assert info["epoch"] == 1 and info["interrupted_at"]["epoch"] == 2 and 0 < info["interrupted_at"]["step"] < 12
@@ -134,9 +126,10 @@ def test_sigterm_mid_epoch_saves_and_resumes_exactly_with_the_data_on_the_device
     shutil.copytree(tmp_path / "checkpoints_deepspeed/last", mid_epoch, copy_function=os.link)
 
     # Without --zero_stage (auto) the run resumes with the checkpoint's stage, 2, rather than refusing it.
-    result = launch(train_args(tiny_data, stage=()) + on_device + ["--resume", "auto"], tmp_path)
+    result = launch(train_args(tiny_data, stage=()) + ON_DEVICE + ["--resume", "auto"], tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"Resumed from checkpoints_deepspeed/last: epoch 2, step {info['interrupted_at']['step']}" in result.stdout
+    assert [e["epoch"] for e in history_of(tmp_path)["epochs"]] == [1, 2]
     assert history_of(tmp_path)["config"]["zero_stage"] == 2
     assert metrics(tmp_path) == metrics(uninterrupted)
     assert history_of(tmp_path)["best"] == history_of(uninterrupted)["best"]
@@ -149,7 +142,7 @@ def test_sigterm_mid_epoch_saves_and_resumes_exactly_with_the_data_on_the_device
     # state is checked in test_universal.py): it goes on at the same sample and learning rate.
     two = tmp_path / "two"
     two.mkdir()
-    result = launch(train_args(tiny_data) + on_device + ["--num_gpus", "2", "--batch_size", "2", "--resume",
+    result = launch(train_args(tiny_data) + ON_DEVICE + ["--num_gpus", "2", "--batch_size", "2", "--resume",
                                                           str(mid_epoch)], two)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "mid_epoch (saved by 1 rank) for 2 ranks with DeepSpeed's universal checkpoint" in result.stdout
