@@ -227,7 +227,8 @@ def trainer_case(flags, args, device, profile=None, parts=()):
     from deepspeed_image_trainer.models.build import build_model
     from deepspeed_image_trainer.models.norms import synchronize_batch_norm
     from deepspeed_image_trainer.cli.options import parse_args
-    from deepspeed_image_trainer.engine.loop import input_dtype, train_one_epoch
+    from deepspeed_image_trainer.engine.loop import (input_dtype, no_single_rank_allreduce,
+                                                     train_one_epoch)
     from deepspeed_image_trainer.engine.interrupt import StopOnSignal
     from deepspeed_image_trainer.engine.numerics import StepHealth
 
@@ -244,6 +245,7 @@ def trainer_case(flags, args, device, profile=None, parts=()):
                              device_type=device.type, num_params=sum(p.numel() for p in model.parameters()))
     deepspeed_overrides.install()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    no_single_rank_allreduce(engine, config)
     if train_args.compile:
         engine.compile()
     dtype = input_dtype(precision(config))

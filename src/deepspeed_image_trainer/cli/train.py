@@ -29,7 +29,8 @@ from ..engine.distributed import (agreed, alike_on_each_node, all_reduce, any_ra
                                   shut_down)
 from ..engine.finetune import GroupLearningRates, grouping, parameter_groups, whole_run_frozen
 from ..engine.interrupt import StopOnSignal, die_with_parent_call, say_finished, stopped_at_once
-from ..engine.loop import evaluate, input_dtype, peak_gpu_memory_gib, replace_lr_scheduler, train_one_epoch
+from ..engine.loop import (evaluate, input_dtype, no_single_rank_allreduce, peak_gpu_memory_gib,
+                           replace_lr_scheduler, train_one_epoch)
 from ..engine.memory import advise_on_out_of_memory, state_bytes_per_gpu, zero3_note
 from ..engine.numerics import StepHealth
 from ..engine.rng import restore_rng_state, rng_state, seed_everything
@@ -259,6 +260,7 @@ def build(args, clock):
         parameters = groups if groups else model.parameters()
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=parameters,
                                                **engine_scheduler(ds_config))
+        no_single_rank_allreduce(engine, ds_config)
         if args.compile:
             engine.compile()
         clock.lap("engine")
