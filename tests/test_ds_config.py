@@ -41,8 +41,10 @@ def test_defaults():
         "stage": 2, "contiguous_gradients": False, "compute_grad_norm": False}
     assert config["gradient_clipping"] == 0.0
     assert "fp16" not in config and "bf16" not in config
+    # torch's AdamW, on a CPU its fused kernel; on a GPU torch's own default (its foreach kernels)
     assert config["optimizer"] == {"type": "AdamW", "params": {
-        "lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.05, "torch_adam": True}}
+        "lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.05, "torch_adam": True, "fused": True}}
+    assert "fused" not in build(device_type="cuda")["optimizer"]["params"]
     # 1000 images // 16 = 62 steps per epoch, 50 epochs, 1 warmup epoch
     assert config["scheduler"]["params"]["total_num_steps"] == 62 * 50
     assert config["scheduler"]["params"]["warmup_num_steps"] == 62
@@ -242,7 +244,7 @@ def test_auto_values_are_resolved_from_flags():
     assert config["gradient_clipping"] == 0.0  # "auto": --clip_grad
     assert config["bf16"]["enabled"] is True and config["fp16"]["enabled"] is False
     assert config["optimizer"]["params"] == {"lr": 0.02, "betas": [0.9, 0.999], "eps": 1e-8,
-                                             "weight_decay": 0.05, "torch_adam": True}
+                                             "weight_decay": 0.05, "torch_adam": True, "fused": True}
     assert config["scheduler"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02,
                                              "warmup_num_steps": 20}  # 600 / 2 / 10 / 3 = 10 steps x 2
     zero = config["zero_optimization"]

@@ -477,6 +477,10 @@ def _resolve_optimizer(config, args, device_type):
         # torch's AdamW needs no compiled extension; DeepSpeed's CPUAdam, the fast path for a GPU's optimizer
         # offloaded to the CPU, costs a CPU-only machine a one-minute compile on first use for nothing.
         params["torch_adam"] = True
+        if device_type == "cpu" and not {"foreach", "fused"} & set(params):
+            # torch's fused CPU kernel: one pass over each tensor where the default runs an op per step of the
+            # update, each a pass over memory (ResNet18: 7 times as fast, nearly half of a step on one core)
+            params["fused"] = True
 
 
 def resolve_scheduler(base, args, lr, optimizer_steps):
@@ -847,7 +851,7 @@ def built_optimizer(config, where, device_type, parameter_groups=1):
                                                         if name == "lion" else ""))
     torch_classes = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW, "sgd": torch.optim.SGD,
                      "adagrad": torch.optim.Adagrad}
-    if name in ("adam", "adamw") and torch_adam and not offloaded:
+    if name in ("adam", "adamw") and torch_adam:  # DeepSpeed builds torch's class then, offloaded or not
         built = torch_classes[name]
     elif name in ("sgd", "adagrad") and not (name == "adagrad" and offloaded):
         built = torch_classes[name]
