@@ -45,6 +45,9 @@ def test_defaults():
     assert config["optimizer"] == {"type": "AdamW", "params": {
         "lr": 0.001, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.05, "torch_adam": True, "fused": True}}
     assert "fused" not in build(device_type="cuda")["optimizer"]["params"]
+    for key in ("foreach", "fused", "differentiable"):  # a JSON's choice stays (the fused kernel is not differentiable)
+        params = build(base={"optimizer": {"type": "AdamW", "params": {key: False}}})["optimizer"]["params"]
+        assert params[key] is False and params.get("fused", False) is False
     # 1000 images // 16 = 62 steps per epoch, 50 epochs, 1 warmup epoch
     assert config["scheduler"]["params"]["total_num_steps"] == 62 * 50
     assert config["scheduler"]["params"]["warmup_num_steps"] == 62

@@ -477,7 +477,7 @@ def _resolve_optimizer(config, args, device_type):
         # torch's AdamW needs no compiled extension; DeepSpeed's CPUAdam, the fast path for a GPU's optimizer
         # offloaded to the CPU, costs a CPU-only machine a one-minute compile on first use for nothing.
         params["torch_adam"] = True
-        if device_type == "cpu" and not {"foreach", "fused"} & set(params):
+        if device_type == "cpu" and not {"foreach", "fused", "differentiable"} & set(params):
             # torch's fused CPU kernel: one pass over each tensor where the default runs an op per step of the
             # update, each a pass over memory (ResNet18: 7 times as fast, nearly half of a step on one core)
             params["fused"] = True
