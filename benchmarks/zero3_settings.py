@@ -24,6 +24,7 @@ Prints a table last; writes benchmarks/results/zero3_settings_<model>_b<micro-ba
 """
 import cProfile
 import json
+import os
 import sys
 import tempfile
 import time
@@ -33,6 +34,7 @@ import torch
 
 from common import (REFERENCES, ROOT, environment, failed, fmt, measurement_parser, ratio, reference_case,
                     run_case_of, settings_of, shown, slug_of, trainer_case, write_profile)
+from deepspeed_image_trainer.engine import overrides
 from machine import machine_slug
 
 REFERENCE = "torch bf16 channels_last"
@@ -43,8 +45,10 @@ COMPILING = {"zero3 torch.compile", "zero3 DeepCompile"}
 
 
 def variants(model):
-    """name -> (trainer flags, zero_optimization keys of the base config[, other keys of the base config])."""
+    """name -> (trainer flags, zero_optimization keys of the base config[, other keys of the base config[,
+    environment variables of the case]])."""
     zero3 = ["--zero_stage", "3", "--bf16"]
+    but_current_stream = ",".join(group for group in overrides.GROUPS if group != "cuda_current_stream_by_index")
     return {
         "zero0": (["--zero_stage", "0", "--bf16"], {}),
         "zero2": (["--zero_stage", "2", "--bf16"], {}),
@@ -66,6 +70,9 @@ def variants(model):
         "zero3 persistence 0": (zero3, {"stage3_param_persistence_threshold": 0}),
         "zero3 persistence 0, prefetch bucket 2e8": (zero3, {"stage3_param_persistence_threshold": 0,
                                                              "stage3_prefetch_bucket_size": 200_000_000}),
+        # the trainer's replacements of DeepSpeed code (engine/overrides.py): all left out, or one
+        "zero3 without the trainer's overrides": (zero3, {}, {}, {"TRAINER_DEEPSPEED_OVERRIDES": "0"}),
+        "zero3 DeepSpeed's current_stream": (zero3, {}, {}, {"TRAINER_DEEPSPEED_OVERRIDES": but_current_stream}),
         "zero3 overlap_comm off": (zero3, {"overlap_comm": False}),
         # the trainer caps its buckets at 5e7 elements (engine/config.py's BUCKET_CAP): a giant's block is about that
         "zero3 prefetch bucket 2e8": (zero3, {"stage3_prefetch_bucket_size": 200_000_000}),
@@ -101,6 +108,7 @@ def child(kind, name, args):
     else:
         flags, zero, *top = variants(args.model)[name]
         flags = [*flags, *kind.get("extra", [])]
+        os.environ.update(top[1] if len(top) > 1 else {})
         profile = cProfile.Profile() if args.profile else None  # the host's time in --steps more steps
         with tempfile.TemporaryDirectory() as tmp:
             base = Path(tmp) / "base.json"
@@ -154,6 +162,7 @@ def main():
             if name not in (reference, COMPILED):
                 flags, zero, *top = variants(args.model)[name]
                 results[name].update(flags=[*flags, *extra], changed=zero, **({"base_config": top[0]} if top else {}),
+                                     **({"environment": top[1]} if len(top) > 1 else {}),
                                      reference=reference, ratio_to_reference=ratio(results, name, reference))
                 if "--compile" in flags:
                     results[name]["ratio_to_compiled_reference"] = ratio(results, name, COMPILED)

@@ -77,6 +77,26 @@ def test_accumulation_waits_for_earlier_copies_only_where_its_buffer_is_pageable
         deepspeed_overrides.uninstall()
 
 
+def test_the_cuda_accelerator_returns_the_stream_deepspeeds_returns():
+    import torch
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    deepspeeds = CUDA_Accelerator.current_stream
+    assert deepspeed_overrides.install()
+    try:
+        assert CUDA_Accelerator.current_stream is not deepspeeds
+        if torch.cuda.is_available():  # on a GPU: the same stream, on each device and inside another stream
+            accelerator = CUDA_Accelerator.__new__(CUDA_Accelerator)
+            for index in range(torch.cuda.device_count()):
+                with torch.cuda.device(index), torch.cuda.stream(torch.cuda.Stream()):
+                    for argument in (None, index, 0):
+                        assert (CUDA_Accelerator.current_stream(accelerator, argument)
+                                == deepspeeds(accelerator, argument))
+    finally:
+        deepspeed_overrides.uninstall()
+    assert CUDA_Accelerator.current_stream is deepspeeds
+
+
 @pytest.mark.parametrize("value, groups", [("1", set(deepspeed_overrides.GROUPS)), ("0", set()),
                                            ("overflow_on_device, grad_norm_on_device",
                                             {"overflow_on_device", "grad_norm_on_device"})])

@@ -27,6 +27,11 @@ step on two H100s:
   CUDA's tools library each, used only under a profiler such as Nsight Systems: off here (keep this group
   out, through TRAINER_DEEPSPEED_OVERRIDES below, to see them in a profile).
 
+And one under every stage on a GPU: DeepSpeed asks the CUDA accelerator for the current stream several times per
+parameter and step (around each gradient's copy and reduction), and torch.cuda.current_stream() without a device
+finds the current device through torch.cuda.is_available() and the environment each time (~5,000 calls a step
+of ViT-G/14 at ZeRO-3); here the accelerator passes the current device's index, which torch returns as it is.
+
 Results are the same as DeepSpeed's (tests/test_deepspeed_overrides.py trains with and without them; on the
 CPU, which records no copy events, the accumulation wait has nothing to skip: a unit test checks its logic).
 The replacements are installed only over the exact DeepSpeed source they were written against (a hash of
@@ -56,8 +61,8 @@ CHECKED_SOURCES = {
     "_wait_for_offload_copies": "e509dd0ad7458a37cb44ca56850b9f99a22d2dde0e74ca13e68fea177675567c",
     "_record_offload_copy": "8467947f2bbabdfdefff9db72363306cc800cc36e65ad4fb553e5ba2956e24db",
 }
-# The same for the ZeRO-3 functions, by module (under deepspeed.) and name
-ZERO3_SOURCES = {
+# The same for functions by module (under deepspeed.) and name, a class's by module.Class.name
+MODULE_SOURCES = {
     "runtime.zero.partition_parameters.print_rank_0":
         "bdf0d39499da2560d1e54e09360c3ebd27ab5594a5eee6e45c62c664fd355b23",
     "runtime.zero.stage3.print_rank_0": "1fb35018bdb409f1f00f4c097b26bf29445894a2cf6ea6dfa474378cdeb098f1",
@@ -70,16 +75,19 @@ ZERO3_SOURCES = {
     "runtime.zero.partition_parameters._init_external_params":
         "5ab2c1ed81e47263c45ac37da79547967df42d7dee2f5f9f0f6dd05fe2f6f874",
     "utils.nvtx.instrument_w_nvtx": "c538ccdda7c8ea15459a22f1cc6ee0328eac835c7c562e347d5f358c8efeb689",
+    "accelerator.cuda_accelerator.CUDA_Accelerator.current_stream":
+        "39ad951b1301beeba46b0886eddce2a04fd0e2dd3276f43d6983f73be6f8f605",
 }
 GROUPS = {"overflow_on_device": ("update_offload_overflow_tracker", "has_overflow"),
           "grad_norm_on_device": ("complete_grad_norm_calculation_for_cpu_offload",),
           "pinned_accumulation_without_wait": ("async_accumulate_grad_in_cpu_via_gpu",),
           "zero3_cached_module_parameters": (),
           "zero3_quiet_debug_messages": (),
-          "zero3_no_nvtx_ranges": ()}
+          "zero3_no_nvtx_ranges": (),
+          "cuda_current_stream_by_index": ()}
 # the modules whose print_rank_0 (their own, or partition_parameters' imported) the quiet one replaces
 PRINTING_MODULES = ("partition_parameters", "partitioned_param_coordinator", "parameter_offload", "stage3", "linear")
-_zero3_originals = {}  # (module, name) -> DeepSpeed's object, while the ZeRO-3 replacements stand
+_module_originals = {}  # (module or class, name) -> DeepSpeed's object, while the replacements stand
 
 
 def source_hash(function):
@@ -94,16 +102,19 @@ def changed_sources():
     originals = getattr(DeepSpeedZeroOptimizer, "_trainer_originals", {})
     changed = [name for name, expected in CHECKED_SOURCES.items()
                if source_hash(originals.get(name, getattr(DeepSpeedZeroOptimizer, name))) != expected]
-    for path, expected in ZERO3_SOURCES.items():
+    for path, expected in MODULE_SOURCES.items():
         module, name = _deepspeed_attribute(path)
-        if source_hash(_zero3_originals.get((module, name), getattr(module, name))) != expected:
+        if source_hash(_module_originals.get((module, name), getattr(module, name))) != expected:
             changed.append(path)
     return changed
 
 
 def _deepspeed_attribute(path):
-    module, name = path.rsplit(".", 1)
-    return importlib.import_module(f"deepspeed.{module}"), name
+    """(the module or class that holds it, its name) for MODULE_SOURCES' path."""
+    *owner, name = path.split(".")
+    if owner[-1][:1].isupper():  # a class: module.Class.name
+        return getattr(importlib.import_module("deepspeed." + ".".join(owner[:-1])), owner[-1]), name
+    return importlib.import_module("deepspeed." + ".".join(owner)), name
 
 
 def enabled():
@@ -129,7 +140,7 @@ def install():
     groups = enabled()
     if not groups or changed_sources():
         return False
-    _install_zero3(groups)
+    _install_module_replacements(groups)
     originals = {name: getattr(DeepSpeedZeroOptimizer, name) for name in CHECKED_SOURCES}
     has_inf_or_nan, dist = stage_1_and_2.has_inf_or_nan, stage_1_and_2.dist
 
@@ -190,8 +201,8 @@ def install():
     return True
 
 
-def _install_zero3(groups):
-    replacements = {}  # as ZERO3_SOURCES names them -> the replacement
+def _install_module_replacements(groups):
+    replacements = {}  # as MODULE_SOURCES names them -> the replacement
     if "zero3_cached_module_parameters" in groups:
         module, name = _deepspeed_attribute("runtime.zero.partitioned_param_coordinator.iter_params")
         deepspeeds = getattr(module, name)
@@ -215,9 +226,14 @@ def _install_zero3(groups):
                 replacements[path] = _quiet(getattr(module, name))
     if "zero3_no_nvtx_ranges" in groups:
         replacements["utils.nvtx.enable_nvtx"] = False
+    if "cuda_current_stream_by_index" in groups:
+        def current_stream(self, device_index=None):
+            return torch.cuda.current_stream(torch.cuda.current_device() if device_index is None else device_index)
+
+        replacements["accelerator.cuda_accelerator.CUDA_Accelerator.current_stream"] = current_stream
     for path, replacement in replacements.items():
         module, name = _deepspeed_attribute(path)
-        _zero3_originals[(module, name)] = getattr(module, name)
+        _module_originals[(module, name)] = getattr(module, name)
         setattr(module, name, replacement)
 
 
@@ -233,9 +249,9 @@ def uninstall():
     """Put DeepSpeed's methods back (tests compare both)."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-    for (module, name), original in _zero3_originals.items():
+    for (module, name), original in _module_originals.items():
         setattr(module, name, original)
-    _zero3_originals.clear()
+    _module_originals.clear()
 
     originals = DeepSpeedZeroOptimizer.__dict__.get("_trainer_originals")
     if originals is not None:
