@@ -15,7 +15,7 @@ from ..utils.failures import UsageError
 PREFIX = "timm:"
 # The blocks ZeRO-3 gathers and releases whole (as models/names.py's BLOCKS are torchvision's), per timm family
 LEAF_BLOCKS = tuple(f"timm.models.{name}" for name in (
-    "vision_transformer.Block", "vision_transformer.ParallelScalingBlock", "eva.EvaBlock", "beit.Block",
+    "vision_transformer.Block", "vision_transformer.ParallelScalingBlock", "eva.EvaBlock", "eva.EvaBlockPostNorm", "beit.Block",
     "convnext.ConvNeXtBlock", "_efficientnet_blocks.InvertedResidual", "_efficientnet_blocks.DepthwiseSeparableConv",
     "_efficientnet_blocks.EdgeResidual", "_efficientnet_blocks.UniversalInvertedResidual", "resnet.BasicBlock",
     "resnet.Bottleneck", "swin_transformer.SwinTransformerBlock", "swin_transformer_v2.SwinTransformerV2Block",
