@@ -237,13 +237,14 @@ def zero3_settings(name):
                 row[2], ratio = f"**{r['images_per_s'] / eager:.2f}**", "1 (reference)"
             row.insert(3, f"**{ratio:.2f}**" if isinstance(ratio, float) else ratio or "")
     settings = result["settings"]
+    rounds = max(len(r.get("runs_images_per_s", [None])) for r in result["results"].values())  # a cut run: fewer
     return source(result, name) + (
         f"\n{settings['model']}, micro-batch {settings['batch_size']}"
         + (f" per GPU on {settings['num_gpus']} GPUs (images/s over all of them)" if settings.get("num_gpus", 1) > 1
            else "")
         + f", {settings['image_size']} px, bf16{' weights' if settings.get('half_weights') else ''}, "
-        f"{settings['steps']} timed steps" + (f"; each variant run {settings['repeat']} times in turn, the lower "
-                                               f"median shown" if settings['repeat'] > 1 else "")
+        f"{settings['steps']} timed steps" + (f"; each variant run {rounds} times in turn, the lower "
+                                               f"median shown" if rounds > 1 else "")
         + ":\n\n") + table(header, rows)
 
 
@@ -741,6 +742,12 @@ TABLES = {
     "zero3-persistence": lambda: "\n\n".join(zero3_settings(
         f"timm/zero3_persistence/{run}/zero3_settings_timm_vit_gigantic_patch14_clip_224_b32_half_weights_nvidia_h200_x2.json")
         for run in ("first", "second")),
+    "zero3-current-stream": lambda: zero3_settings(
+        "timm/zero3_current_stream/zero3_settings_timm_vit_gigantic_patch14_clip_224_b32_half_weights_nvidia_h200_x2.json"),
+    "zero3-eva-x2": lambda: zero3_settings(
+        "timm/zero3_x2/zero3_settings_timm_eva02_enormous_patch14_clip_224_b16_half_weights_nvidia_h200_x2.json"),
+    "zero3-x4": lambda: "\n\n".join(zero3_settings(f"timm/zero3_x4/zero3_settings_timm_{run}_half_weights_nvidia_h200_x4.json")
+                                    for run in ("vit_gigantic_patch14_clip_224_b32", "vit_7b_patch16_dinov3_b16")),
     "zero3-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{run}_nvidia_h200.json")
                                           for run in ("resnet18_b256", "vit_l_16_b32")),
     "zero12-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{run}_nvidia_h100_80gb_hbm3.json")
