@@ -53,9 +53,6 @@ def test_training_run_writes_history_and_checkpoints(name, trained, tiny_data):
     coalesced = "offload-accumulation" in name
     assert config["training"]["coalesce_grad_reduction"] is coalesced
     assert ("2 micro-batches a step, their gradients reduced once" in result.stdout) is coalesced
-    # bf16 on a CPU whose oneDNN has no bf16 kernels (AVX2 only) runs PyTorch's reference convolution: said once
-    slow_bf16 = "bf16" in name and not torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert result.stdout.count("warning: this CPU has no bf16 instructions for oneDNN") == slow_bf16
 
     epochs = history["epochs"]
     assert [e["epoch"] for e in epochs] == list(range(1, TRAINED_EPOCHS + 1))
@@ -253,10 +250,13 @@ def test_curves_of_a_real_history(trained, tmp_path, capsys):
 
 
 def test_reference_zero2_config_fp16_is_refused_on_cpu_then_trains_in_bf16(tiny_data, tmp_path, monkeypatch, capsys):
-    # one step of 12 images: bf16 convolutions on a CPU without oneDNN's bf16 kernels are ~25x slower than fp32
+    """As a user runs it, with accumulation: bf16 weights, optimizer offload, two micro-batches a step and their
+    gradients reduced once (the trainer's coalescing). One step of 12 images: bf16 convolutions on a CPU without
+    oneDNN's bf16 kernels are ~25x slower than fp32."""
     make_sample_dataset(tmp_path / "data", num_classes=3, train_per_class=4, val_per_class=1, image_size=32, seed=0)
     args = data_args(tmp_path / "data") + ["--deepspeed_config", str(ROOT / "ds_config_zero2.json"), "--epochs", "1",
-                                           "--batch_size", "12", "--image_size", "32", "--num_workers", "0"]
+                                           "--batch_size", "6", "--gradient_accumulation_steps", "2",
+                                           "--image_size", "32", "--num_workers", "0"]
     monkeypatch.chdir(tmp_path)
     assert_usage_error_in_process(launch_deepspeed.main, args, capsys, "fp16 needs a GPU")
     assert not (tmp_path / "logs").exists()
@@ -266,6 +266,12 @@ def test_reference_zero2_config_fp16_is_refused_on_cpu_then_trains_in_bf16(tiny_
     zero = history["config"]["deepspeed"]["zero_optimization"]
     assert zero["stage"] == 2 and zero["offload_optimizer"]["device"] == "cpu" and zero["overlap_comm"]
     assert history["config"]["precision"] == "bf16" and len(history["epochs"]) == 1
+    assert saved_precision(tmp_path / "checkpoints_deepspeed/last") == "bf16"  # what --precision_mode auto resumes with
+    assert history["config"]["training"]["coalesce_grad_reduction"] is True
+    assert "2 micro-batches a step, their gradients reduced once" in result.stdout
+    # bf16 on a CPU whose oneDNN has no bf16 kernels (AVX2 only) runs PyTorch's reference convolution: said once
+    slow_bf16 = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert result.stdout.count("warning: this CPU has no bf16 instructions for oneDNN") == slow_bf16
     # the ranks read the JSON as the launcher read it, so a file edited after the launch changes nothing
     [given] = (tmp_path / "logs").glob("ds_config_given-*.json")
     assert json.loads(given.read_text()) == json.loads((ROOT / "ds_config_zero2.json").read_text())
