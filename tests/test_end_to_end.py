@@ -278,13 +278,14 @@ def test_reference_zero2_config_fp16_is_refused_on_cpu_then_trains_in_bf16(tiny_
     assert given.name in result.stdout
 
 
-def test_a_failed_run_leaves_earlier_outputs_intact(trained, tiny_data, tmp_path):
+def test_a_failed_run_leaves_earlier_outputs_intact(trained, tiny_data, tmp_path, monkeypatch, capsys):
     workdir, _ = trained("zero0")
     shutil.copytree(workdir / "logs", tmp_path / "logs")
     shutil.copytree(workdir / "checkpoints_deepspeed", tmp_path / "checkpoints_deepspeed")
     before = (tmp_path / "logs/training_history.json").read_bytes()
-    result = launch(data_args(tiny_data) + ["--pretrained", "missing.pth"], tmp_path)
-    assert_usage_error(result, "--pretrained missing.pth: no such file, and not a weights name of resnet18")
+    monkeypatch.chdir(tmp_path)
+    assert_usage_error_in_process(launch_deepspeed.main, data_args(tiny_data) + ["--pretrained", "missing.pth"], capsys,
+                                  "--pretrained missing.pth: no such file, and not a weights name of resnet18")
     assert (tmp_path / "logs/training_history.json").read_bytes() == before
     assert (tmp_path / "checkpoints_deepspeed/best_model/extra_info.json").is_file()
 

@@ -9,7 +9,7 @@ from torchvision.datasets import ImageFolder
 from deepspeed_image_trainer.data.prepare import ANIMALS_90, make_sample_dataset, split_dataset
 from deepspeed_image_trainer.utils.failures import UsageError
 
-from conftest import ROOT, assert_usage_error, assert_usage_error_in_process, run
+from conftest import ROOT, assert_usage_error_in_process
 
 
 def test_animals90_class_list():
@@ -184,7 +184,9 @@ def test_the_check_refuses_a_cache_folder_inside_a_checkpoint(tmp_path, monkeypa
     assert not (tmp_path / "ck/last/cache").exists()
 
 
-@pytest.mark.slow
-def test_cli_errors_on_the_command_line(tmp_path):
-    assert_usage_error(run([sys.executable, str(ROOT / "src/prepare_data.py"), "split", "does-not-exist"], tmp_path),
-                       "expected one folder per class")
+def test_cli_errors_on_the_command_line(tmp_path, monkeypatch, capsys):
+    # in this process: the script's own entry point runs in test_bad_data's and test_failures' --check
+    from deepspeed_image_trainer.data.prepare import main
+
+    monkeypatch.chdir(tmp_path)
+    assert_usage_error_in_process(main, ["split", "does-not-exist"], capsys, "expected one folder per class")

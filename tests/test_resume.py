@@ -11,8 +11,10 @@ import time
 import psutil
 import pytest
 
-from conftest import (ROOT, TINY_VAL_IMAGES, assert_usage_error, data_args, history_of, join_process_group, launch,
-                      make_sample_dataset, spawn_ranks)
+from deepspeed_image_trainer.cli import launch as launch_deepspeed
+
+from conftest import (ROOT, TINY_VAL_IMAGES, assert_usage_error_in_process, data_args, history_of, join_process_group,
+                      launch, make_sample_dataset, spawn_ranks)
 
 pytestmark = pytest.mark.slow  # every test here starts training processes
 
@@ -153,9 +155,10 @@ def test_kill_9_then_sigterm_mid_epoch_then_resume_equals_an_uninterrupted_run(t
     assert all(e["val_images"] == TINY_VAL_IMAGES for e in history_of(two)["epochs"])
 
 
-def test_resume_from_a_missing_path_is_a_usage_error(tiny_data, tmp_path):
-    assert_usage_error(launch(train_args(tiny_data) + ["--resume", "nowhere"], tmp_path),
-                       "no checkpoint at nowhere")
+def test_resume_from_a_missing_path_is_a_usage_error(tiny_data, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # the launcher refuses it, in this process
+    assert_usage_error_in_process(launch_deepspeed.main, train_args(tiny_data) + ["--resume", "nowhere"], capsys,
+                                  "no checkpoint at nowhere")
 
 
 # each image's draws from its own seed, each batch's mixing from its step's
