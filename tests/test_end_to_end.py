@@ -3,6 +3,7 @@ import json
 import re
 import shutil
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,8 @@ from torchvision.datasets import ImageFolder
 from deepspeed_image_trainer.cli import launch as launch_deepspeed
 from deepspeed_image_trainer.data.folders import build_transform
 from deepspeed_image_trainer.data.prepare import make_sample_dataset
-from deepspeed_image_trainer.inference.export import export
+from deepspeed_image_trainer.inference.evaluate import main as evaluate_main
+from deepspeed_image_trainer.inference.export import export, main as export_main
 from deepspeed_image_trainer.models.build import ResNet18Animals90
 from deepspeed_image_trainer.outputs.checkpoints import missing_files, read_info, saved_precision
 from deepspeed_image_trainer.outputs.record import resume_settings
@@ -165,13 +167,16 @@ def best_epoch(history):
 
 # Every stage and model family is exported in test_models.py; these are the launcher's multi-rank and ZeRO-3 runs.
 @pytest.mark.parametrize("name, suffix", [("zero2-2ranks", ".safetensors"), ("zero3", ".pt")])
-def test_export_from_any_stage_reproduces_logged_val_acc(name, suffix, trained, tiny_data, tmp_path):
+def test_export_from_any_stage_reproduces_logged_val_acc(name, suffix, trained, tiny_data, tmp_path, capsys):
     workdir, _ = trained(name)
     history = history_of(workdir)
     output = tmp_path / f"model{suffix}"
-    result = run([sys.executable, str(ROOT / "src/export_model.py"),
-                  str(workdir / "checkpoints_deepspeed/best_model"), "--output", str(output)], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    argv = [str(workdir / "checkpoints_deepspeed/best_model"), "--output", str(output)]
+    if suffix == ".safetensors":  # the script once; the ZeRO-3 export in this process (the same main)
+        result = run([sys.executable, str(ROOT / "src/export_model.py"), *argv], tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+    else:
+        export_main(argv)
     metadata = json.loads(output.with_name(output.name + ".json").read_text())
     assert metadata["class_names"] == ImageFolder(tiny_data / "train").classes
     assert metadata["image_size"] == 32 and metadata["epoch"] == history["best"]["epoch"]
@@ -191,9 +196,9 @@ def test_export_from_any_stage_reproduces_logged_val_acc(name, suffix, trained, 
         assert history["best"] == {"epoch": history["best"]["epoch"], "on": "ema",
                                    "val_acc": best_epoch(history)["ema_val_acc"]}
         averaged = tmp_path / "ema.pt"
-        result = run([sys.executable, str(ROOT / "src/export_model.py"), str(workdir / "checkpoints_deepspeed/last"),
-                      "--ema", "--output", str(averaged)], tmp_path)
-        assert result.returncode == 0 and "the weights' average" in result.stdout, result.stderr[-3000:]
+        capsys.readouterr()
+        export_main([str(workdir / "checkpoints_deepspeed/last"), "--ema", "--output", str(averaged)])
+        assert "the weights' average" in capsys.readouterr().out
         ema = torch.load(averaged, map_location="cpu")
         model.load_state_dict(ema)  # strictly
         assert accuracy(model, tiny_data / "val") == pytest.approx(history["epochs"][-1]["ema_val_acc"])
@@ -295,19 +300,23 @@ def exported(trained, tiny_data):
     """The zero0 run's best checkpoint, exported."""
     workdir, _ = trained("zero0")
     output = workdir / "model.pt"
-    result = run([sys.executable, str(ROOT / "src/export_model.py"),
-                  str(workdir / "checkpoints_deepspeed/best_model"), "--output", str(output)], workdir)
-    assert result.returncode == 0, result.stderr[-3000:]
+    export_main([str(workdir / "checkpoints_deepspeed/best_model"), "--output", str(output)])
     return workdir, output
 
 
 @pytest.mark.parametrize("source", ["exported file", "checkpoint folder"])
-def test_evaluate_reports_the_logged_accuracy(source, exported, tiny_data, tmp_path):
+def test_evaluate_reports_the_logged_accuracy(source, exported, tiny_data, tmp_path, capsys):
     workdir, model_file = exported
     model = model_file if source == "exported file" else workdir / "checkpoints_deepspeed/best_model"
-    result = run([sys.executable, str(ROOT / "src/evaluate.py"), "--model", str(model), "--data_dir",
-                  str(tiny_data / "val"), "--output_dir", str(tmp_path / "eval"), "--num_workers", "0"], tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    argv = ["--model", str(model), "--data_dir", str(tiny_data / "val"), "--output_dir", str(tmp_path / "eval"),
+            "--num_workers", "0"]
+    if source == "exported file":  # the script once; the checkpoint folder in this process (the same main)
+        result = run([sys.executable, str(ROOT / "src/evaluate.py"), *argv], tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+    else:
+        capsys.readouterr()
+        evaluate_main(argv)
+        result = types.SimpleNamespace(stdout=capsys.readouterr().out)
     report = json.loads((tmp_path / "eval/report.json").read_text())
     history = history_of(workdir)
     best = history["epochs"][history["best"]["epoch"] - 1]
