@@ -152,6 +152,8 @@ def main():
     args.output_dir.mkdir(parents=True, exist_ok=True)
     results = {}
     settings = settings_of(args, leave_out=("case",))
+    if "TRAINER_DEEPSPEED_OVERRIDES" in os.environ:  # every case's, where no variant sets its own
+        settings["TRAINER_DEEPSPEED_OVERRIDES"] = os.environ["TRAINER_DEEPSPEED_OVERRIDES"]
     runs = {name: [] for name in names}
     for _ in range(args.repeat):  # round by round, so that a slower spell of the machine hits every variant
         for name in names:

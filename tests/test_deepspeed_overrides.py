@@ -1,6 +1,6 @@
-"""The trainer's replacements of DeepSpeed's ZeRO-1/2 methods (engine/overrides.py): they stand
-only over the DeepSpeed source they were checked against, and train to DeepSpeed's own results, overflow
-skips included. Also the ZeRO-1/2 setting the trainer changes from DeepSpeed's default (contiguous
+"""The trainer's replacements of DeepSpeed's code (engine/overrides.py: ZeRO-1/2 methods, ZeRO-3's per-module
+work, the CUDA accelerator's current stream): they stand only over the DeepSpeed source they were checked
+against, and train to DeepSpeed's own results, overflow skips included. Also the ZeRO-1/2 setting the trainer changes from DeepSpeed's default (contiguous
 gradients off): it trains to the same weights."""
 import pytest
 
@@ -77,7 +77,7 @@ def test_accumulation_waits_for_earlier_copies_only_where_its_buffer_is_pageable
         deepspeed_overrides.uninstall()
 
 
-def test_the_cuda_accelerator_returns_the_stream_deepspeeds_returns():
+def test_the_cuda_accelerator_returns_the_stream_deepspeeds_returns(monkeypatch):
     import torch
     from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
 
@@ -85,6 +85,13 @@ def test_the_cuda_accelerator_returns_the_stream_deepspeeds_returns():
     assert deepspeed_overrides.install()
     try:
         assert CUDA_Accelerator.current_stream is not deepspeeds
+        with monkeypatch.context() as patched:  # what it asks torch for: the current device's index for none
+            asked = []
+            patched.setattr(torch.cuda, "current_device", lambda: 3)
+            patched.setattr(torch.cuda, "current_stream", lambda device=None: asked.append(device) or "stream")
+            for argument in (None, 1, torch.device("cuda:2"), "cuda:0"):
+                assert CUDA_Accelerator.current_stream(None, argument) == "stream"
+            assert asked == [3, 1, torch.device("cuda:2"), "cuda:0"]
         if torch.cuda.is_available():  # on a GPU: the same stream, on each device and inside another stream
             accelerator = CUDA_Accelerator.__new__(CUDA_Accelerator)
             for index in range(torch.cuda.device_count()):

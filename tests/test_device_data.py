@@ -218,7 +218,7 @@ def test_choice_of_data_path(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_training_with_the_dataset_on_the_device(tiny_data, tmp_path):
-    result = launch(data_args(tiny_data) + ["--epochs", "1", "--batch_size", "4", "--image_size", "32",
+    result = launch(data_args(tiny_data) + ["--epochs", "2", "--batch_size", "4", "--image_size", "32",
                                             "--save_every", "1", "--data_on_device", "on",
                                             "--device_train_size", "40", "--cache_dir", str(tmp_path / "cache")],
                     tmp_path)

@@ -16,7 +16,7 @@ from deepspeed_image_trainer.cli import launch as launch_deepspeed
 from conftest import (ROOT, TINY_VAL_IMAGES, assert_usage_error_in_process, data_args, history_of, join_process_group,
                       launch, make_sample_dataset, spawn_ranks)
 
-pytestmark = pytest.mark.slow  # every test here starts training processes
+pytestmark = pytest.mark.slow  # every test here but the missing path's starts training processes
 
 METRICS = ("train_loss", "train_acc", "val_loss", "val_acc", "ema_val_loss", "ema_val_acc", "lr")
 

@@ -130,8 +130,9 @@ def enabled():
 
 
 def install():
-    """Replace the methods on DeepSpeed's ZeRO-1/2 optimizer class, once per process; returns whether
-    they are in place. Call before deepspeed.initialize."""
+    """Replace the methods on DeepSpeed's ZeRO-1/2 optimizer class and the module functions (ZeRO-3's, the CUDA
+    accelerator's current stream), once per process; returns whether they are in place. Call before
+    deepspeed.initialize."""
     from deepspeed.runtime.zero import stage_1_and_2
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -233,7 +234,7 @@ def _install_module_replacements(groups):
         replacements["accelerator.cuda_accelerator.CUDA_Accelerator.current_stream"] = current_stream
     for path, replacement in replacements.items():
         module, name = _deepspeed_attribute(path)
-        _module_originals[(module, name)] = getattr(module, name)
+        _module_originals[(module, name)] = inspect.getattr_static(module, name)  # a class's own, as defined
         setattr(module, name, replacement)
 
 
