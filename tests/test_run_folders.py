@@ -18,8 +18,7 @@ from deepspeed_image_trainer.outputs.run_folders import (LAUNCH_LOCK_FILE, LOCK_
                                                          earlier_results, lock, tidy)
 from deepspeed_image_trainer.utils.failures import UsageError
 
-from conftest import (ROOT, assert_usage_error, assert_usage_error_in_process, data_args, digests, history_of, launch,
-                      run)
+from conftest import ROOT, assert_usage_error_in_process, data_args, digests, history_of, launch, run
 
 # A process that holds a folder's lock (as a training run's rank 0 does) until killed.
 # It forks a child that outlives it, as a loader worker outlives a rank killed with SIGKILL for a few seconds.
@@ -263,7 +262,9 @@ def test_the_same_command_twice_keeps_the_first_runs_results(trained, tiny_data,
 
 
 @pytest.mark.slow
-def test_two_runs_at_once_and_a_killed_launcher(tiny_data, tmp_path):
+def test_two_runs_at_once_and_a_killed_launcher(tiny_data, tmp_path, monkeypatch, capsys):
+    from deepspeed_image_trainer.cli import launch as launch_deepspeed
+
     args = data_args(tiny_data) + ["--batch_size", "4", "--image_size", "32", "--num_workers", "0"]
     first = subprocess.Popen([sys.executable, str(ROOT / "launch_deepspeed.py"), *args, "--epochs", "50"], cwd=tmp_path,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -271,8 +272,9 @@ def test_two_runs_at_once_and_a_killed_launcher(tiny_data, tmp_path):
         for line in first.stdout:  # the first epoch is over: its rank 0 holds the lock
             if "Epoch 1/" in line and "train loss" in line:
                 break
-        second = launch(args + ["--resume", "auto"], tmp_path)
-        assert_usage_error(second, "--checkpoint_dir checkpoints_deepspeed is in use by pid ")
+        monkeypatch.chdir(tmp_path)  # the second launcher, in this process: refused before it starts anything
+        assert_usage_error_in_process(launch_deepspeed.main, args + ["--resume", "auto"], capsys,
+                                      "--checkpoint_dir checkpoints_deepspeed is in use by pid ")
         first.send_signal(signal.SIGKILL)  # the launcher alone: its training processes must not outlive it
         first.wait()
         deadline = time.monotonic() + 60
@@ -289,8 +291,8 @@ def test_two_runs_at_once_and_a_killed_launcher(tiny_data, tmp_path):
     # what its training processes saved as they went resumes, in folders they left free: the launcher's checks of
     # both, every shard read as the ranks would (the resume itself: test_resume.py)
     saved = json.loads((tmp_path / "checkpoints_deepspeed" / "last" / EXTRA_INFO).read_text())["epoch"]
-    result = launch(args + ["--epochs", str(saved + 1), "--resume", "auto", "--dry_run"], tmp_path)
-    assert result.returncode == 0 and "--resume auto" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
+    assert launch_deepspeed.main(args + ["--epochs", str(saved + 1), "--resume", "auto", "--dry_run"]) == 0
+    assert "--resume auto" in capsys.readouterr().out
 
 
 def test_a_run_refused_on_its_second_folder_removes_the_first_it_made(tmp_path):
