@@ -712,29 +712,20 @@ def test_an_odd_allgather_bucket_in_the_json_is_a_usage_error():
 
 
 @pytest.mark.slow
-def test_the_launcher_imports_neither_torchvision_nor_deepspeed():
-    """Each costs seconds before the first step (torchvision 1-2 s, DeepSpeed 2-3 s); the training processes
-    import them anyway. Checked in a fresh interpreter."""
-    import subprocess
-    import sys
-
-    code = ("import sys; sys.argv = ['launch_deepspeed.py']; import launch_deepspeed; "
-            "print(sorted(m for m in ('torchvision', 'deepspeed') if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert result.stdout.strip().splitlines()[-1] == "[]", result.stderr[-2000:]
-
-
-def test_a_launcher_dry_run_does_not_import_torchs_compiler(tiny_data, tmp_path):
-    """torch._dynamo took a second of every launch (torch.optim's wrapper imports it where the launcher checks the
-    optimizer's settings): the training processes import it anyway."""
+def test_the_launcher_imports_neither_torchvision_nor_deepspeed_and_its_dry_run_not_torchs_compiler(tiny_data, tmp_path):
+    """Each costs seconds before the first step (torchvision 1-2 s, DeepSpeed 2-3 s); torch._dynamo took a second
+    of every launch (torch.optim's wrapper imports it where the launcher checks the optimizer's settings): the
+    training processes import them anyway. Checked in a fresh interpreter: the import, then a dry run."""
     import subprocess
     import sys
 
     argv = [*data_args(tiny_data), "--dry_run", "--log_dir", str(tmp_path / "logs")]
-    code = (f"import sys; sys.argv = ['launch_deepspeed.py']; import launch_deepspeed; "
+    code = ("import sys; sys.argv = ['launch_deepspeed.py']; import launch_deepspeed; "
+            "print(sorted(m for m in ('torchvision', 'deepspeed') if m in sys.modules)); "
             f"launch_deepspeed.main({argv!r}); print('torch._dynamo' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert result.stdout.strip().splitlines()[-1] == "False", result.stderr[-2000:]
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "[]" and lines[-1] == "False", result.stdout[-2000:] + result.stderr[-2000:]
 
 
 def test_image_suffixes_are_torchvisions():
