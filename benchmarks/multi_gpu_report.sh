@@ -12,14 +12,17 @@
 #   bash benchmarks/multi_gpu_report.sh memory - OUT      # memory_profile.py: vit_h_14 per ZeRO stage on 1 and 2 GPUs
 #                                                         # (MEMORY_GPUS="4": on those counts only)
 #   bash benchmarks/multi_gpu_report.sh shard MODEL OUT   # capacity.py: ZeRO-3 on 2 GPUs held to 8 GiB each
+#   bash benchmarks/multi_gpu_report.sh giants MODEL OUT  # zero3_settings.py: a timm giant, the trainer's ZeRO-3
+#                                                         # against FSDP2 (bf16 weights), into OUT/timm/zero3_xGPUS
 #
 # MODEL: resnet18 or vit_b_16 for steps and epochs (the two-GPU issue's); for shard, one of the ladder's models
 # ZeRO-3 cannot train on one GPU held to 8 GiB (benchmarks/results/capacity_8gib): vit_l_16, vit_h_14 or
-# regnet_y_128gf. OUT defaults to benchmarks/results. Each part prints its tables last and adds to its JSON (--update).
+# regnet_y_128gf; for giants, vit_gigantic_patch14_clip_224 (micro-batch 32 a GPU), eva02_enormous_patch14_clip_224
+# or vit_7b_patch16_dinov3 (16, which 4 H200s hold without activation checkpointing). OUT defaults to benchmarks/results. Each part prints its tables last and adds to its JSON (--update).
 # The drawn dataset has 30 x GPUS images a class (80% train): each epoch has the same number of steps on N GPUs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?steps, epochs, sync_bn, accuracy, resume, chain, memory or shard}
+part=${1:?steps, epochs, sync_bn, accuracy, resume, chain, memory, shard or giants}
 model=${2:--}
 out=${3:-benchmarks/results}
 gpus=${GPUS:-2}
@@ -63,8 +66,15 @@ shard)
     python3 benchmarks/capacity.py --models "${model:-vit_h_14}" --gib 8 --num_gpus "$gpus" --configs ZeRO-3 \
         --output_dir "$out" --update
     ;;
+giants)
+    model=${model:-vit_gigantic_patch14_clip_224}
+    case "$model" in vit_gigantic*) batch=32 ;; *) batch=16 ;; esac
+    python3 benchmarks/zero3_settings.py --model "timm:$model" --batch_size "$batch" --num_gpus "$gpus" --half_weights \
+        --steps 10 --warmup_steps 3 --case_timeout 240 --reference "torch bf16 FSDP2" \
+        --variants "zero3 (trainer: blocks as leaf modules)" --output_dir "$out/timm/zero3_x$gpus"
+    ;;
 *)
-    echo "error: the part is steps, epochs, sync_bn, accuracy, resume, chain, memory or shard, not '$part'" >&2
+    echo "error: the part is steps, epochs, sync_bn, accuracy, resume, chain, memory, shard or giants, not '$part'" >&2
     exit 2
     ;;
 esac
