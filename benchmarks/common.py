@@ -191,16 +191,12 @@ def fully_sharded(model):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from deepspeed_image_trainer.models.names import BLOCKS
-    from deepspeed_image_trainer.models.timm_models import LEAF_BLOCKS, NORM_BASES
+    from deepspeed_image_trainer.models.timm_models import LEAF_BLOCKS, NORM_BASES, floating_buffers_to
 
     # FSDP2 casts parameters, not buffers: a bias or table kept as a buffer (EVA's fixed key bias, its rotary
     # embedding) meets bf16 activations in one op and fails, so those outside norm layers are made bf16 first,
     # as the trainer does under DeepSpeed's bf16 weights (models/timm_models.py)
-    for module in model.modules():
-        if not isinstance(module, NORM_BASES):
-            for key, buffer in module._buffers.items():
-                if buffer is not None and buffer.is_floating_point():
-                    module._buffers[key] = buffer.to(torch.bfloat16)
+    floating_buffers_to(model, torch.bfloat16, keep=lambda module: isinstance(module, NORM_BASES))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     blocks = set(BLOCKS) | set(LEAF_BLOCKS)
     for module in list(model.modules()):

@@ -18,7 +18,8 @@
 # MODEL: resnet18 or vit_b_16 for steps and epochs (the two-GPU issue's); for shard, one of the ladder's models
 # ZeRO-3 cannot train on one GPU held to 8 GiB (benchmarks/results/capacity_8gib): vit_l_16, vit_h_14 or
 # regnet_y_128gf; for giants, vit_gigantic_patch14_clip_224 (micro-batch 32 a GPU), eva02_enormous_patch14_clip_224
-# or vit_7b_patch16_dinov3 (16, which 4 H200s hold without activation checkpointing). OUT defaults to benchmarks/results. Each part prints its tables last and adds to its JSON (--update).
+# or vit_7b_patch16_dinov3 (16, which 4 H200s hold without activation checkpointing). OUT defaults to
+# benchmarks/results. Each part prints its tables last and adds to its JSON (--update).
 # The drawn dataset has 30 x GPUS images a class (80% train): each epoch has the same number of steps on N GPUs.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,7 +1,7 @@
 """The trainer's replacements of DeepSpeed's code (engine/overrides.py: ZeRO-1/2 methods, ZeRO-3's per-module
 work, the CUDA accelerator's current stream): they stand only over the DeepSpeed source they were checked
-against, and train to DeepSpeed's own results, overflow skips included. Also the ZeRO-1/2 setting the trainer changes from DeepSpeed's default (contiguous
-gradients off): it trains to the same weights."""
+against, and train to DeepSpeed's own results, overflow skips included. Also the ZeRO-1/2 setting the trainer
+changes from DeepSpeed's default (contiguous gradients off): it trains to the same weights."""
 import pytest
 
 from deepspeed_image_trainer.engine import overrides as deepspeed_overrides

@@ -188,13 +188,18 @@ def _buffers_in_weights_dtype(model, inputs):
         return
     from .norms import FP32_NORMS
 
-    for module in model.modules():
-        if isinstance(module, _FP32) or type(module) in FP32_NORMS.values():
-            continue
-        for key, buffer in module._buffers.items():
-            if buffer is not None and buffer.is_floating_point():
-                module._buffers[key] = buffer.to(dtype)
+    floating_buffers_to(model, dtype, keep=lambda module: isinstance(module, _FP32)
+                        or type(module) in FP32_NORMS.values())
     model._buffers_dtype = dtype
+
+
+def floating_buffers_to(model, dtype, keep):
+    """Every floating buffer of `model` in `dtype`, in place, but those of the modules `keep` is true for."""
+    for module in model.modules():
+        if not keep(module):
+            for key, buffer in module._buffers.items():
+                if buffer is not None and buffer.is_floating_point():
+                    module._buffers[key] = buffer.to(dtype)
 
 
 def head_classes(name, state):
