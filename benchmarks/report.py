@@ -541,9 +541,13 @@ def epoch_parts(names):
                 [f"{ms(r):.2f}", f"{ms(r) - ms(measured['step']):+.2f}", of(r, reference), of(r, crops)] if r
                 else ["not measured", "", "", ""])  # the call's time ran out first
     settings = results[0]["settings"]
+    steps = {r["settings"]["steps"] for r in results}
+    steps = (f"{settings['steps']} timed steps" if len(steps) == 1 else "timed steps: " + ", ".join(
+        f"{r['settings']['steps']} on {r['settings']['num_gpus']} GPU{'s' if r['settings']['num_gpus'] > 1 else ''}"
+        for r in results))
     return "\n".join(source(result, name) for result, name in zip(results, names)) + (
         f"\n{settings['model']}, micro-batch {settings['batch_size']} per GPU, {settings['image_size']} px, "
-        f"ZeRO-{settings['zero_stage']} bf16, {settings['steps']} timed steps:\n\n") + table(
+        f"ZeRO-{settings['zero_stage']} bf16, {steps}:\n\n") + table(
         ["measurement", *columns], [[label, *cells] for label, cells in rows.items()])
 
 
@@ -747,7 +751,8 @@ TABLES = {
     "zero3-eva-x2": lambda: zero3_settings(
         "timm/zero3_x2/zero3_settings_timm_eva02_enormous_patch14_clip_224_b16_half_weights_nvidia_h200_x2.json"),
     "zero3-x4": lambda: "\n\n".join(zero3_settings(f"timm/zero3_x4/zero3_settings_timm_{run}_half_weights_nvidia_h200_x4.json")
-                                    for run in ("vit_gigantic_patch14_clip_224_b32", "vit_7b_patch16_dinov3_b16")),
+                                    for run in ("vit_gigantic_patch14_clip_224_b32", "eva02_enormous_patch14_clip_224_b16",
+                                                "vit_7b_patch16_dinov3_b16")),
     "zero3-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{run}_nvidia_h200.json")
                                           for run in ("resnet18_b256", "vit_l_16_b32")),
     "zero12-settings": lambda: "\n\n".join(zero3_settings(f"zero3_settings_{run}_nvidia_h100_80gb_hbm3.json")
