@@ -101,6 +101,12 @@ for _name in ("ZeRO-2", "ZeRO-2 + offload optimizer", "ZeRO-2 + offload optimize
 CHECKPOINTED = " + activation checkpointing"
 for _name in ("ZeRO-2", "ZeRO-3"):
     CONFIGS[_name + CHECKPOINTED] = [*CONFIGS[_name], "--grad_checkpointing"]
+# A model past one GPU with AdamW (issue 39's 7 B ViT): its bf16 weights and gradients on the GPU, ZeRO-3's
+# optimizer on the CPU, each micro-batch's gradients offloaded (DeepSpeed's way) or summed on the GPU first
+_ZERO3_OFFLOAD = "ZeRO-3 + offload optimizer, half weights"
+CONFIGS[_ZERO3_OFFLOAD + CHECKPOINTED] = ["--zero_stage", "3", "--offload_optimizer", *HALF_WEIGHTS, *NOT_COALESCED,
+                                          "--grad_checkpointing"]
+CONFIGS[_ZERO3_OFFLOAD + COALESCED + CHECKPOINTED] = with_coalescing(CONFIGS[_ZERO3_OFFLOAD + CHECKPOINTED], "on")
 GIB = 2**30
 OUT_OF_MEMORY = 3  # exit status of a --probe or --search process whose last try ran out of memory
 
