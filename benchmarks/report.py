@@ -687,6 +687,101 @@ def finetune_run(name):
         f"counted):\n\n") + table(["", settings["model"]], rows)
 
 
+SEVEN_B = "vit_7b_patch16_dinov3"
+SEVEN_B_OFFLOAD = f"timm/offload_7b/offload_profile_timm_{SEVEN_B}_nvidia_h200.json"
+
+
+def seven_b_flops():
+    return load(f"timm/finetune_timm_{SEVEN_B}_nvidia_h100_80gb_hbm3_x2.json")["result"]["training_tflop_per_image"]
+
+
+def seven_b():
+    """DINOv3's ViT-7B by GPU count: the trainer's ZeRO-3 beside FSDP2 (zero3_settings.py) and ZeRO-3 with optimizer
+    offload on one GPU (offload_profile.py); TFLOP/s per GPU from finetune_run.py's count of the model's FLOPs."""
+    flops = seven_b_flops()
+    names = [f"timm/zero3_x{n}/zero3_settings_timm_{SEVEN_B}_b16_half_weights_nvidia_h200_x{n}.json" for n in (2, 4)]
+    out, rows, per_gpu = "", [], {}
+
+    def row(label, gpus, batch, images_per_s, gpu, ratio, peak_gib):
+        tflops = images_per_s / gpus * flops
+        peak = BF16_PEAK_TFLOPS[gpu]
+        rows.append([label, str(gpus), batch, f"{images_per_s:.1f}", f"{images_per_s / gpus:.1f}",
+                     f"{tflops:.0f} ({tflops / peak:.0%})", ratio, f"{peak_gib:.1f}"])
+
+    for name in names:
+        result = load(name)
+        out += source(result, name)
+        gpus, gpu = result["settings"]["num_gpus"], result["environment"]["gpu"]
+        for label, r in result["results"].items():
+            ratio = r.get("ratio_to_reference")
+            per_gpu[gpus, label] = r["images_per_s"] / gpus
+            row(label, gpus, f"{result['settings']['batch_size']}", r["images_per_s"], gpu,
+                f"**{ratio:.2f}** of FSDP2" if ratio else "1 (reference)", r["peak_gpu_memory_gib"])
+    result = load(SEVEN_B_OFFLOAD)
+    out += source(result, SEVEN_B_OFFLOAD)
+    settings = result["settings"]
+    two = per_gpu[2, "zero3 (trainer: blocks as leaf modules)"]
+    for label, r in result["results"].items():
+        if "error" not in r:
+            row(label, 1, f"{settings['micro_batch']} × {settings['accumulation']} micro-batches", r["images_per_s"],
+                result["environment"]["gpu"], f"**{r['images_per_s'] / two:.2f}** of 2-GPU ZeRO-3's per GPU",
+                r["peak_reserved_gib"])
+    return out + (f"\ntimm:{SEVEN_B}, 224 px, bf16 weights; {flops:.2f} TFLOP per training image (forward and "
+                  f"backward, recomputation not counted); peak GiB: allocated (ZeRO-3 against FSDP2), reserved "
+                  f"(offload):\n\n") + table(
+        ["run", "GPUs", "batch per GPU", "images/s", "per GPU", "TFLOP/s per GPU (of bf16 peak)", "ratio", "peak GiB"],
+        rows)
+
+
+PROFILE_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def profiled_seconds(text, name, column):
+    """torch.profiler's key_averages table (as offload_profile.py writes it): seconds in `column` of row `name`."""
+    header = None
+    for line in text.splitlines():
+        cells = re.split(r"\s{2,}", line.strip())
+        if cells[0] == "Name":
+            header = cells
+        elif header and cells[0] == name:
+            value = re.fullmatch(r"([\d.]+)(us|ms|s)", cells[header.index(column)])
+            return float(value[1]) * PROFILE_UNITS[value[2]]
+    raise SystemExit(f"error: no row {name!r} in the profile")
+
+
+def offload_split(name, tflop_per_image):
+    """Where one optimizer step of ZeRO-3 with optimizer offload goes: the micro-batches (timed, the GPU
+    synchronised around each phase; TFLOP/s from the model's training FLOPs per image) and, from the profiled
+    step, the CPU optimizer and the copies."""
+    result = load(name)
+    peak = BF16_PEAK_TFLOPS[result["environment"]["gpu"]]
+    settings = result["settings"]
+    out, rows = source(result, name), []
+    for config, r in result["results"].items():
+        if "error" in r:
+            continue
+        text = (RESULTS / name).with_name(Path(r["profile"]).name).read_text()
+        between, last, micros = r["between_ms"], r["at_step_ms"], settings["accumulation"]
+        forward = (between["forward"] * (micros - 1) + last["forward"]) / 1000
+        backward = (between["backward"] * (micros - 1) + last["backward"]) / 1000
+        rows += [[config, f"forward, {micros} micro-batches of {settings['micro_batch']}", f"{forward:.1f}"],
+                 ["", f"backward (with recomputation), {micros} micro-batches", f"{backward:.1f}"],
+                 ["", "the micro-batches' TFLOP/s (of the bf16 peak)",
+                  f"{(tflops := micros * settings['micro_batch'] * tflop_per_image / (forward + backward)):.0f} "
+                  f"({tflops / peak:.0%})"],
+                 ["", "the optimizer step (DeepSpeed's step())", f"{last['step'] / 1000:.1f}"],
+                 ["", "of it, profiled: AdamW on the CPU (DeepSpeedCPUAdam, host time)",
+                  f"{profiled_seconds(text, 'Optimizer.step#DeepSpeedCPUAdam.step', 'Self CPU'):.1f}"],
+                 ["", "of it, profiled: gradients to the CPU (copies into pinned memory, GPU time)",
+                  f"{profiled_seconds(text, 'Memcpy DtoH (Device -> Pinned)', 'Self CUDA'):.1f}"],
+                 ["", "of it, profiled: updated weights to the GPU (copies from pageable memory, GPU time)",
+                  f"{profiled_seconds(text, 'Memcpy HtoD (Pageable -> Device)', 'Self CUDA'):.1f}"],
+                 ["", f"the whole step, {micros * settings['micro_batch']} images",
+                  f"{r['step_ms'] / 1000:.1f} ({r['images_per_s']:.1f} images/s)"]]
+    return out + (f"\n{settings['model']}, one GPU, {settings['image_size']} px, bf16; seconds (the profiled "
+                  "step, under torch.profiler, is a separate one):\n\n") + table(["configuration", "part", "s"], rows)
+
+
 def ema_cost(name):
     """ema_cost.py: the step without and with the weights' average, what one update costs beside torch's
     AveragedModel, and evaluate.py with and without --tta flip."""
@@ -735,6 +830,8 @@ TABLES = {
         "timm/zero3_settings_timm_vit_gigantic_patch14_clip_224_b32_half_weights_nvidia_h100_80gb_hbm3_x2.json"),
     "zero3-fsdp2-linear": lambda: zero3_settings(
         "timm/zero3_linear/zero3_settings_timm_vit_gigantic_patch14_clip_224_b32_half_weights_nvidia_h100_80gb_hbm3_x2.json"),
+    "zero3-7b": seven_b,
+    "offload-7b": lambda: offload_split(SEVEN_B_OFFLOAD, seven_b_flops()),
     "finetune-7b": lambda: finetune_run(
         "timm/finetune_timm_vit_7b_patch16_dinov3_nvidia_h100_80gb_hbm3_x2.json"),
     "zero3-overrides": lambda: "\n\n".join(zero3_settings(
