@@ -135,9 +135,10 @@ def reference_model(args):
                                         **construction_args(args.model, args.image_size))
 
 
-def reference_case(settings, args, device):
+def reference_case(settings, args, device, profile=None):
     """Plain PyTorch: the loop a user writes by hand, timed like the trainer's epochs. Started by torchrun
-    with several processes, it is plain DistributedDataParallel (NCCL), and images/s counts every rank."""
+    with several processes, it is plain DistributedDataParallel (NCCL), and images/s counts every rank. With a
+    `profile` (a GpuTrace), the same steps again under it (not in the figures)."""
     import torch.distributed as dist
     import torch.nn.functional as F
 
@@ -180,8 +181,11 @@ def reference_case(settings, args, device):
 
     steps(args.warmup_steps, 0)
     reset_peak_memory(device)
-    return {"images_per_s": world_size * args.steps * args.batch_size / steps(args.steps, 1),
-            "peak_gpu_memory_gib": peak_memory(device)}
+    result = {"images_per_s": world_size * args.steps * args.batch_size / steps(args.steps, 1),
+              "peak_gpu_memory_gib": peak_memory(device)}
+    if profile is not None:
+        profile.runcall(steps, args.steps, 2)
+    return result
 
 
 def fully_sharded(model):
@@ -342,6 +346,72 @@ def write_profile(profile, path):
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(40).sort_stats("cumulative").print_stats(40)
     path.write_text(relative_paths(text.getvalue()))
+
+
+def busy_time(intervals):
+    """The time covered by the union of (start, end) `intervals`."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+# a compute kernel that starts this soon after its launch found the GPU idle: the GPU waited for the host
+FED_LATE_US = 50
+
+
+def trace_summary(events, steps):
+    """What a torch.profiler trace (Chrome trace events, `steps` steps) says holds a step: per step, the time the
+    GPU ran compute kernels and NCCL's, its kernels, and how long each compute kernel waited between its launch
+    on the host and its start on the GPU. A GPU that the host keeps ahead of has a queue, so its kernels wait
+    milliseconds; one that waits for the host starts them microseconds after their launch."""
+    launches = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    nccl = [e for e in kernels if "nccl" in e["name"].lower()]
+    compute = [e for e in kernels if "nccl" not in e["name"].lower()]
+    waits = sorted(e["ts"] - launches[e["args"]["correlation"]] for e in compute
+                   if e.get("args", {}).get("correlation") in launches)
+
+    def quantile(q):
+        return round(waits[min(len(waits) - 1, int(q * len(waits)))], 1) if waits else None
+
+    return {"compute_busy_ms_per_step": busy_time((e["ts"], e["ts"] + e["dur"]) for e in compute) / 1000 / steps,
+            "nccl_busy_ms_per_step": busy_time((e["ts"], e["ts"] + e["dur"]) for e in nccl) / 1000 / steps,
+            "kernels_per_step": len(kernels) / steps,
+            "launch_to_start_us": {"p10": quantile(0.1), "p50": quantile(0.5), "p90": quantile(0.9)},
+            "started_within_50us": sum(wait < FED_LATE_US for wait in waits) / len(waits) if waits else None}
+
+
+class GpuTrace:
+    """torch.profiler over one call (runcall, as a cProfile.Profile's), on the CPU and the GPU: `summary` holds
+    trace_summary's figures, the profiled milliseconds a step (the profiler slows the host) and the host's
+    busiest operations by their own time."""
+
+    def __init__(self, steps):
+        self.steps, self.summary = steps, None
+
+    def runcall(self, fn, *args, **kwargs):
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = torch.cuda.is_available()  # without a GPU: the host's side only (a smoke test)
+        synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+        with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]) as profiler:
+            synchronize()
+            started = time.perf_counter()
+            fn(*args, **kwargs)
+            synchronize()
+            wall = time.perf_counter() - started
+        with tempfile.TemporaryDirectory() as tmp:
+            profiler.export_chrome_trace(str(Path(tmp) / "trace.json"))
+            events = json.loads((Path(tmp) / "trace.json").read_text())["traceEvents"]
+        host = sorted(profiler.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+        self.summary = {"rank": int(os.environ.get("RANK", "0")), "profiled_ms_per_step": wall * 1000 / self.steps,
+                        **trace_summary(events, self.steps),
+                        "host_self_ms_per_step": [[e.key[:80], round(e.self_cpu_time_total / 1000 / self.steps, 1),
+                                                   e.count / self.steps] for e in host]}
 
 
 def relative_paths(text):

@@ -18,7 +18,9 @@ in a process of its own (throughput.py's trainer case), the plain loop in anothe
         --case_timeout 420 --variants "zero3 torch.compile" "zero3 DeepCompile"   # + the compiled plain loop
 
 A variant that compiles (--compile) is also compared with the plain loop under torch.compile, measured in
-the same run.
+the same run. --trace (GPU) runs each case's steps once more under torch.profiler and adds what the trace says
+to its JSON: the GPU's busy time (compute kernels, NCCL's), kernels a step, and how long compute kernels wait
+between their launch on the host and their start, which tells a GPU held back by the host from one that is not.
 
 Prints a table last; writes benchmarks/results/zero3_settings_<model>_b<micro-batch>_<gpu>.json.
 """
@@ -32,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from common import (REFERENCES, ROOT, environment, failed, fmt, measurement_parser, ratio, reference_case,
+from common import (REFERENCES, ROOT, GpuTrace, environment, failed, fmt, measurement_parser, ratio, reference_case,
                     run_case_of, settings_of, shown, slug_of, trainer_case, write_profile)
 from deepspeed_image_trainer.engine import overrides
 from machine import machine_slug
@@ -103,19 +105,22 @@ def summary(runs):
 
 def child(kind, name, args):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    trace = GpuTrace(args.steps) if kind.get("trace") else None
     if name in REFERENCES:
-        result = reference_case(REFERENCES[name], args, device)
+        result = reference_case(REFERENCES[name], args, device, trace)
     else:
         flags, zero, *top = variants(args.model)[name]
         flags = [*flags, *kind.get("extra", [])]
         os.environ.update(top[1] if len(top) > 1 else {})
-        profile = cProfile.Profile() if args.profile else None  # the host's time in --steps more steps
+        profile = trace or (cProfile.Profile() if args.profile else None)  # the host's time in --steps more steps
         with tempfile.TemporaryDirectory() as tmp:
             base = Path(tmp) / "base.json"
             base.write_text(json.dumps({"zero_optimization": zero, **(top[0] if top else {})}))
             result = trainer_case([*flags, "--deepspeed_config", str(base)], args, device, profile)
-        if profile is not None:
+        if args.profile and trace is None:
             write_profile(profile, args.output_dir / f"zero3_profile_{slug_of(args.model)}_{slug_of(name)}.txt")
+    if trace is not None:
+        result["trace"] = trace.summary
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -125,6 +130,9 @@ def get_args_parser():
     parser.add_argument("--variants", nargs="+", metavar="NAME",
                         help=f"only these (default: all but {' and '.join(sorted(COMPILING))})")
     parser.add_argument("--repeat", type=int, default=1, help="measure each variant this many times (the median)")
+    parser.add_argument("--trace", action="store_true",
+                        help="(GPU) each case's --steps more steps under torch.profiler, summed up in the JSON: the "
+                             "GPU's busy time, NCCL's, and how long kernels wait between launch and start")
     parser.add_argument("--half_weights", action="store_true",
                         help="every variant with DeepSpeed's bf16 weights (--precision_mode half_weights)")
     parser.add_argument("--reference", choices=sorted(REFERENCES), default=REFERENCE,
@@ -137,6 +145,8 @@ def main():
     args = get_args_parser().parse_args()
     if args.case:
         return child(*json.loads(args.case), args)
+    if args.trace and not torch.cuda.is_available():
+        get_args_parser().error("--trace profiles CUDA kernels: it needs a GPU")
     reference = args.reference
     extra = ["--precision_mode", "half_weights"] if args.half_weights else []
     names = [reference, *(args.variants or [name for name in variants(args.model) if name not in COMPILING])]
@@ -158,7 +168,7 @@ def main():
     for _ in range(args.repeat):  # round by round, so that a slower spell of the machine hits every variant
         for name in names:
             started = time.perf_counter()
-            runs[name].append({**run_case_of(__file__, {"extra": extra}, name, args),
+            runs[name].append({**run_case_of(__file__, {"extra": extra, "trace": args.trace}, name, args),
                                "wall_s": round(time.perf_counter() - started, 1)})
             results[name] = summary(runs[name])
             if name not in (reference, COMPILED):
@@ -169,7 +179,7 @@ def main():
                 if "--compile" in flags:
                     results[name]["ratio_to_compiled_reference"] = ratio(results, name, COMPILED)
             print(f"{name}: {json.dumps(runs[name][-1])[:300]}", flush=True)
-        path.write_text(json.dumps({"environment": env, "settings": settings, "results": results}, indent=2) + "\n")
+            path.write_text(json.dumps({"environment": env, "settings": settings, "results": results}, indent=2) + "\n")
 
     print(f"\n{env['gpu'] or 'CPU'} | torch {env['torch']} | DeepSpeed {env['deepspeed']} | {args.model}, "
           f"micro-batch {args.batch_size}, {args.image_size} px, bf16")
@@ -181,6 +191,14 @@ def main():
         print(f"{name:<40}{r['images_per_s']:>9.0f}{fmt(r.get('ratio_to_reference')):>7}"
               f"{fmt(r.get('ratio_to_compiled_reference')):>9}"
               f"{fmt(r['peak_gpu_memory_gib']):>9}  {' '.join(f'{v:.0f}' for v in r.get('runs_images_per_s', []) if v)}")
+    traced = {name: r["trace"] for name, r in results.items() if "trace" in r}
+    if traced:
+        print(f"\n{'traced (rank ' + str(next(iter(traced.values()))['rank']) + ')':<40}{'ms/step':>9}{'compute':>9}"
+              f"{'NCCL':>7}{'kernels':>9}{'launch->start p50 us':>22}{'fed late':>9}")
+        for name, t in traced.items():
+            print(f"{name:<40}{t['profiled_ms_per_step']:>9.0f}{t['compute_busy_ms_per_step']:>9.0f}"
+                  f"{t['nccl_busy_ms_per_step']:>7.0f}{t['kernels_per_step']:>9.0f}"
+                  f"{fmt(t['launch_to_start_us']['p50']):>22}{fmt(t['started_within_50us']):>9}")
     print(f"results: {shown([str(path)])}")
 
 
