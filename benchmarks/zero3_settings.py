@@ -16,6 +16,10 @@ in a process of its own (throughput.py's trainer case), the plain loop in anothe
         --variants zero2 "zero2 contiguous_gradients on" zero1 "zero1 contiguous_gradients on"   # ZeRO-1/2 only
     python benchmarks/zero3_settings.py --model vit_l_16 --batch_size 32 --steps 20 --warmup_steps 10 \
         --case_timeout 420 --variants "zero3 torch.compile" "zero3 DeepCompile"   # + the compiled plain loop
+    python benchmarks/zero3_settings.py --model timm:vit_gigantic_patch14_clip_224 --batch_size 32 --num_gpus 2 \
+        --half_weights --reference "torch bf16 FSDP2" --steps 10 --warmup_steps 3 --variants \
+        "zero3 (trainer: blocks as leaf modules)" "zero3 ZeRO++ quantized weights" \
+        "zero3 ZeRO++ quantized gradients" "zero3 ZeRO++ hpZ over the node's GPUs"   # ZeRO++, one at a time
 
 A variant that compiles (--compile) is also compared with the plain loop under torch.compile, measured in
 the same run. --trace (GPU) runs each case's steps once more under torch.profiler and adds what the trace says
@@ -44,9 +48,11 @@ COMPILED = "torch bf16 channels_last compile"  # measured too where a variant co
 NO_LEAVES = {"leaf_module": {"classes": []}}  # a config's own leaf_module (here: none) replaces the trainer's
 # measured only when named: minutes of compiling each, and DeepCompile needs CUDA
 COMPILING = {"zero3 torch.compile", "zero3 DeepCompile"}
+ZERO_PLUS_PLUS = {"zero3 ZeRO++ quantized weights", "zero3 ZeRO++ quantized gradients",
+                  "zero3 ZeRO++ hpZ over the node's GPUs"}  # also only when named: CUDA kernels, several nodes' tools
 
 
-def variants(model):
+def variants(model, num_gpus=1):
     """name -> (trainer flags, zero_optimization keys of the base config[, other keys of the base config[,
     environment variables of the case]])."""
     zero3 = ["--zero_stage", "3", "--bf16"]
@@ -81,6 +87,12 @@ def variants(model):
         "zero3 reduce bucket 2e8": (zero3, {"reduce_bucket_size": 200_000_000}),
         "zero3 max live 3e9": (zero3, {"stage3_max_live_parameters": 3_000_000_000}),
         "zero3 contiguous_gradients off": (zero3, {"contiguous_gradients": False}),  # as ZeRO-1/2 gained
+        # ZeRO++ (CUDA only), for several nodes: weights gathered in int8 and gradients reduced in int4 (each cuts
+        # the bytes between nodes), a secondary copy of the weights within a node (hpZ: gathers stay in the node);
+        # measured on one node, what each costs where the links are fast
+        "zero3 ZeRO++ quantized weights": (zero3, {"zero_quantized_weights": True}),
+        "zero3 ZeRO++ quantized gradients": (zero3, {"zero_quantized_gradients": True}),
+        "zero3 ZeRO++ hpZ over the node's GPUs": (zero3, {"zero_hpz_partition_size": num_gpus}),
         # DeepSpeed's own Linear function (saves the partitioned weight, gathers it again in the backward): an
         # autograd.Function whose apply binds its arguments through inspect.signature on every call
         "zero3 memory_efficient_linear off": (zero3, {"memory_efficient_linear": False}),
@@ -109,7 +121,7 @@ def child(kind, name, args):
     if name in REFERENCES:
         result = reference_case(REFERENCES[name], args, device, trace)
     else:
-        flags, zero, *top = variants(args.model)[name]
+        flags, zero, *top = variants(args.model, args.num_gpus)[name]
         flags = [*flags, *kind.get("extra", [])]
         os.environ.update(top[1] if len(top) > 1 else {})
         profile = trace or (cProfile.Profile() if args.profile else None)  # the host's time in --steps more steps
@@ -128,7 +140,7 @@ def get_args_parser():
     parser = measurement_parser(__doc__)
     parser.set_defaults(output_dir=ROOT / "benchmarks" / "results")
     parser.add_argument("--variants", nargs="+", metavar="NAME",
-                        help=f"only these (default: all but {' and '.join(sorted(COMPILING))})")
+                        help=f"only these (default: all but {', '.join(sorted(COMPILING | ZERO_PLUS_PLUS))})")
     parser.add_argument("--repeat", type=int, default=1, help="measure each variant this many times (the median)")
     parser.add_argument("--trace", action="store_true",
                         help="(GPU) each case's --steps more steps under torch.profiler, summed up in the JSON: the "
@@ -149,12 +161,13 @@ def main():
         get_args_parser().error("--trace profiles CUDA kernels: it needs a GPU")
     reference = args.reference
     extra = ["--precision_mode", "half_weights"] if args.half_weights else []
-    names = [reference, *(args.variants or [name for name in variants(args.model) if name not in COMPILING])]
-    unknown = set(names) - {reference, *variants(args.model)}
-    if any("--compile" in variants(args.model)[name][0] for name in names if name not in unknown | {reference}):
+    known = variants(args.model, args.num_gpus)
+    names = [reference, *(args.variants or [name for name in known if name not in COMPILING | ZERO_PLUS_PLUS])]
+    unknown = set(names) - {reference, *known}
+    if any("--compile" in known[name][0] for name in names if name not in unknown | {reference}):
         names.insert(1, COMPILED)
     if unknown:
-        sys.exit(f"error: unknown variant(s): {', '.join(sorted(unknown))}; known: {', '.join(variants(args.model))}")
+        sys.exit(f"error: unknown variant(s): {', '.join(sorted(unknown))}; known: {', '.join(known)}")
     env = environment()
     path = args.output_dir / (f"zero3_settings_{slug_of(args.model)}_b{args.batch_size}"
                               f"{'_half_weights' if args.half_weights else ''}_{machine_slug(env)}"
@@ -172,7 +185,7 @@ def main():
                                "wall_s": round(time.perf_counter() - started, 1)})
             results[name] = summary(runs[name])
             if name not in (reference, COMPILED):
-                flags, zero, *top = variants(args.model)[name]
+                flags, zero, *top = known[name]
                 results[name].update(flags=[*flags, *extra], changed=zero, **({"base_config": top[0]} if top else {}),
                                      **({"environment": top[1]} if len(top) > 1 else {}),
                                      reference=reference, ratio_to_reference=ratio(results, name, reference))
