@@ -77,6 +77,7 @@ JSON = {"OPTIMIZER_TYPE": {"optimizer": {"type": 5}},
         "STAGE_TRUE": {"zero_optimization": {"stage": True}},  # equal to 1, and its checkpoints then unusable
         "ACCUM_FP32": {"data_types": {"grad_accum_dtype": "fp32"}},
         "QUANTIZED_WEIGHTS": {"zero_optimization": {"stage": 3, "zero_quantized_weights": "true"}},
+        "QUANTIZED_GRADIENTS": {"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}},
         "RANGE_TEST_NEGATIVE": {"scheduler": {"type": "LRRangeTest", "params": {"lr_range_test_min_lr": -1}}},
         "COSINE_SHORT": {"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 1}}},
         "CSV_IN_CHECKPOINT": {"csv_monitor": {"enabled": True, "output_path": "ck/epoch_2", "job_name": "j"}},
@@ -195,6 +196,9 @@ FLAGS = [
     (["--deepspeed_config", "STAGE_TRUE"], "ZeRO stage must be 0, 1, 2 or 3, got true"),
     # a CUDA op: every rank's engine start failed
     (["--deepspeed_config", "QUANTIZED_WEIGHTS"], "zero_optimization.zero_quantized_weights needs a GPU"),
+    # the same op for the gradients: a traceback in every rank's first backward
+    (["--deepspeed_config", "QUANTIZED_GRADIENTS"], "zero_optimization.zero_quantized_gradients needs a GPU: "
+                                                    "ZeRO++'s gradient quantization is a CUDA op"),
     # trained at lr -1 to a loss of 1e15, and at lr 0 after the first step, both silently
     (["--deepspeed_config", "RANGE_TEST_NEGATIVE"], "scheduler LRRangeTest gives the learning rate -1"),
     (["--deepspeed_config", "COSINE_SHORT"], "scheduler WarmupCosineLR's total_num_steps is 1, and this run takes"),

@@ -713,10 +713,12 @@ def check_device_support(config, device_type):
         raise UsageError("fp16 needs a GPU: DeepSpeed's CPU accelerator supports bf16 only "
                          "(pass --bf16, or --no-fp16 for fp32)")
     zero = config["zero_optimization"]
-    for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights"):
-        # ZeRO++'s weight quantizer is a CUDA op: on the CPU the engine's start failed in every rank
+    for key, what in (("zero_quantized_weights", "weight"), ("zero_quantized_nontrainable_weights", "weight"),
+                      ("zero_quantized_gradients", "gradient")):
+        # ZeRO++'s quantizers are CUDA ops: on the CPU the engine's start (weights) or the first backward
+        # (gradients) failed in every rank
         if device_type == "cpu" and zero["stage"] == 3 and _as_read(zero.get(key)):
-            raise UsageError(f"zero_optimization.{key} needs a GPU: ZeRO++'s weight quantization is a CUDA op "
+            raise UsageError(f"zero_optimization.{key} needs a GPU: ZeRO++'s {what} quantization is a CUDA op "
                              "(remove it to train on the CPU)")
 
 
