@@ -104,7 +104,39 @@ def test_the_cuda_accelerator_returns_the_stream_deepspeeds_returns(monkeypatch)
     assert CUDA_Accelerator.current_stream is deepspeeds
 
 
-@pytest.mark.parametrize("value, groups", [("1", set(deepspeed_overrides.GROUPS)), ("0", set()),
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("size, staging", [(1000, 64), (64, 64), (10, 64), (1, 1)])
+def test_weights_copied_through_a_staging_buffer_are_the_ones_one_copy_makes(dtype, size, staging):
+    import torch
+
+    source = torch.randn(size, generator=torch.Generator().manual_seed(size)) * 1e3
+    destination = torch.full((size,), 7.0, dtype=getattr(torch, dtype))
+    buffer = torch.full((staging,), 5.0, dtype=destination.dtype)
+    deepspeed_overrides.copy_through(destination, source, buffer)
+    assert torch.equal(destination, source.to(destination.dtype))  # every piece, the last one short
+
+
+def test_a_group_not_yet_measured_is_installed_only_by_name(monkeypatch):
+    assert deepspeed_overrides.NOT_YET_MEASURED <= set(deepspeed_overrides.GROUPS)
+    monkeypatch.setenv("TRAINER_DEEPSPEED_OVERRIDES", "1")
+    assert not deepspeed_overrides.enabled() & deepspeed_overrides.NOT_YET_MEASURED
+    monkeypatch.setenv("TRAINER_DEEPSPEED_OVERRIDES", ",".join(deepspeed_overrides.NOT_YET_MEASURED))
+    assert deepspeed_overrides.enabled() == deepspeed_overrides.NOT_YET_MEASURED
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    deepspeeds = Stage3.__dict__["_reassign_or_swap_out_partitioned_parameters"]
+    assert deepspeed_overrides.install()
+    try:
+        assert Stage3.__dict__["_reassign_or_swap_out_partitioned_parameters"] is not deepspeeds
+    finally:
+        deepspeed_overrides.uninstall()
+    assert Stage3.__dict__["_reassign_or_swap_out_partitioned_parameters"] is deepspeeds
+
+
+ALL_MEASURED = set(deepspeed_overrides.GROUPS) - deepspeed_overrides.NOT_YET_MEASURED
+
+
+@pytest.mark.parametrize("value, groups", [("1", ALL_MEASURED), ("0", set()),
                                            ("overflow_on_device, grad_norm_on_device",
                                             {"overflow_on_device", "grad_norm_on_device"})])
 def test_the_environment_picks_the_overrides(monkeypatch, value, groups):

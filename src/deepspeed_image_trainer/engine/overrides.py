@@ -32,12 +32,19 @@ parameter and step (around each gradient's copy and reduction), and torch.cuda.c
 finds the current device through torch.cuda.is_available() and the environment each time (~5,000 calls a step
 of ViT-G/14 at ZeRO-3); here the accelerator passes the current device's index, which torch returns as it is.
 
+And one in ZeRO-3 with optimizer offload and half-precision weights: after each optimizer step DeepSpeed copies
+the updated fp32 weights, which it keeps in pageable host memory, into the GPU's bf16/fp16 ones with one copy_,
+which converts them into a pageable buffer the driver then copies through its own small pinned ones (1.9 s of
+each 19 s step of the 7 B ViT on one H200, benchmarks/results/timm/offload_7b); here they pass through a pinned
+buffer of 128 MB, a piece at a time, each converted on the host as before. Not measured on a GPU yet: installed
+only when TRAINER_DEEPSPEED_OVERRIDES names it (NOT_YET_MEASURED).
+
 Results are the same as DeepSpeed's (tests/test_deepspeed_overrides.py trains with and without them; on the
 CPU, which records no copy events, the accumulation wait has nothing to skip: a unit test checks its logic).
 The replacements are installed only over the exact DeepSpeed source they were written against (a hash of
 each replaced function); another DeepSpeed keeps its own code, and the guard test fails so the change is
 read. TRAINER_DEEPSPEED_OVERRIDES=0 keeps DeepSpeed's code (benchmarks measure both ways); a comma-separated
-list of GROUPS' names installs those only.
+list of GROUPS' names installs those only (NOT_YET_MEASURED's too).
 """
 import hashlib
 import importlib
@@ -71,12 +78,17 @@ MODULE_SOURCES = {
         "594f9e285a48be132af85a833e31343017f0d8bfe8d26f297ee22962fa459057",
     # not replaced: what the replacements rely on (the parameters iter_params adds, the flag NVTX ranges read)
     "runtime.zero.partitioned_param_coordinator.get_all_parameters":
-        "89aab0f80f1a80b328a6b87b3cec95352b8973c4a69e3c805ac162950ff9f7fc",
+        "859e0b924ea8fbbcb189c4809be924edaef30c477c771f9436d6ff903d0301ca",
     "runtime.zero.partition_parameters._init_external_params":
         "5ab2c1ed81e47263c45ac37da79547967df42d7dee2f5f9f0f6dd05fe2f6f874",
     "utils.nvtx.instrument_w_nvtx": "c538ccdda7c8ea15459a22f1cc6ee0328eac835c7c562e347d5f358c8efeb689",
     "accelerator.cuda_accelerator.CUDA_Accelerator.current_stream":
         "39ad951b1301beeba46b0886eddce2a04fd0e2dd3276f43d6983f73be6f8f605",
+    "runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3._reassign_or_swap_out_partitioned_parameters":
+        "af7b449bee8786ec0b8b4c1e27c22bdca2b79186b3888a8c7a9df6bb9c2e8f35",
+    # not replaced: what that replacement calls as DeepSpeed's code does
+    "runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3._unflatten_partitioned_parameters":
+        "00cc8a3f65af736fd5e513e270951e6913b4146b4bbdf3fa0b74610eeb349ee1",
 }
 GROUPS = {"overflow_on_device": ("update_offload_overflow_tracker", "has_overflow"),
           "grad_norm_on_device": ("complete_grad_norm_calculation_for_cpu_offload",),
@@ -84,13 +96,21 @@ GROUPS = {"overflow_on_device": ("update_offload_overflow_tracker", "has_overflo
           "zero3_cached_module_parameters": (),
           "zero3_quiet_debug_messages": (),
           "zero3_no_nvtx_ranges": (),
-          "cuda_current_stream_by_index": ()}
+          "cuda_current_stream_by_index": (),
+          "zero3_offload_weights_through_pinned": ()}
+# installed only when named (not by 1): written, checked for the same results on the CPU, not yet measured on a GPU
+NOT_YET_MEASURED = {"zero3_offload_weights_through_pinned"}
 # the modules whose print_rank_0 (their own, or partition_parameters' imported) the quiet one replaces
 PRINTING_MODULES = ("partition_parameters", "partitioned_param_coordinator", "parameter_offload", "stage3", "linear")
 _module_originals = {}  # (module or class, name) -> DeepSpeed's object, while the replacements stand
 
 
 def source_hash(function):
+    """sha256 of `function`'s source; of the function itself where DeepSpeed's instrument_w_nvtx wraps it (the
+    wrapper's source is the same for every function it wraps)."""
+    code = getattr(function, "__code__", None)
+    if code is not None and "func" in code.co_freevars and code.co_name == "wrapped_fn":
+        function = function.__closure__[code.co_freevars.index("func")].cell_contents
     return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()
 
 
@@ -118,10 +138,11 @@ def _deepspeed_attribute(path):
 
 
 def enabled():
-    """The names of GROUPS to install (TRAINER_DEEPSPEED_OVERRIDES: unset or 1 all, 0 none, or a list)."""
+    """The names of GROUPS to install (TRAINER_DEEPSPEED_OVERRIDES: unset or 1 all but NOT_YET_MEASURED, 0 none,
+    or a list)."""
     value = os.environ.get("TRAINER_DEEPSPEED_OVERRIDES", "").strip() or "1"
     if value in ("1", "0"):
-        return set(GROUPS) if value == "1" else set()
+        return set(GROUPS) - NOT_YET_MEASURED if value == "1" else set()
     names = {name.strip() for name in value.split(",") if name.strip()}
     if names - set(GROUPS):
         raise UsageError(f"TRAINER_DEEPSPEED_OVERRIDES: unknown {', '.join(sorted(names - set(GROUPS)))}; "
@@ -232,10 +253,46 @@ def _install_module_replacements(groups):
             return torch.cuda.current_stream(torch.cuda.current_device() if device_index is None else device_index)
 
         replacements["accelerator.cuda_accelerator.CUDA_Accelerator.current_stream"] = current_stream
+    if "zero3_offload_weights_through_pinned" in groups:
+        path = "runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3._reassign_or_swap_out_partitioned_parameters"
+        deepspeeds = inspect.getattr_static(*_deepspeed_attribute(path))
+
+        def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
+            half = self.fp16_partitioned_groups_flat[sub_group_id]
+            full = self.fp32_partitioned_groups_flat[sub_group_id]
+            if (half is None or half.device.type != "cuda" or full.device.type != "cpu" or half.dtype == full.dtype
+                    or full.is_pinned()):
+                return deepspeeds(self, sub_group_id)
+            staging = getattr(self, "_trainer_pinned_weights", None)
+            if staging is None or staging.dtype != half.dtype:
+                staging = self._trainer_pinned_weights = torch.empty(
+                    min(PINNED_CHUNK, half.numel()), dtype=half.dtype, pin_memory=True)
+            copy_through(half.data.view(-1), full.data.view(-1), staging)
+            self._unflatten_partitioned_parameters(sub_group_id)
+
+        replacements[path] = _reassign_or_swap_out_partitioned_parameters
     for path, replacement in replacements.items():
         module, name = _deepspeed_attribute(path)
         _module_originals[(module, name)] = inspect.getattr_static(module, name)  # a class's own, as defined
         setattr(module, name, replacement)
+
+
+# elements of the pinned buffer the updated weights pass through (128 MB in bf16): the host's memory is what a
+# one-GPU run of a giant model runs short of, so one sub-group's size (DeepSpeed's default: 1e9) is not pinned
+PINNED_CHUNK = 64 * 2**20
+
+
+def copy_through(destination, source, staging):
+    """destination.copy_(source) for 1-D tensors, `staging` (a buffer of destination's dtype) at a time: each
+    piece converted into it on the host, then copied from it. From pinned memory a copy to the GPU runs at the
+    link's speed; DeepSpeed's one copy_ from its unpinned fp32 weights converts into pageable memory, which the
+    driver copies through its own small pinned buffers, several times slower. Each copy is synchronous, so the
+    buffer is free again for the next piece."""
+    for start in range(0, source.numel(), staging.numel()):
+        piece = source[start:start + staging.numel()]
+        staged = staging[:piece.numel()]
+        staged.copy_(piece)
+        destination[start:start + piece.numel()].copy_(staged)
 
 
 def _quiet(print_rank_0):
