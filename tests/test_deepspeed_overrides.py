@@ -200,30 +200,62 @@ def train(stage, offload, precision, poison_step, grad_accum_dtype=None, zero=()
     return {"weights": weights, "norms": norms, "skipped": skipped, "contiguous": contiguous}
 
 
-def each_way(rank, port, results, cases, ways):
-    """Every case trained every way on this rank; `ways`: name -> (the trainer's overrides installed?,
-    train()'s keyword arguments)."""
+def each_way(rank, port, results, experiments):
+    """Every experiment's cases trained every way on this rank, under (experiment, case, way, rank);
+    `experiments`: name -> (cases, ways), `ways`: name -> (the trainer's overrides installed?, train()'s
+    keyword arguments)."""
     import torch
 
     torch.set_num_threads(1)
     join_process_group(rank, port, world_size=2)
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
 
-    for case in cases:
-        for way, (overridden, kwargs) in ways.items():
-            if overridden:
-                assert deepspeed_overrides.install()
-            else:
-                deepspeed_overrides.uninstall()
-            # ZeRO-3's memory_efficient_linear replaces torch's linear for the rest of the process: torch's again
-            torch.nn.functional.linear = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk",
-                                                 torch.nn.functional.linear)
-            results[(case, way, rank)] = train(*case, **kwargs)
+    for experiment, (cases, ways) in experiments.items():
+        for case in cases:
+            for way, (overridden, kwargs) in ways.items():
+                if overridden:
+                    assert deepspeed_overrides.install()
+                else:
+                    deepspeed_overrides.uninstall()
+                # ZeRO-3's memory_efficient_linear replaces torch's linear for the rest of the process: torch's again
+                torch.nn.functional.linear = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk",
+                                                     torch.nn.functional.linear)
+                results[(experiment, case, way, rank)] = train(*case, **kwargs)
     deepspeed_overrides.uninstall()
 
 
+# The three two-rank comparisons below, trained in one spawn of two ranks (each spawn costs its ranks' imports).
+PLAIN_LINEAR = (("memory_efficient_linear", False),)
+ZERO3_CASES = [(3, False, "fp32", None), (3, False, "bf16", 1), (3, True, "bf16", None)]
+OVERRIDES_CASES = [(2, True, "fp32", None), (2, True, "bf16", None), (2, True, "bf16", 1), (1, False, "bf16", 1),
+                   (2, True, "bf16", 1, "fp32"), *ZERO3_CASES, *((*case, None, PLAIN_LINEAR) for case in ZERO3_CASES)]
+SMALL_BUCKETS = (("reduce_bucket_size", 64), ("allgather_bucket_size", 64))
+CONTIGUOUS_CASES = [(1, False, "fp32", None, None, ()), (2, False, "fp32", None, None, ()),
+                    (2, False, "bf16", 1, None, ()), (1, False, "bf16", None, None, ()),
+                    (2, False, "fp32", None, None, SMALL_BUCKETS), (1, False, "fp32", None, None, SMALL_BUCKETS),
+                    (2, False, "bf16", None, "fp32", SMALL_BUCKETS)]
+COALESCED_CASES = [(2, True, "bf16", 1), (2, True, "fp32", None), (1, True, "fp32", None), (2, False, "fp32", None),
+                   (3, True, "fp32", None)]
+EXPERIMENTS = {
+    # without and with the trainer's overrides
+    "overrides": (OVERRIDES_CASES, {False: (False, {}), True: (True, {})}),
+    # DeepSpeed's contiguous gradients on and off, without the overrides
+    "contiguous": (CONTIGUOUS_CASES, {contiguous: (False, {"contiguous": contiguous}) for contiguous in (True, False)}),
+    # step-by-step and coalesced accumulation, with the trainer's overrides installed, as it runs
+    "coalesced": (COALESCED_CASES, {coalesced: (True, {"coalesced": coalesced}) for coalesced in (False, True)}),
+}
+
+
+@pytest.fixture(scope="module")
+def two_rank_results():
+    """experiment -> {(case, way, rank): train()'s results} of every EXPERIMENTS entry, from one two-rank spawn."""
+    results = spawn_ranks(each_way, 2, EXPERIMENTS)
+    return {experiment: {key[1:]: value for key, value in results.items() if key[0] == experiment}
+            for experiment in EXPERIMENTS}
+
+
 @pytest.mark.slow  # two processes
-def test_offload_with_the_overrides_trains_exactly_as_deepspeed_does_on_two_ranks():
+def test_offload_with_the_overrides_trains_exactly_as_deepspeed_does_on_two_ranks(two_rank_results):
     # ZeRO-2 + offload with fp32 (DeepSpeed skips no overflow check there: its tracker is off) and bf16
     # weights (check on), once with an infinite loss on the second step: both ways must skip that step and
     # only that one. ZeRO-1 without offload goes through the replaced has_overflow without the tracker.
@@ -234,11 +266,9 @@ def test_offload_with_the_overrides_trains_exactly_as_deepspeed_does_on_two_rank
     # ZeRO-3 with its overrides (each module's parameters listed once, quiet debug messages, no NVTX ranges) too,
     # and with torch's linear in place of DeepSpeed's memory_efficient_linear (the trainer's default with
     # half-precision weights), which must train to the same weights: fp32, bf16 with a skipped step, offload.
-    plain = (("memory_efficient_linear", False),)
-    zero3 = [(3, False, "fp32", None), (3, False, "bf16", 1), (3, True, "bf16", None)]
-    cases = [(2, True, "fp32", None), (2, True, "bf16", None), (2, True, "bf16", 1), (1, False, "bf16", 1),
-             (2, True, "bf16", 1, "fp32"), *zero3, *((*case, None, plain) for case in zero3)]
-    results = spawn_ranks(each_way, 2, cases, {False: (False, {}), True: (True, {})})
+    plain, zero3, cases = PLAIN_LINEAR, ZERO3_CASES, OVERRIDES_CASES
+    results = two_rank_results["overrides"]
+    assert set(results) == {(case, way, rank) for case in cases for way in (False, True) for rank in range(2)}
     import torch
 
     for case in zero3:
@@ -264,18 +294,14 @@ def test_offload_with_the_overrides_trains_exactly_as_deepspeed_does_on_two_rank
 
 
 @pytest.mark.slow  # two processes
-def test_zero12_without_contiguous_gradients_trains_to_the_same_weights_on_two_ranks():
+def test_zero12_without_contiguous_gradients_trains_to_the_same_weights_on_two_ranks(two_rank_results):
     # ds_config turns DeepSpeed's contiguous gradients off at ZeRO-1/2 without offload: the gradients are then
     # reduced from a flattened copy of each bucket, not from the bucket buffer. ZeRO-2 with an infinite loss on
     # the second step: both ways skip it (bf16 weights check for overflow) and only it. Buckets of 64 elements
     # are reduced during the backward, other ranks' gradients freed after each; bf16 weights with fp32
     # accumulation take DeepSpeed's own path without contiguous gradients.
-    small = (("reduce_bucket_size", 64), ("allgather_bucket_size", 64))
-    cases = [(1, False, "fp32", None, None, ()), (2, False, "fp32", None, None, ()), (2, False, "bf16", 1, None, ()),
-             (1, False, "bf16", None, None, ()), (2, False, "fp32", None, None, small),
-             (1, False, "fp32", None, None, small), (2, False, "bf16", None, "fp32", small)]
-    results = spawn_ranks(each_way, 2, cases, {contiguous: (False, {"contiguous": contiguous})
-                                               for contiguous in (True, False)})
+    cases, results = CONTIGUOUS_CASES, two_rank_results["contiguous"]
+    assert set(results) == {(case, way, rank) for case in cases for way in (True, False) for rank in range(2)}
     import torch
 
     for case in cases:
@@ -290,15 +316,14 @@ def test_zero12_without_contiguous_gradients_trains_to_the_same_weights_on_two_r
 
 
 @pytest.mark.slow  # two processes
-def test_coalesced_accumulation_trains_as_deepspeeds_step_by_step_accumulation_on_two_ranks():
+def test_coalesced_accumulation_trains_as_deepspeeds_step_by_step_accumulation_on_two_ranks(two_rank_results):
     # The trainer coalesces with optimizer offload (--coalesce_grad_reduction auto), or at any ZeRO stage when
     # asked: the micro-batches' gradients summed on the device, one reduction a step, against DeepSpeed's
     # accumulation micro-batch by micro-batch, with the trainer's overrides: both must train to the same weights
     # and skip the same steps.
-    cases = [(2, True, "bf16", 1), (2, True, "fp32", None), (1, True, "fp32", None), (2, False, "fp32", None),
-             (3, True, "fp32", None)]
     # with the trainer's overrides installed, as it runs
-    results = spawn_ranks(each_way, 2, cases, {coalesced: (True, {"coalesced": coalesced}) for coalesced in (False, True)})
+    cases, results = COALESCED_CASES, two_rank_results["coalesced"]
+    assert set(results) == {(case, way, rank) for case in cases for way in (False, True) for rank in range(2)}
     import torch
 
     for case in cases:
