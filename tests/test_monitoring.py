@@ -9,11 +9,17 @@ import re
 import pytest
 import torch
 
+from deepspeed_image_trainer.data.prepare import make_sample_dataset
 from deepspeed_image_trainer.models.build import ResNet18Animals90
 from deepspeed_image_trainer.outputs.monitor import EPOCH_SCALARS, epoch_events, prepare_csv_files
 
-from conftest import (TINY_CLASSES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, TINY_VAL_PER_CLASS,
-                      assert_usage_error_in_process, data_args, digests, history_of, launch)
+from conftest import TINY_CLASSES, assert_usage_error_in_process, data_args, digests, history_of, launch
+
+# The stalled run's own data, smaller than tiny_data: balanced classes (the mean loss below needs them) and a
+# training set of whole micro-batches of 4.
+STALLED_TRAIN_PER_CLASS, STALLED_VAL_PER_CLASS = 4, 1
+STALLED_TRAIN_IMAGES = TINY_CLASSES * STALLED_TRAIN_PER_CLASS  # 12: 3 steps an epoch
+STALLED_VAL_IMAGES = TINY_CLASSES * STALLED_VAL_PER_CLASS
 
 
 def read_csv(path):
@@ -22,18 +28,21 @@ def read_csv(path):
 
 
 @pytest.fixture(scope="module")
-def stalled_run(tiny_data, tmp_path_factory):
+def stalled_run(tmp_path_factory):
     """Three epochs in which val accuracy cannot improve after the first: a classifier head with zero
-    weights and bias (1, 0, 0) predicts class 0 for every image, and at learning rate 1e-8 the 24
+    weights and bias (1, 0, 0) predicts class 0 for every image, and at learning rate 1e-8 the 6
     steps move its logits by far less than that margin of 1 (a tiny learning rate alone would not do:
     the batch-norm running statistics still move)."""
     workdir = tmp_path_factory.mktemp("stalled")
+    data = tmp_path_factory.mktemp("stalled_data")
+    make_sample_dataset(data, num_classes=TINY_CLASSES, train_per_class=STALLED_TRAIN_PER_CLASS,
+                        val_per_class=STALLED_VAL_PER_CLASS, image_size=32, seed=0)
     model = ResNet18Animals90(num_classes=TINY_CLASSES)
     torch.nn.init.zeros_(model.fc.weight)
     torch.nn.init.zeros_(model.fc.bias)
     model.fc.bias.data[0] = 1.0
     torch.save(model.state_dict(), workdir / "zero_head.pth")
-    args = data_args(tiny_data) + [
+    args = data_args(data) + [
         "--epochs", "3", "--batch_size", "4", "--image_size", "32", "--num_workers", "0", "--zero_stage", "0",
         "--data_on_device", "off", "--pretrained", "zero_head.pth", "--learning_rate", "1e-8",
         "--early_stopping_patience", "1", "--csv_monitor", "--label_smoothing", "0.1", "--lr_schedule", "constant"]
@@ -46,7 +55,7 @@ def stalled_run(tiny_data, tmp_path_factory):
 def test_early_stopping_ends_the_run_and_the_csv_monitor_holds_every_epoch(stalled_run):
     workdir, result = stalled_run
     history = history_of(workdir)
-    class_0_share = TINY_VAL_PER_CLASS / TINY_VAL_IMAGES
+    class_0_share = STALLED_VAL_PER_CLASS / STALLED_VAL_IMAGES
     epochs = history["epochs"]
     assert [e["epoch"] for e in epochs] == [1, 2]  # stopped before epoch 3
     assert [e["val_acc"] for e in epochs] == [class_0_share] * 2
@@ -85,7 +94,7 @@ def test_early_stopping_ends_the_run_and_the_csv_monitor_holds_every_epoch(stall
     # DeepSpeed's own per-step learning rate, at every optimizer step (4 images per step, 2 epochs).
     header, *rows = read_csv(csv_dir / "Train_Samples_lr.csv")
     assert header == ["step", "lr"]
-    assert [int(step) for step, _ in rows] == list(range(4, 2 * TINY_TRAIN_IMAGES + 1, 4))
+    assert [int(step) for step, _ in rows] == list(range(4, 2 * STALLED_TRAIN_IMAGES + 1, 4))
     assert max(float(value) for _, value in rows) == pytest.approx(1e-8)  # after the warmup epoch
 
 
