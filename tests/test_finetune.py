@@ -55,8 +55,12 @@ def moved(before, after):
     return any(not torch.equal(a, b) for a, b in zip(before, after))
 
 
-def on_rank(rank, port, results):
+def on_rank(rank, port, results, workdir):
+    """The module's one rank: train_then_resume's trainer runs in `workdir` (first: the engines below change
+    torch's linear for the rest of the process under ZeRO-3), then each ZeRO setting's engines, then
+    test_ds_config's SGD from a JSON config. A rank's start costs seconds: one serves every test here."""
     join_process_group(rank, port)
+    train_then_resume(results, workdir / "data", workdir)
     for name, zero in ZERO.items():
         model = block_model()
         groups = parameter_groups(model, CLASSES, GROUPED)
@@ -81,6 +85,7 @@ def on_rank(rank, port, results):
                              "rates": rates}
         results[name] = result
         results[("sgd", name)] = sgd_steps(zero)
+    results["json-sgd"] = json_sgd_steps()
 
 
 SGD_FLAGS = ("--optimizer", "sgd", "--momentum", "0.8", "--nesterov", "--learning_rate", "0.05",
@@ -111,9 +116,21 @@ def sgd_steps(zero):
     return sum(parameters(engine), []), [p.detach().clone() for p in reference.parameters()]
 
 
+def json_sgd_steps():
+    """3 steps of the config the trainer builds for a JSON's SGD, at ZeRO-2 with its state offloaded."""
+    from test_ds_config import build, sgd_steps
+
+    return sgd_steps(build("--zero_stage", "2", "--offload_optimizer", "--batch_size", "4", "--warmup_epochs", "0",
+                           base={"optimizer": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}}))
+
+
 @pytest.fixture(scope="module")
-def runs():
-    return spawn_ranks(on_rank)
+def runs(tmp_path_factory):
+    """on_rank's results; train_then_resume's runs in runs["workdir"]."""
+    workdir = tmp_path_factory.mktemp("finetune")
+    make_sample_dataset(workdir / "data", num_classes=CLASSES, train_per_class=4, val_per_class=2, image_size=32,
+                        seed=0)
+    return {**spawn_ranks(on_rank, 1, workdir), "workdir": workdir}
 
 
 @pytest.mark.slow
@@ -139,6 +156,17 @@ def test_sgd_with_nesterov_momentum_steps_as_torchs_at_every_zero_stage(runs, na
     for got, expected in zip(engine, reference):
         assert torch.allclose(got, expected, rtol=1e-5, atol=1e-6), name
     assert moved(reference, [p.detach() for p in small_model().parameters()])  # the steps moved it
+
+
+@pytest.mark.slow
+def test_sgd_from_the_json_trains_under_zero_with_offload(runs):
+    """DeepSpeed refuses an optimizer it has not listed under ZeRO (torch's SGD) unless the config allows it:
+    the config the trainer builds for a JSON's SGD, at ZeRO-2 with its state offloaded, trains on a real engine.
+    (test_ds_config's: trained in this module's rank.)"""
+    import math
+
+    results = runs["json-sgd"]
+    assert all(results["moved"]) and math.isfinite(results["loss"])
 
 
 def reference_lion(parameters, grads, states, lr, betas, weight_decay):
@@ -289,17 +317,16 @@ STEPS_PER_EPOCH, GAMMA = 3, 0.5  # 12 images at batch 4; StepLR halves the rate 
 METRICS = ("train_loss", "train_acc", "val_loss", "val_acc", "lr")
 
 
-def train_then_resume(rank, port, results, data, workdir):
+def train_then_resume(results, data, workdir):
     """2 epochs of StepLR (a torch scheduler, from the JSON) with a scaled body, then the second again from the
     first run's epoch_1; and 1 epoch of StepLR at ZeRO-2 (DeepSpeed built it over ZeRO's optimizer, which torch's
-    schedulers refuse)."""
+    schedulers refuse). In on_rank's process group."""
     import gc
 
     from deepspeed_image_trainer.cli import train
     from deepspeed_image_trainer.engine.distributed import barrier
 
-    join_process_group(rank, port)
-    train.shut_down = barrier  # the group serves both runs: spawn_ranks leaves it at the end
+    train.shut_down = barrier  # the group serves every run: spawn_ranks leaves it at the end
     config = workdir / "steplr.json"
     config.write_text(json.dumps({"scheduler": {"type": "StepLR", "params": {"step_size": 1, "gamma": GAMMA}}}))
     scaled = ["--backbone_lr_scale", str(SCALE), "--epochs", "2"]
@@ -314,12 +341,11 @@ def train_then_resume(rank, port, results, data, workdir):
 
 
 @pytest.mark.slow
-def test_a_torch_scheduler_with_a_scaled_body_saves_and_resumes_at_the_same_rates_and_runs_at_zero2(tmp_path):
+def test_a_torch_scheduler_with_a_scaled_body_saves_and_resumes_at_the_same_rates_and_runs_at_zero2(runs):
     """StepLR with --backbone_lr_scale: the first save failed to pickle the step function put on the scheduler,
     which saves its whole __dict__; and StepLR, stepping on from the body's scaled rate, scaled it again each step."""
-    make_sample_dataset(tmp_path / "data", num_classes=CLASSES, train_per_class=4, val_per_class=2, image_size=32,
-                        seed=0)
-    assert spawn_ranks(train_then_resume, 1, tmp_path / "data", tmp_path) == {"whole": 0, "resumed": 0, "zero2": 0}
+    tmp_path = runs["workdir"]  # on_rank's trainer runs
+    assert {run: runs[run] for run in ("whole", "resumed", "zero2")} == {"whole": 0, "resumed": 0, "zero2": 0}
     whole, resumed = history_of(tmp_path / "whole")["epochs"], history_of(tmp_path / "resumed")["epochs"]
     assert history_of(tmp_path / "zero2")["epochs"][0]["lr"] == pytest.approx(whole[0]["lr"])
     assert whole[1]["lr"] == pytest.approx(whole[0]["lr"] * GAMMA ** STEPS_PER_EPOCH)
