@@ -192,8 +192,9 @@ def test_a_search_process_trains_real_steps_and_a_broken_one_is_an_error():
 
 def test_a_coalesced_configuration_tries_two_micro_batches_a_step_inside_deepspeeds_coalescing():
     args = memory_profile.get_args_parser().parse_args(["--image_size", "64", "--bf16", "--steps", "1"])
-    tries, finished = memory_profile.child(args, "probe", "ZeRO-2 + offload optimizer, half weights, coalesced", "3")
-    assert finished and [(t["batch"], t["accumulation"], t["coalesced"]) for t in tries] == [(3, 2, True)]
+    # at micro-batch 1 (a CPU's bf16 steps take seconds an image): still two micro-batches a step, coalesced
+    tries, finished = memory_profile.child(args, "probe", "ZeRO-2 + offload optimizer, half weights, coalesced", "1")
+    assert finished and [(t["batch"], t["accumulation"], t["coalesced"]) for t in tries] == [(1, 2, True)]
     assert tries[0]["images_per_s"] > 0
     assert "ZeRO-2, coalesced" not in args.configs  # measured only when named
 
