@@ -116,6 +116,33 @@ def test_weights_copied_through_a_staging_buffer_are_the_ones_one_copy_makes(dty
     assert torch.equal(destination, source.to(destination.dtype))  # every piece, the last one short
 
 
+def test_the_pinned_copy_takes_only_gpu_half_weights_and_sizes_its_buffer_by_the_sub_group():
+    import torch
+
+    full = torch.zeros(10)
+    assert not deepspeed_overrides.through_pinned(None, full)  # no such sub-group
+    assert not deepspeed_overrides.through_pinned(torch.zeros(10, dtype=torch.bfloat16), full)  # weights on the CPU
+    if torch.cuda.is_available():
+        on_gpu = torch.zeros(10, dtype=torch.bfloat16, device="cuda")
+        assert deepspeed_overrides.through_pinned(on_gpu, full)
+        assert not deepspeed_overrides.through_pinned(on_gpu.float(), full)  # fp32 weights: the master copy itself
+        assert not deepspeed_overrides.through_pinned(on_gpu, full.pin_memory())  # NVMe swapping's pinned copy
+    chunk = deepspeed_overrides.PINNED_CHUNK
+
+    def sized(buffer, numel, dtype=torch.bfloat16):
+        return deepspeed_overrides.staging_buffer(buffer, torch.empty(numel, dtype=dtype, device="meta"), False)
+
+    small = sized(None, 10)
+    assert small.numel() == 10 and small.dtype == torch.bfloat16
+    assert sized(small, 4) is small  # a smaller sub-group: the same buffer
+    larger = sized(small, 1000)
+    assert larger.numel() == 1000  # a larger one after a small first: a buffer of its size
+    assert sized(larger, 10, torch.float16).dtype == torch.float16
+    assert sized(None, 0).numel() == 1 and sized(None, 10 * chunk).numel() == chunk
+    with pytest.raises(RuntimeError, match="10 elements into 9"):
+        deepspeed_overrides.copy_through(torch.zeros(9), torch.zeros(10), torch.zeros(4))
+
+
 def test_a_group_not_yet_measured_is_installed_only_by_name(monkeypatch):
     assert deepspeed_overrides.NOT_YET_MEASURED <= set(deepspeed_overrides.GROUPS)
     monkeypatch.setenv("TRAINER_DEEPSPEED_OVERRIDES", "1")

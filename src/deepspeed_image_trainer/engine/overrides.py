@@ -98,7 +98,8 @@ GROUPS = {"overflow_on_device": ("update_offload_overflow_tracker", "has_overflo
           "zero3_no_nvtx_ranges": (),
           "cuda_current_stream_by_index": (),
           "zero3_offload_weights_through_pinned": ()}
-# installed only when named (not by 1): written, checked for the same results on the CPU, not yet measured on a GPU
+# installed only when named (not by 1): not yet run or measured on a GPU (on a CPU the replacement hands every call
+# to DeepSpeed's code; its parts are unit-tested)
 NOT_YET_MEASURED = {"zero3_offload_weights_through_pinned"}
 # the modules whose print_rank_0 (their own, or partition_parameters' imported) the quiet one replaces
 PRINTING_MODULES = ("partition_parameters", "partitioned_param_coordinator", "parameter_offload", "stage3", "linear")
@@ -257,16 +258,16 @@ def _install_module_replacements(groups):
         path = "runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3._reassign_or_swap_out_partitioned_parameters"
         deepspeeds = inspect.getattr_static(*_deepspeed_attribute(path))
 
+        from deepspeed.utils.nvtx import instrument_w_nvtx
+
+        @instrument_w_nvtx  # as DeepSpeed's is: its range in a profile
         def _reassign_or_swap_out_partitioned_parameters(self, sub_group_id):
             half = self.fp16_partitioned_groups_flat[sub_group_id]
             full = self.fp32_partitioned_groups_flat[sub_group_id]
-            if (half is None or half.device.type != "cuda" or full.device.type != "cpu" or half.dtype == full.dtype
-                    or full.is_pinned()):
+            if not through_pinned(half, full):
                 return deepspeeds(self, sub_group_id)
-            staging = getattr(self, "_trainer_pinned_weights", None)
-            if staging is None or staging.dtype != half.dtype:
-                staging = self._trainer_pinned_weights = torch.empty(
-                    min(PINNED_CHUNK, half.numel()), dtype=half.dtype, pin_memory=True)
+            staging = self._trainer_pinned_weights = staging_buffer(
+                getattr(self, "_trainer_pinned_weights", None), half, pin_memory=True)
             copy_through(half.data.view(-1), full.data.view(-1), staging)
             self._unflatten_partitioned_parameters(sub_group_id)
 
@@ -282,12 +283,32 @@ def _install_module_replacements(groups):
 PINNED_CHUNK = 64 * 2**20
 
 
+def through_pinned(half, full):
+    """Whether ZeRO-3's updated weights `full` (DeepSpeed's fp32 master copy) go to the GPU's `half` through a
+    pinned buffer: a half-precision sub-group on the GPU, its master copy in pageable host memory. Otherwise
+    (no such sub-group, weights kept on the CPU, fp32 weights that are the master copy, a pinned master copy
+    from NVMe swapping) DeepSpeed's own copy."""
+    return (half is not None and half.device.type == "cuda" and full.device.type == "cpu"
+            and half.dtype != full.dtype and not full.is_pinned())
+
+
+def staging_buffer(buffer, half, pin_memory):
+    """`buffer` if it serves sub-group `half` (its dtype, and as long as PINNED_CHUNK or `half`), else a new one:
+    sub-groups differ in size (the first may be a small parameter group's)."""
+    size = max(1, min(PINNED_CHUNK, half.numel()))
+    if buffer is None or buffer.dtype != half.dtype or buffer.numel() < size:
+        buffer = torch.empty(size, dtype=half.dtype, pin_memory=pin_memory)
+    return buffer
+
+
 def copy_through(destination, source, staging):
     """destination.copy_(source) for 1-D tensors, `staging` (a buffer of destination's dtype) at a time: each
     piece converted into it on the host, then copied from it. From pinned memory a copy to the GPU runs at the
     link's speed; DeepSpeed's one copy_ from its unpinned fp32 weights converts into pageable memory, which the
     driver copies through its own small pinned buffers, several times slower. Each copy is synchronous, so the
     buffer is free again for the next piece."""
+    if destination.numel() != source.numel():  # as copy_ would refuse them
+        raise RuntimeError(f"copy_through: {source.numel()} elements into {destination.numel()}")
     for start in range(0, source.numel(), staging.numel()):
         piece = source[start:start + staging.numel()]
         staged = staging[:piece.numel()]
