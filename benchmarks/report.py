@@ -688,6 +688,7 @@ def finetune_run(name):
 
 
 SEVEN_B = "vit_7b_patch16_dinov3"
+TRAINER_ZERO3 = "zero3 (trainer: blocks as leaf modules)"  # zero3_settings.py's variant of the trainer's ZeRO-3
 SEVEN_B_OFFLOAD = f"timm/offload_7b/offload_profile_timm_{SEVEN_B}_nvidia_h200.json"
 
 
@@ -713,6 +714,9 @@ def seven_b():
         out += source(result, name)
         gpus, gpu = result["settings"]["num_gpus"], result["environment"]["gpu"]
         for label, r in result["results"].items():
+            if "error" in r:
+                rows.append([label, str(gpus), "", f"failed: {error_line(r['error'])}", "", "", "", ""])
+                continue
             ratio = r.get("ratio_to_reference")
             per_gpu[gpus, label] = r["images_per_s"] / gpus
             row(label, gpus, f"{result['settings']['batch_size']}", r["images_per_s"], gpu,
@@ -720,15 +724,16 @@ def seven_b():
     result = load(SEVEN_B_OFFLOAD)
     out += source(result, SEVEN_B_OFFLOAD)
     settings = result["settings"]
-    two = per_gpu[2, "zero3 (trainer: blocks as leaf modules)"]
+    two = per_gpu.get((2, TRAINER_ZERO3))
     for label, r in result["results"].items():
         if "error" not in r:
             row(label, 1, f"{settings['micro_batch']} × {settings['accumulation']} micro-batches", r["images_per_s"],
-                result["environment"]["gpu"], f"**{r['images_per_s'] / two:.2f}** of 2-GPU ZeRO-3's per GPU",
-                r["peak_reserved_gib"])
+                result["environment"]["gpu"],
+                f"**{r['images_per_s'] / two:.2f}** of 2-GPU ZeRO-3's per GPU" if two else "", r["peak_reserved_gib"])
     return out + (f"\ntimm:{SEVEN_B}, 224 px, bf16 weights; {flops:.2f} TFLOP per training image (forward and "
                   f"backward, recomputation not counted); peak GiB: allocated (ZeRO-3 against FSDP2), reserved "
-                  f"(offload):\n\n") + table(
+                  f"(offload); the offload run over {settings['steps']} timed optimizer step(s) of "
+                  f"{settings['micro_batch'] * settings['accumulation']} images:\n\n") + table(
         ["run", "GPUs", "batch per GPU", "images/s", "per GPU", "TFLOP/s per GPU (of bf16 peak)", "ratio", "peak GiB"],
         rows)
 
@@ -774,12 +779,13 @@ def offload_split(name, tflop_per_image):
                   f"{profiled_seconds(text, 'Optimizer.step#DeepSpeedCPUAdam.step', 'Self CPU'):.1f}"],
                  ["", "of it, profiled: gradients to the CPU (copies into pinned memory, GPU time)",
                   f"{profiled_seconds(text, 'Memcpy DtoH (Device -> Pinned)', 'Self CUDA'):.1f}"],
-                 ["", "of it, profiled: updated weights to the GPU (copies from pageable memory, GPU time)",
+                 ["", "of it, profiled: copies to the GPU from pageable memory, the updated weights' (GPU time)",
                   f"{profiled_seconds(text, 'Memcpy HtoD (Pageable -> Device)', 'Self CUDA'):.1f}"],
                  ["", f"the whole step, {micros * settings['micro_batch']} images",
                   f"{r['step_ms'] / 1000:.1f} ({r['images_per_s']:.1f} images/s)"]]
-    return out + (f"\n{settings['model']}, one GPU, {settings['image_size']} px, bf16; seconds (the profiled "
-                  "step, under torch.profiler, is a separate one):\n\n") + table(["configuration", "part", "s"], rows)
+    return out + (f"\n{settings['model']}, one GPU, {settings['image_size']} px, bf16; seconds of "
+                  f"{settings['steps']} timed optimizer step(s) (the profiled step, under torch.profiler, is a "
+                  "separate one):\n\n") + table(["configuration", "part", "s"], rows)
 
 
 def ema_cost(name):

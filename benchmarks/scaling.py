@@ -217,6 +217,10 @@ def main():
     path = args.output_dir / f"scaling_{model}{slug}_x{args.max_gpus}.json"
     gpu_counts = [1, args.max_gpus]
     results, commands = earlier_results(path, env, args, SHARED_SETTINGS) if args.update else ({}, [])
+    if results:  # the JSON's commit becomes this run's: a row from before per-row commits keeps the one it ran at
+        earlier_commit = json.loads(path.read_text())["environment"].get("commit")
+        for row in results.values():
+            row.setdefault("commit", earlier_commit)
     commands.append(env["command"])
 
     def save():

@@ -159,6 +159,8 @@ def main():
         return child(*json.loads(args.case), args)
     if args.trace and not torch.cuda.is_available():
         get_args_parser().error("--trace profiles CUDA kernels: it needs a GPU")
+    if args.trace and args.profile:
+        get_args_parser().error("--trace and --profile each profile the same extra steps: give one")
     reference = args.reference
     extra = ["--precision_mode", "half_weights"] if args.half_weights else []
     known = variants(args.model, args.num_gpus)
