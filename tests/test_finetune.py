@@ -59,8 +59,11 @@ def on_rank(rank, port, results, workdir):
     """The module's one rank: train_then_resume's trainer runs in `workdir` (first: the engines below change
     torch's linear for the rest of the process under ZeRO-3), then each ZeRO setting's engines, then
     test_ds_config's SGD from a JSON config. A rank's start costs seconds: one serves every test here."""
+    from deepspeed_image_trainer.engine import overrides
+
     join_process_group(rank, port)
     train_then_resume(results, workdir / "data", workdir)
+    overrides.uninstall()  # the trainer installed its replacements of DeepSpeed code: DeepSpeed's own below
     for name, zero in ZERO.items():
         model = block_model()
         groups = parameter_groups(model, CLASSES, GROUPED)
