@@ -305,7 +305,7 @@ def copy_through(destination, source, staging):
     """destination.copy_(source) for 1-D tensors, `staging` (a buffer of destination's dtype) at a time: each
     piece converted into it on the host, then copied from it. From pinned memory a copy to the GPU runs at the
     link's speed; DeepSpeed's one copy_ from its unpinned fp32 weights converts into pageable memory, which the
-    driver copies through its own small pinned buffers, several times slower. Each copy is synchronous, so the
+    driver copies through its own small pinned buffers, more slowly. Each copy is synchronous, so the
     buffer is free again for the next piece."""
     if destination.numel() != source.numel():  # as copy_ would refuse them
         raise RuntimeError(f"copy_through: {source.numel()} elements into {destination.numel()}")
