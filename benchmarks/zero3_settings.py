@@ -129,7 +129,7 @@ def child(kind, name, args):
             base = Path(tmp) / "base.json"
             base.write_text(json.dumps({"zero_optimization": zero, **(top[0] if top else {})}))
             result = trainer_case([*flags, "--deepspeed_config", str(base)], args, device, profile)
-        if args.profile and trace is None:
+        if args.profile:  # main refuses it beside --trace
             write_profile(profile, args.output_dir / f"zero3_profile_{slug_of(args.model)}_{slug_of(name)}.txt")
     if trace is not None:
         result["trace"] = trace.summary
