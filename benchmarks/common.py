@@ -6,6 +6,7 @@ The benchmarks are one unit: each script imports this module before the trainer'
 the one place that puts src/ on the import path (a clone runs them without installing the package);
 plain_loop.py alone, the reference a user would write, does it itself."""
 import argparse
+import hashlib
 import io
 import itertools
 import json
@@ -423,8 +424,13 @@ def relative_paths(text):
     return text.replace(f"{ROOT}/", "")
 
 
-def slug_of(name):
-    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+def slug_of(name, limit=96):
+    """A file-name piece for name; past limit characters cut, with a hash of the whole so names stay apart
+    (a list of every override group is over 200 characters, file names stop at 255 bytes)."""
+    slug = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+    if len(slug) <= limit:
+        return slug
+    return f"{slug[:limit - 9]}_{hashlib.sha1(name.encode()).hexdigest()[:8]}"
 
 
 def failed(name, result, width):

@@ -1,4 +1,5 @@
-"""The figures zero3_settings.py --trace reads from a torch.profiler trace (benchmarks/common.py)."""
+"""The figures zero3_settings.py --trace reads from a torch.profiler trace, and the file names benchmarks give
+their results (benchmarks/common.py)."""
 import common
 import pytest
 import torch
@@ -43,3 +44,11 @@ def test_a_traced_call_reports_the_hosts_busiest_operations():
     assert dict((name, count) for name, _, count in summary["host_self_ms_per_step"])["aten::mm"] == 2
     if not torch.cuda.is_available():
         assert summary["kernels_per_step"] == 0 and summary["launch_to_start_us"]["p50"] is None
+
+
+def test_a_long_name_becomes_a_file_name_that_fits_and_stays_apart_from_its_neighbours():
+    assert common.slug_of("ZeRO-3 + offload optimizer, half weights") == "zero_3_offload_optimizer_half_weights"
+    groups = ",".join(f"override_group_number_{i}" for i in range(12))
+    long, other = common.slug_of(groups), common.slug_of(groups + ",one_more")
+    assert len(long) == 96 and len(other) == 96 and long != other
+    assert long.startswith("override_group_number_0_override_group_number_1")
