@@ -692,6 +692,16 @@ TRAINER_ZERO3 = "zero3 (trainer: blocks as leaf modules)"  # zero3_settings.py's
 SEVEN_B_OFFLOAD = f"timm/offload_7b/offload_profile_timm_{SEVEN_B}_nvidia_h200.json"
 
 
+def offload_label(name, result):
+    """offload_profile.py's case, its list of overrides told by the one that differs between its cases (in the run
+    shown, "1", every override, still left the pinned copy out)."""
+    name, overrides = name.split(" [overrides: ")[0], result.get("overrides", "1")
+    if overrides == "1" and "[overrides: " not in name:
+        return name
+    pinned = "zero3_offload_weights_through_pinned" in overrides.split(",")
+    return name + (", the updated weights through pinned memory" if pinned else ", DeepSpeed's copy of the updated weights")
+
+
 def seven_b_flops():
     return load(f"timm/finetune_timm_{SEVEN_B}_nvidia_h100_80gb_hbm3_x2.json")["result"]["training_tflop_per_image"]
 
@@ -727,7 +737,8 @@ def seven_b():
     two = per_gpu.get((2, TRAINER_ZERO3))
     for label, r in result["results"].items():
         if "error" not in r:
-            row(label, 1, f"{settings['micro_batch']} × {settings['accumulation']} micro-batches", r["images_per_s"],
+            row(offload_label(label, r), 1, f"{settings['micro_batch']} × {settings['accumulation']} micro-batches",
+                r["images_per_s"],
                 result["environment"]["gpu"],
                 f"**{r['images_per_s'] / two:.2f}** of 2-GPU ZeRO-3's per GPU" if two else "", r["peak_reserved_gib"])
     return out + (f"\ntimm:{SEVEN_B}, 224 px, bf16 weights; {flops:.2f} TFLOP per training image (forward and "
@@ -741,8 +752,9 @@ def seven_b():
 PROFILE_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
-def profiled_seconds(text, name, column):
-    """torch.profiler's key_averages table (as offload_profile.py writes it): seconds in `column` of row `name`."""
+def profiled_seconds(text, name, column, missing=SystemExit):
+    """torch.profiler's key_averages table (as offload_profile.py writes it): seconds in `column` of row `name`;
+    without that row, `missing` if it is not SystemExit."""
     header = None
     for line in text.splitlines():
         cells = re.split(r"\s{2,}", line.strip())
@@ -751,6 +763,8 @@ def profiled_seconds(text, name, column):
         elif header and cells[0] == name:
             value = re.fullmatch(r"([\d.]+)(us|ms|s)", cells[header.index(column)])
             return float(value[1]) * PROFILE_UNITS[value[2]]
+    if missing is not SystemExit:
+        return missing
     raise SystemExit(f"error: no row {name!r} in the profile")
 
 
@@ -769,7 +783,8 @@ def offload_split(name, tflop_per_image):
         between, last, micros = r["between_ms"], r["at_step_ms"], settings["accumulation"]
         forward = (between["forward"] * (micros - 1) + last["forward"]) / 1000
         backward = (between["backward"] * (micros - 1) + last["backward"]) / 1000
-        rows += [[config, f"forward, {micros} micro-batches of {settings['micro_batch']}", f"{forward:.1f}"],
+        rows += [[offload_label(config, r), f"forward, {micros} micro-batches of {settings['micro_batch']}",
+                  f"{forward:.1f}"],
                  ["", f"backward (with recomputation), {micros} micro-batches", f"{backward:.1f}"],
                  ["", "the micro-batches' TFLOP/s (of the bf16 peak)",
                   f"{(tflops := micros * settings['micro_batch'] * tflop_per_image / (forward + backward)):.0f} "
@@ -779,8 +794,9 @@ def offload_split(name, tflop_per_image):
                   f"{profiled_seconds(text, 'Optimizer.step#DeepSpeedCPUAdam.step', 'Self CPU'):.1f}"],
                  ["", "of it, profiled: gradients to the CPU (copies into pinned memory, GPU time)",
                   f"{profiled_seconds(text, 'Memcpy DtoH (Device -> Pinned)', 'Self CUDA'):.1f}"],
-                 ["", "of it, profiled: copies to the GPU from pageable memory, the updated weights' (GPU time)",
-                  f"{profiled_seconds(text, 'Memcpy HtoD (Pageable -> Device)', 'Self CUDA'):.1f}"],
+                 *[["", f"of it, profiled: copies to the GPU from {kind.lower()} memory, the updated weights' (GPU "
+                    f"time)", f"{copied:.1f}"] for kind in ("Pageable", "Pinned")
+                   if (copied := profiled_seconds(text, f"Memcpy HtoD ({kind} -> Device)", "Self CUDA", None))],
                  ["", f"the whole step, {micros * settings['micro_batch']} images",
                   f"{r['step_ms'] / 1000:.1f} ({r['images_per_s']:.1f} images/s)"]]
     return out + (f"\n{settings['model']}, one GPU, {settings['image_size']} px, bf16; seconds of "

@@ -3,6 +3,7 @@ work, the CUDA accelerator's current stream): they stand only over the DeepSpeed
 against, and train to DeepSpeed's own results, overflow skips included. Also the ZeRO-1/2 setting the trainer
 changes from DeepSpeed's default (contiguous gradients off): it trains to the same weights."""
 import pytest
+import torch
 
 from deepspeed_image_trainer.engine import overrides as deepspeed_overrides
 
@@ -104,16 +105,19 @@ def test_the_cuda_accelerator_returns_the_stream_deepspeeds_returns(monkeypatch)
     assert CUDA_Accelerator.current_stream is deepspeeds
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the GPU's copy from pinned memory needs CUDA"))])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("size, staging", [(1000, 64), (64, 64), (10, 64), (1, 1)])
-def test_weights_copied_through_a_staging_buffer_are_the_ones_one_copy_makes(dtype, size, staging):
+def test_weights_copied_through_a_staging_buffer_are_the_ones_one_copy_makes(device, dtype, size, staging):
     import torch
 
     source = torch.randn(size, generator=torch.Generator().manual_seed(size)) * 1e3
-    destination = torch.full((size,), 7.0, dtype=getattr(torch, dtype))
-    buffer = torch.full((staging,), 5.0, dtype=destination.dtype)
+    destination = torch.full((size,), 7.0, dtype=getattr(torch, dtype), device=device)
+    buffer = torch.full((staging,), 5.0, dtype=destination.dtype, pin_memory=device == "cuda")
     deepspeed_overrides.copy_through(destination, source, buffer)
-    assert torch.equal(destination, source.to(destination.dtype))  # every piece, the last one short
+    # every piece, the last one short; on the GPU the same bits as DeepSpeed's one copy_ from the fp32 weights
+    assert torch.equal(destination, torch.empty_like(destination).copy_(source))
 
 
 def test_the_pinned_copy_takes_only_gpu_half_weights_and_sizes_its_buffer_by_the_sub_group():
@@ -143,12 +147,8 @@ def test_the_pinned_copy_takes_only_gpu_half_weights_and_sizes_its_buffer_by_the
         deepspeed_overrides.copy_through(torch.zeros(9), torch.zeros(10), torch.zeros(4))
 
 
-def test_a_group_not_yet_measured_is_installed_only_by_name(monkeypatch):
-    assert deepspeed_overrides.NOT_YET_MEASURED <= set(deepspeed_overrides.GROUPS)
-    monkeypatch.setenv("TRAINER_DEEPSPEED_OVERRIDES", "1")
-    assert not deepspeed_overrides.enabled() & deepspeed_overrides.NOT_YET_MEASURED
-    monkeypatch.setenv("TRAINER_DEEPSPEED_OVERRIDES", ",".join(deepspeed_overrides.NOT_YET_MEASURED))
-    assert deepspeed_overrides.enabled() == deepspeed_overrides.NOT_YET_MEASURED
+def test_the_pinned_weight_copy_replaces_deepspeeds_by_default(monkeypatch):
+    monkeypatch.delenv("TRAINER_DEEPSPEED_OVERRIDES", raising=False)
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
 
     deepspeeds = Stage3.__dict__["_reassign_or_swap_out_partitioned_parameters"]
@@ -160,10 +160,7 @@ def test_a_group_not_yet_measured_is_installed_only_by_name(monkeypatch):
     assert Stage3.__dict__["_reassign_or_swap_out_partitioned_parameters"] is deepspeeds
 
 
-ALL_MEASURED = set(deepspeed_overrides.GROUPS) - deepspeed_overrides.NOT_YET_MEASURED
-
-
-@pytest.mark.parametrize("value, groups", [("1", ALL_MEASURED), ("0", set()),
+@pytest.mark.parametrize("value, groups", [("1", set(deepspeed_overrides.GROUPS)), ("0", set()),
                                            ("overflow_on_device, grad_norm_on_device",
                                             {"overflow_on_device", "grad_norm_on_device"})])
 def test_the_environment_picks_the_overrides(monkeypatch, value, groups):

@@ -34,17 +34,16 @@ of ViT-G/14 at ZeRO-3); here the accelerator passes the current device's index, 
 
 And one in ZeRO-3 with optimizer offload and half-precision weights: after each optimizer step DeepSpeed copies
 the updated fp32 weights, which it keeps in pageable host memory, into the GPU's bf16/fp16 ones with one copy_,
-which converts them into a pageable buffer the driver then copies through its own small pinned ones (1.9 s of
-each 19 s step of the 7 B ViT on one H200, benchmarks/results/timm/offload_7b); here they pass through a pinned
-buffer of 128 MB, a piece at a time, each converted on the host as before. Not measured on a GPU yet: installed
-only when TRAINER_DEEPSPEED_OVERRIDES names it (NOT_YET_MEASURED).
+which converts them into a pageable buffer the driver then copies through its own small pinned ones; here they
+pass through a pinned buffer of 128 MB, a piece at a time, each converted on the host as before (the 7 B ViT's
+step on one H200: docs/training.md#fine-tuning-a-7-b-vit).
 
 Results are the same as DeepSpeed's (tests/test_deepspeed_overrides.py trains with and without them; on the
 CPU, which records no copy events, the accumulation wait has nothing to skip: a unit test checks its logic).
 The replacements are installed only over the exact DeepSpeed source they were written against (a hash of
 each replaced function); another DeepSpeed keeps its own code, and the guard test fails so the change is
 read. TRAINER_DEEPSPEED_OVERRIDES=0 keeps DeepSpeed's code (benchmarks measure both ways); a comma-separated
-list of GROUPS' names installs those only (NOT_YET_MEASURED's too).
+list of GROUPS' names installs those only.
 """
 import hashlib
 import importlib
@@ -98,9 +97,6 @@ GROUPS = {"overflow_on_device": ("update_offload_overflow_tracker", "has_overflo
           "zero3_no_nvtx_ranges": (),
           "cuda_current_stream_by_index": (),
           "zero3_offload_weights_through_pinned": ()}
-# installed only when named (not by 1): not yet run or measured on a GPU (on a CPU the replacement hands every call
-# to DeepSpeed's code; its parts are unit-tested)
-NOT_YET_MEASURED = {"zero3_offload_weights_through_pinned"}
 # the modules whose print_rank_0 (their own, or partition_parameters' imported) the quiet one replaces
 PRINTING_MODULES = ("partition_parameters", "partitioned_param_coordinator", "parameter_offload", "stage3", "linear")
 _module_originals = {}  # (module or class, name) -> DeepSpeed's object, while the replacements stand
@@ -139,11 +135,10 @@ def _deepspeed_attribute(path):
 
 
 def enabled():
-    """The names of GROUPS to install (TRAINER_DEEPSPEED_OVERRIDES: unset or 1 all but NOT_YET_MEASURED, 0 none,
-    or a list)."""
+    """The names of GROUPS to install (TRAINER_DEEPSPEED_OVERRIDES: unset or 1 all, 0 none, or a list)."""
     value = os.environ.get("TRAINER_DEEPSPEED_OVERRIDES", "").strip() or "1"
     if value in ("1", "0"):
-        return set(GROUPS) - NOT_YET_MEASURED if value == "1" else set()
+        return set(GROUPS) if value == "1" else set()
     names = {name.strip() for name in value.split(",") if name.strip()}
     if names - set(GROUPS):
         raise UsageError(f"TRAINER_DEEPSPEED_OVERRIDES: unknown {', '.join(sorted(names - set(GROUPS)))}; "
