@@ -248,6 +248,37 @@ def zero3_settings(name):
         + ":\n\n") + table(header, rows)
 
 
+def zero3_trace(name):
+    """zero3_settings.py --trace: each case's speed, then what torch.profiler saw over its steps run again (the
+    GPU's busy time, how long compute kernels waited after their launch) and the host's busiest operations."""
+    result = load(name)
+    results = result["results"]
+    rows, host = [], []
+    for label, r in results.items():
+        if "error" in r:
+            rows.append([label, f"failed: {error_line(r['error'])}"] + [""] * 8)
+            continue
+        t, ratio = r["trace"], r.get("ratio_to_reference")
+        waits = t["launch_to_start_us"]
+        rows.append([label, f"{r['images_per_s']:,.0f}", f"**{ratio:.2f}**" if ratio else "1 (reference)",
+                     str(t["rank"]), f"{t['profiled_ms_per_step']:.0f}", f"{t['compute_busy_ms_per_step']:.0f}",
+                     f"{t['nccl_busy_ms_per_step']:.0f}", f"{t['kernels_per_step']:,.0f}",
+                     " / ".join(f"{waits[p]:,.0f}" for p in ("p10", "p50", "p90")),
+                     f"{t['started_within_50us']:.0%}"])
+        host += [[label if i == 0 else "", op, f"{ms:.1f}", f"{calls:,.0f}" if calls >= 10 else f"{calls:g}"]
+                 for i, (op, ms, calls) in enumerate(t["host_self_ms_per_step"])]
+    settings = result["settings"]
+    return source(result, name) + (
+        f"\n{settings['model']}, micro-batch {settings['batch_size']} per GPU on {settings['num_gpus']} GPUs, "
+        f"{settings['image_size']} px, bf16 weights, {settings['steps']} timed steps, then as many again under "
+        "torch.profiler on one rank (ms a step there: the profiler slows the host); a compute kernel started "
+        "within 50 us of its launch is one the GPU was waiting for:\n\n") + table(
+        ["variant", "images/s", "ratio", "traced rank", "profiled ms a step", "compute kernels busy ms",
+         "NCCL kernels busy ms", "kernels a step", "launch to start p10 / p50 / p90 us", "started within 50 us"],
+        rows) + "\nThe host's busiest operations, by their own time a step:\n\n" + table(
+        ["variant", "operation", "ms a step", "calls a step"], host)
+
+
 def fp16_offload():
     name = "fp16_offload_nvidia_h200.json"
     result = load(name)
@@ -853,6 +884,8 @@ TABLES = {
     "zero3-fsdp2-linear": lambda: zero3_settings(
         "timm/zero3_linear/zero3_settings_timm_vit_gigantic_patch14_clip_224_b32_half_weights_nvidia_h100_80gb_hbm3_x2.json"),
     "zero3-7b": seven_b,
+    "zero3-trace": lambda: zero3_trace(
+        "timm/zero3_trace/zero3_settings_timm_vit_gigantic_patch14_clip_224_b32_half_weights_nvidia_h200_x2.json"),
     "offload-7b": lambda: offload_split(SEVEN_B_OFFLOAD, seven_b_flops()),
     "finetune-7b": lambda: finetune_run(
         "timm/finetune_timm_vit_7b_patch16_dinov3_nvidia_h100_80gb_hbm3_x2.json"),
