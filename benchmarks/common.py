@@ -103,6 +103,7 @@ REFERENCES = {
     # PyTorch's FSDP2 on several GPUs: fully_shard per repeated block and the root, bf16 weights, fp32 reduction
     # (the reference of ZeRO-3 with DeepSpeed's bf16 weights)
     "torch bf16 FSDP2": {"dtype": None, "channels_last": False, "fsdp2": True},
+    "torch bf16 FSDP2 compile": {"dtype": None, "channels_last": False, "fsdp2": True, "compile": True},
 }
 BF16_REF, FP16_REF = "torch bf16 channels_last", "torch fp16 channels_last"
 SYNC_BN_REF, CROPS_REF = "torch bf16 channels_last SyncBatchNorm", "torch bf16 channels_last crops"

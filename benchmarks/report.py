@@ -231,9 +231,10 @@ def zero3_settings(name):
     compiled = [r.get("ratio_to_compiled_reference") for r in result["results"].values()]
     if any(compiled):  # the compiled variants against the compiled plain loop too, which is against the eager one
         header.insert(3, "ratio to compiled plain")
-        eager = result["results"]["torch bf16 channels_last"]["images_per_s"]
+        reference = result["settings"].get("reference", "torch bf16 channels_last")
+        eager = result["results"][reference]["images_per_s"]
         for row, (label, r), ratio in zip(rows, result["results"].items(), compiled):
-            if label == "torch bf16 channels_last compile":
+            if label == f"{reference} compile":
                 row[2], ratio = f"**{r['images_per_s'] / eager:.2f}**", "1 (reference)"
             row.insert(3, f"**{ratio:.2f}**" if isinstance(ratio, float) else ratio or "")
     settings = result["settings"]

@@ -20,11 +20,15 @@ in a process of its own (throughput.py's trainer case), the plain loop in anothe
         --half_weights --reference "torch bf16 FSDP2" --steps 10 --warmup_steps 3 --variants \
         "zero3 (trainer: blocks as leaf modules)" "zero3 ZeRO++ quantized weights" \
         "zero3 ZeRO++ quantized gradients" "zero3 ZeRO++ hpZ over the node's GPUs"   # ZeRO++, one at a time
+    python benchmarks/zero3_settings.py --model timm:vit_gigantic_patch14_clip_224 --batch_size 32 --num_gpus 2 \
+        --half_weights --reference "torch bf16 FSDP2" --steps 10 --warmup_steps 10 --case_timeout 420 \
+        --variants "zero3 DeepCompile"   # + FSDP2 under torch.compile
 
-A variant that compiles (--compile) is also compared with the plain loop under torch.compile, measured in
-the same run. --trace (GPU) runs each case's steps once more under torch.profiler and adds what the trace says
-to its JSON: the GPU's busy time (compute kernels, NCCL's), kernels a step, and how long compute kernels wait
-between their launch on the host and their start, which tells a GPU held back by the host from one that is not.
+A variant that compiles (--compile) is also compared with the reference's loop under torch.compile (the plain
+loop's, or FSDP2's), measured in the same run. --trace (GPU) runs each case's steps once more under
+torch.profiler and adds what the trace says to its JSON: the GPU's busy time (compute kernels, NCCL's), kernels
+a step, and how long compute kernels wait between their launch on the host and their start, which tells a GPU
+held back by the host from one that is not.
 
 Prints a table last; writes benchmarks/results/zero3_settings_<model>_b<micro-batch>_<gpu>.json.
 """
@@ -44,7 +48,8 @@ from deepspeed_image_trainer.engine import overrides
 from machine import machine_slug
 
 REFERENCE = "torch bf16 channels_last"
-COMPILED = "torch bf16 channels_last compile"  # measured too where a variant compiles, the fair reference for it
+# measured too where a variant compiles, the fair reference for it: the reference's loop under torch.compile
+COMPILED = {REFERENCE: "torch bf16 channels_last compile", "torch bf16 FSDP2": "torch bf16 FSDP2 compile"}
 NO_LEAVES = {"leaf_module": {"classes": []}}  # a config's own leaf_module (here: none) replaces the trainer's
 # measured only when named: minutes of compiling each, and DeepCompile needs CUDA
 COMPILING = {"zero3 torch.compile", "zero3 DeepCompile"}
@@ -162,14 +167,18 @@ def main():
     if args.trace and args.profile:
         get_args_parser().error("--trace and --profile each profile the same extra steps: give one")
     reference = args.reference
+    compiled = COMPILED.get(reference)
     extra = ["--precision_mode", "half_weights"] if args.half_weights else []
     known = variants(args.model, args.num_gpus)
     names = [reference, *(args.variants or [name for name in known if name not in COMPILING | ZERO_PLUS_PLUS])]
     unknown = set(names) - {reference, *known}
-    if any("--compile" in known[name][0] for name in names if name not in unknown | {reference}):
-        names.insert(1, COMPILED)
     if unknown:
         sys.exit(f"error: unknown variant(s): {', '.join(sorted(unknown))}; known: {', '.join(known)}")
+    if any("--compile" in known[name][0] for name in names if name != reference):
+        if compiled is None:
+            sys.exit(f"error: a compiled variant needs the reference compiled too; {reference} has no compiled "
+                     f"loop here: {' or '.join(COMPILED)}")
+        names.insert(1, compiled)
     env = environment()
     path = args.output_dir / (f"zero3_settings_{slug_of(args.model)}_b{args.batch_size}"
                               f"{'_half_weights' if args.half_weights else ''}_{machine_slug(env)}"
@@ -186,13 +195,13 @@ def main():
             runs[name].append({**run_case_of(__file__, {"extra": extra, "trace": args.trace}, name, args),
                                "wall_s": round(time.perf_counter() - started, 1)})
             results[name] = summary(runs[name])
-            if name not in (reference, COMPILED):
+            if name not in (reference, compiled):
                 flags, zero, *top = known[name]
                 results[name].update(flags=[*flags, *extra], changed=zero, **({"base_config": top[0]} if top else {}),
                                      **({"environment": top[1]} if len(top) > 1 else {}),
                                      reference=reference, ratio_to_reference=ratio(results, name, reference))
                 if "--compile" in flags:
-                    results[name]["ratio_to_compiled_reference"] = ratio(results, name, COMPILED)
+                    results[name]["ratio_to_compiled_reference"] = ratio(results, name, compiled)
             print(f"{name}: {json.dumps(runs[name][-1])[:300]}", flush=True)
             path.write_text(json.dumps({"environment": env, "settings": settings, "results": results}, indent=2) + "\n")
 
