@@ -784,9 +784,9 @@ def seven_b():
 PROFILE_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 
-def profiled_seconds(text, name, column, missing=SystemExit):
+def profiled_seconds(text, name, column, required=True):
     """torch.profiler's key_averages table (as offload_profile.py writes it): seconds in `column` of row `name`;
-    without that row, `missing` if it is not SystemExit."""
+    without that row, None where it is not required."""
     header = None
     for line in text.splitlines():
         cells = re.split(r"\s{2,}", line.strip())
@@ -795,8 +795,8 @@ def profiled_seconds(text, name, column, missing=SystemExit):
         elif header and cells[0] == name:
             value = re.fullmatch(r"([\d.]+)(us|ms|s)", cells[header.index(column)])
             return float(value[1]) * PROFILE_UNITS[value[2]]
-    if missing is not SystemExit:
-        return missing
+    if not required:
+        return None
     raise SystemExit(f"error: no row {name!r} in the profile")
 
 
@@ -828,7 +828,7 @@ def offload_split(name, tflop_per_image):
                   f"{profiled_seconds(text, 'Memcpy DtoH (Device -> Pinned)', 'Self CUDA'):.1f}"],
                  *[["", f"of it, profiled: copies to the GPU from {kind.lower()} memory, the updated weights' (GPU "
                     f"time)", f"{copied:.1f}"] for kind in ("Pageable", "Pinned")
-                   if (copied := profiled_seconds(text, f"Memcpy HtoD ({kind} -> Device)", "Self CUDA", None))],
+                   if (copied := profiled_seconds(text, f"Memcpy HtoD ({kind} -> Device)", "Self CUDA", required=False))],
                  ["", f"the whole step, {micros * settings['micro_batch']} images",
                   f"{r['step_ms'] / 1000:.1f} ({r['images_per_s']:.1f} images/s)"]]
     return out + (f"\n{settings['model']}, one GPU, {settings['image_size']} px, bf16; seconds of "

@@ -110,8 +110,6 @@ def test_the_cuda_accelerator_returns_the_stream_deepspeeds_returns(monkeypatch)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("size, staging", [(1000, 64), (64, 64), (10, 64), (1, 1)])
 def test_weights_copied_through_a_staging_buffer_are_the_ones_one_copy_makes(device, dtype, size, staging):
-    import torch
-
     source = torch.randn(size, generator=torch.Generator().manual_seed(size)) * 1e3
     destination = torch.full((size,), 7.0, dtype=getattr(torch, dtype), device=device)
     buffer = torch.full((staging,), 5.0, dtype=destination.dtype, pin_memory=device == "cuda")
