@@ -945,6 +945,7 @@ TABLES = {
     "max-batch": max_batch,
     "capacity-8gib": lambda: capacity("capacity_8gib"),
     "capacity-24gib": lambda: capacity("capacity_24gib"),
+    "capacity-24gib-timm": lambda: capacity("timm/capacity_24gib"),
     "capacity-8gib-checkpointing": lambda: capacity("capacity_8gib_checkpointing"),
     "offload-accumulation": lambda: accumulation("accumulation/capacity_8gib"),
     "offload-profile": lambda: offload_profile([f"offload_profile/offload_profile_{model}_nvidia_h100_80gb_hbm3.json"
