@@ -460,8 +460,10 @@ def run_cli(main, argv=None):
     # workers down now. Left to the exit handlers, which stop workers with SIGTERM, a run stopped mid-epoch
     # or crashed would wait forever for workers that ignore it (see data/folders.py, ignore_stop_signals);
     # workers whose loader something still holds (a crash inside a worker) are killed, without torch's
-    # handler that reports a killed worker.
-    gc.collect()
+    # handler that reports a killed worker. Without children there is nothing to shut down (a collection took a
+    # process holding many objects a fifth of a second).
+    if multiprocessing.active_children():
+        gc.collect()
     if not quiet:
         print(message, file=sys.stderr, flush=True)
     if multiprocessing.active_children():
