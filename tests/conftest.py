@@ -1,6 +1,7 @@
 import atexit
 import hashlib
 import json
+import multiprocessing
 import os
 import shlex
 import shutil
@@ -29,6 +30,10 @@ os.environ["TRAINER_CACHE_DIR"] = os.environ["TRAINER_TEST_CACHE_DIR"]
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
 
 from deepspeed_image_trainer.data.prepare import make_sample_dataset  # noqa: E402
+
+# spawn_ranks' processes fork from a server that imported these once (spawned, each rank imported them again: 5 s
+# of a CPU). Not from the test's process: a fork after an autograd backward there cannot run autograd.
+multiprocessing.set_forkserver_preload(["torch", "torchvision", "deepspeed", "deepspeed_image_trainer.cli.train"])
 
 
 # The devices a data-path test runs on: the GPU's case is marked `gpu` (-m gpu on a GPU machine) and skipped without one.
@@ -117,7 +122,8 @@ def spawn_ranks(fn, nprocs=1, *args):
 
     results = mp.Manager().dict()
     try:
-        mp.spawn(_as_rank, args=(fn, free_port(), results, args), nprocs=nprocs, join=True)
+        mp.start_processes(_as_rank, args=(fn, free_port(), results, args, dict(os.environ), os.getcwd()),
+                           nprocs=nprocs, join=True, start_method="forkserver")
     except ProcessException as err:
         # spawn names the first rank to end; the one that failed first may be another, its peers aborting after it
         raise AssertionError("\n".join([str(err), *(results.get(("traceback", rank), f"rank {rank}: no exception")
@@ -125,8 +131,12 @@ def spawn_ranks(fn, nprocs=1, *args):
     return dict(results)
 
 
-def _as_rank(rank, fn, port, results, args):
+def _as_rank(rank, fn, port, results, args, environ, cwd):
     import traceback
+
+    os.environ.clear()  # this test's, as a spawned process has them: the fork server's are its first test's
+    os.environ.update(environ)
+    os.chdir(cwd)
 
     from deepspeed_image_trainer.engine.distributed import exit_now, shut_down
 
