@@ -32,7 +32,9 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), os.e
 from deepspeed_image_trainer.data.prepare import make_sample_dataset  # noqa: E402
 
 # spawn_ranks' processes fork from a server that imported these once (spawned, each rank imported them again: 5 s
-# of a CPU). Not from the test's process: a fork after an autograd backward there cannot run autograd.
+# of a CPU). Not from the test's process: a fork after an autograd backward there cannot run autograd. Spawned
+# where there is a GPU: the server's imports ask the CUDA driver for its devices, and CUDA does not survive a fork.
+START_METHOD = "spawn" if torch.cuda.is_available() else "forkserver"
 multiprocessing.set_forkserver_preload(["torch", "torchvision", "deepspeed", "deepspeed_image_trainer.cli.train"])
 
 
@@ -123,7 +125,7 @@ def spawn_ranks(fn, nprocs=1, *args):
     results = mp.Manager().dict()
     try:
         mp.start_processes(_as_rank, args=(fn, free_port(), results, args, dict(os.environ), os.getcwd()),
-                           nprocs=nprocs, join=True, start_method="forkserver")
+                           nprocs=nprocs, join=True, start_method=START_METHOD)
     except ProcessException as err:
         # spawn names the first rank to end; the one that failed first may be another, its peers aborting after it
         raise AssertionError("\n".join([str(err), *(results.get(("traceback", rank), f"rank {rank}: no exception")
