@@ -5,6 +5,7 @@ import multiprocessing
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -136,7 +137,13 @@ def spawn_ranks(fn, nprocs=1, *args):
 def _as_rank(rank, fn, port, results, args, environ, cwd):
     import traceback
 
-    os.environ.clear()  # this test's, as a spawned process has them: the fork server's are its first test's
+    # A rank's parent is the fork server, which outlives the test's process: torch's parent-death signal would
+    # not come, and a rank waiting in gloo would go on to DeepSpeed's timeout; it watches the test's process.
+    parent = multiprocessing.parent_process()
+    threading.Thread(target=lambda: (parent.join(), os.kill(os.getpid(), signal.SIGKILL)), daemon=True).start()
+    # The test's environment and folder. What the server's imports read from its own environment stays (DeepSpeed's
+    # DEEPSPEED_TIMEOUT and accelerator, the thread counts of OpenMP): no spawn_ranks caller sets those.
+    os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
 
