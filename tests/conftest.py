@@ -125,7 +125,7 @@ def spawn_ranks(fn, nprocs=1, *args):
 
     results = mp.Manager().dict()
     try:
-        mp.start_processes(_as_rank, args=(fn, free_port(), results, args, dict(os.environ), os.getcwd()),
+        mp.start_processes(_as_rank, args=(fn, free_port(), results, args, dict(os.environ)),
                            nprocs=nprocs, join=True, start_method=START_METHOD)
     except ProcessException as err:
         # spawn names the first rank to end; the one that failed first may be another, its peers aborting after it
@@ -134,18 +134,18 @@ def spawn_ranks(fn, nprocs=1, *args):
     return dict(results)
 
 
-def _as_rank(rank, fn, port, results, args, environ, cwd):
+def _as_rank(rank, fn, port, results, args, environ):
     import traceback
 
     # A rank's parent is the fork server, which outlives the test's process: torch's parent-death signal would
     # not come, and a rank waiting in gloo would go on to DeepSpeed's timeout; it watches the test's process.
     parent = multiprocessing.parent_process()
     threading.Thread(target=lambda: (parent.join(), os.kill(os.getpid(), signal.SIGKILL)), daemon=True).start()
-    # The test's environment and folder. What the server's imports read from its own environment stays (DeepSpeed's
-    # DEEPSPEED_TIMEOUT and accelerator, the thread counts of OpenMP): no spawn_ranks caller sets those.
+    # The test's environment (multiprocessing already moved to its folder). What the server's imports read from
+    # its own environment stays (DeepSpeed's DEEPSPEED_TIMEOUT and accelerator, the thread counts of OpenMP): no
+    # spawn_ranks caller sets those.
     os.environ.clear()
     os.environ.update(environ)
-    os.chdir(cwd)
 
     from deepspeed_image_trainer.engine.distributed import exit_now, shut_down
 
