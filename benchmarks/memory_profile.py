@@ -37,6 +37,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -527,7 +528,11 @@ def child(args, mode, name, *values, capped=True):
     tries = said_tries(result.stdout)
     out_of_memory = result.returncode == OUT_OF_MEMORY or any(not attempt["fits"] for attempt in tries)
     if result.returncode != 0 and not out_of_memory:
-        raise RuntimeError(f"the {mode} of {name} ({' '.join(values)}) failed:\n{ranks_errors(result.stderr)[-3000:]}")
+        # a process killed by a signal (the kernel's out-of-memory killer: the host's memory) leaves no traceback
+        ended = (f"killed by {signal.Signals(-result.returncode).name}" if result.returncode < 0
+                 else f"exit status {result.returncode}")
+        raise RuntimeError(f"the {mode} of {name} ({' '.join(values)}) failed ({ended}):\n"
+                           f"{ranks_errors(result.stderr)[-3000:]}")
     for attempt in tries:
         speed = f", {attempt['images_per_s']:.1f} images/s" if attempt.get("images_per_s") else ""
         print(f"  {name}: micro-batch {attempt['batch']}"
@@ -586,8 +591,12 @@ def largest_batches(args, sizes, on_row=lambda rows: None):
             row["images_per_s"] = timed[0].get("images_per_s") if timed and timed[0]["fits"] else None
         if args.global_batch and largest and offloads_optimizer(name):
             accumulation = math.ceil(args.global_batch / largest)
-            timed, _ = child(args, "probe", name, str(largest), "--accumulation", str(accumulation))
             row["global_batch"] = largest * accumulation
+            try:
+                timed, _ = child(args, "probe", name, str(largest), "--accumulation", str(accumulation))
+            except RuntimeError as err:  # the row found without accumulation is kept, with why this one failed
+                print(err, flush=True)
+                timed, row["global_batch_error"] = None, str(err).splitlines()[0]
             row["global_batch_images_per_s"] = timed[0].get("images_per_s") if timed and timed[0]["fits"] else None
         row["seconds"] = time.perf_counter() - started
         rows.append(row)

@@ -421,7 +421,8 @@ def accumulation_rows(models, rows_of, results):
     return [[model, row["config"], f"{row['max_micro_batch']} × {row['global_batch'] // row['max_micro_batch']}"
              f" = {row['global_batch']}", *([f"{row['global_batch_images_per_s']:,.0f}",
              f"**{row['global_batch_images_per_s'] / r['reference']['images_per_s']:.2f}**"]
-                                            if row["global_batch_images_per_s"] else ["out of memory", ""])]
+                                            if row["global_batch_images_per_s"]
+                                            else [row.get("global_batch_error", "out of memory"), ""])]
             for model, rows, (_, r) in zip(models, rows_of, results) for row in rows.values() if "global_batch" in row]
 
 
