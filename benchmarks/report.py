@@ -421,9 +421,14 @@ def accumulation_rows(models, rows_of, results):
     return [[model, row["config"], f"{row['max_micro_batch']} × {row['global_batch'] // row['max_micro_batch']}"
              f" = {row['global_batch']}", *([f"{row['global_batch_images_per_s']:,.0f}",
              f"**{row['global_batch_images_per_s'] / r['reference']['images_per_s']:.2f}**"]
-                                            if row["global_batch_images_per_s"]
-                                            else [row.get("global_batch_error", "out of memory"), ""])]
+                                            if row["global_batch_images_per_s"] else [accumulation_failure(row), ""])]
             for model, rows, (_, r) in zip(models, rows_of, results) for row in rows.values() if "global_batch" in row]
+
+
+def accumulation_failure(row):
+    """Why an accumulated probe has no figure: out of memory on the GPU, or how its process ended."""
+    ended = re.search(r"failed \(([^)]*)\)", row.get("global_batch_error", ""))
+    return f"failed ({ended.group(1)})" if ended else row.get("global_batch_error", "out of memory")
 
 
 def accumulation(folder):
