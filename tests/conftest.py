@@ -2,6 +2,7 @@ import atexit
 import hashlib
 import json
 import multiprocessing
+import multiprocessing.managers
 import os
 import shlex
 import shutil
@@ -123,15 +124,24 @@ def spawn_ranks(fn, nprocs=1, *args):
 
     from deepspeed_image_trainer.engine.distributed import free_port
 
-    results = mp.Manager().dict()
-    try:
-        mp.start_processes(_as_rank, args=(fn, free_port(), results, args, dict(os.environ)),
-                           nprocs=nprocs, join=True, start_method=START_METHOD)
-    except ProcessException as err:
-        # spawn names the first rank to end; the one that failed first may be another, its peers aborting after it
-        raise AssertionError("\n".join([str(err), *(results.get(("traceback", rank), f"rank {rank}: no exception")
-                                                    for rank in range(nprocs))])) from None
-    return dict(results)
+    manager = multiprocessing.managers.SyncManager()
+    manager.start(_end_with_the_tests_process)  # a killed pytest leaves no manager behind either
+    with manager:
+        results = manager.dict()
+        try:
+            mp.start_processes(_as_rank, args=(fn, free_port(), results, args, dict(os.environ)),
+                               nprocs=nprocs, join=True, start_method=START_METHOD)
+        except ProcessException as err:
+            # spawn names the first rank to end; the one that failed first may be another, its peers aborting after
+            raise AssertionError("\n".join([str(err), *(results.get(("traceback", rank), f"rank {rank}: no exception")
+                                                        for rank in range(nprocs))])) from None
+        return dict(results)
+
+
+def _end_with_the_tests_process():
+    """SIGKILLs this process when the test's process ends, however it ends."""
+    parent = multiprocessing.parent_process()
+    threading.Thread(target=lambda: (parent.join(), os.kill(os.getpid(), signal.SIGKILL)), daemon=True).start()
 
 
 def _as_rank(rank, fn, port, results, args, environ):
@@ -139,8 +149,7 @@ def _as_rank(rank, fn, port, results, args, environ):
 
     # A rank's parent is the fork server, which outlives the test's process: torch's parent-death signal would
     # not come, and a rank waiting in gloo would go on to DeepSpeed's timeout; it watches the test's process.
-    parent = multiprocessing.parent_process()
-    threading.Thread(target=lambda: (parent.join(), os.kill(os.getpid(), signal.SIGKILL)), daemon=True).start()
+    _end_with_the_tests_process()
     # The test's environment (multiprocessing already moved to its folder). What the server's imports read from
     # its own environment stays (DeepSpeed's DEEPSPEED_TIMEOUT and accelerator, the thread counts of OpenMP): no
     # spawn_ranks caller sets those.
