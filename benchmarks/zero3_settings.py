@@ -61,7 +61,9 @@ def variants(model, num_gpus=1):
     """name -> (trainer flags, zero_optimization keys of the base config[, other keys of the base config[,
     environment variables of the case]])."""
     zero3 = ["--zero_stage", "3", "--bf16"]
-    but_current_stream = ",".join(group for group in overrides.GROUPS if group != "cuda_current_stream_by_index")
+
+    def all_but(left_out):  # the trainer's overrides without one group
+        return ",".join(group for group in overrides.GROUPS if group != left_out)
     return {
         "zero0": (["--zero_stage", "0", "--bf16"], {}),
         "zero2": (["--zero_stage", "2", "--bf16"], {}),
@@ -85,7 +87,11 @@ def variants(model, num_gpus=1):
                                                              "stage3_prefetch_bucket_size": 200_000_000}),
         # the trainer's replacements of DeepSpeed code (engine/overrides.py): all left out, or one
         "zero3 without the trainer's overrides": (zero3, {}, {}, {"TRAINER_DEEPSPEED_OVERRIDES": "0"}),
-        "zero3 DeepSpeed's current_stream": (zero3, {}, {}, {"TRAINER_DEEPSPEED_OVERRIDES": but_current_stream}),
+        "zero3 DeepSpeed's current_stream": (zero3, {}, {}, {
+            "TRAINER_DEEPSPEED_OVERRIDES": all_but("cuda_current_stream_by_index")}),
+        # one collective per persistent parameter after each optimizer step, as DeepSpeed gathers them
+        "zero3 DeepSpeed's persistent gathers": (zero3, {}, {}, {
+            "TRAINER_DEEPSPEED_OVERRIDES": all_but("zero3_persistent_parameters_in_one_gather")}),
         "zero3 overlap_comm off": (zero3, {"overlap_comm": False}),
         # the trainer caps its buckets at 5e7 elements (engine/config.py's BUCKET_CAP): a giant's block is about that
         "zero3 prefetch bucket 2e8": (zero3, {"stage3_prefetch_bucket_size": 200_000_000}),

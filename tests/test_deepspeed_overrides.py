@@ -105,6 +105,15 @@ def test_the_cuda_accelerator_returns_the_stream_deepspeeds_returns(monkeypatch)
     assert CUDA_Accelerator.current_stream is deepspeeds
 
 
+def test_gathered_parameters_go_in_runs_in_their_order_and_a_large_one_alone(monkeypatch):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(deepspeed_overrides, "GATHER_CHUNK", 10)
+    params = [SimpleNamespace(ds_tensor=SimpleNamespace(ds_numel=n)) for n in (2, 2, 1, 8, 3, 3)]
+    runs = deepspeed_overrides.gather_chunks(params, world_size=2)  # gathered: 4, 4, 2, 16, 6, 6 elements
+    assert [[p.ds_tensor.ds_numel for p in run] for run in runs] == [[2, 2, 1], [8], [3], [3]]
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the GPU's copy from pinned memory needs CUDA"))])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -230,6 +239,8 @@ def each_way(rank, port, results, experiments):
 
     torch.set_num_threads(1)
     join_process_group(rank, port, world_size=2)
+    # the tiny model's gathers in several collectives too (128 elements of a weight alone, biases together)
+    deepspeed_overrides.GATHER_CHUNK = 64
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
 
     for experiment, (cases, ways) in experiments.items():
@@ -249,8 +260,12 @@ def each_way(rank, port, results, experiments):
 # The three two-rank comparisons below, trained in one spawn of two ranks (each spawn costs its ranks' imports).
 PLAIN_LINEAR = (("memory_efficient_linear", False),)
 ZERO3_CASES = [(3, False, "fp32", None), (3, False, "bf16", 1), (3, True, "bf16", None)]
+# every parameter of the tiny model is persistent (gathered after each step); with none, train()'s
+# GatheredParameters gathers them all each step, which the replaced gather serves too
+NOTHING_PERSISTENT = (3, False, "bf16", None, None, (("stage3_param_persistence_threshold", 0),))
 OVERRIDES_CASES = [(2, True, "fp32", None), (2, True, "bf16", None), (2, True, "bf16", 1), (1, False, "bf16", 1),
-                   (2, True, "bf16", 1, "fp32"), *ZERO3_CASES, *((*case, None, PLAIN_LINEAR) for case in ZERO3_CASES)]
+                   (2, True, "bf16", 1, "fp32"), *ZERO3_CASES, *((*case, None, PLAIN_LINEAR) for case in ZERO3_CASES),
+                   NOTHING_PERSISTENT]
 SMALL_BUCKETS = (("reduce_bucket_size", 64), ("allgather_bucket_size", 64))
 CONTIGUOUS_CASES = [(1, False, "fp32", None, None, ()), (2, False, "fp32", None, None, ()),
                     (2, False, "bf16", 1, None, ()), (1, False, "bf16", None, None, ()),

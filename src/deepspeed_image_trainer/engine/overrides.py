@@ -27,6 +27,12 @@ step on two H100s:
   CUDA's tools library each, used only under a profiler such as Nsight Systems: off here (keep this group
   out, through TRAINER_DEEPSPEED_OVERRIDES below, to see them in a profile).
 
+After every optimizer step ZeRO-3 gathers its persistent parameters (those under
+`stage3_param_persistence_threshold`, kept whole on every rank: biases and norms) again, with one collective
+per parameter (`_allgather_params_coalesced` launches them all, then waits): several hundred for timm's ViT-G/14,
+each a launch on the host. Here they go as one collective over their partitions laid end to end, and one copy
+puts each parameter's pieces together, as FSDP2 gathers a block's parameters.
+
 And one under every stage on a GPU: DeepSpeed asks the CUDA accelerator for the current stream several times per
 parameter and step (around each gradient's copy and reduction), and torch.cuda.current_stream() without a device
 finds the current device through torch.cuda.is_available() and the environment each time (~5,000 calls a step
@@ -85,6 +91,11 @@ MODULE_SOURCES = {
         "39ad951b1301beeba46b0886eddce2a04fd0e2dd3276f43d6983f73be6f8f605",
     "runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3._reassign_or_swap_out_partitioned_parameters":
         "af7b449bee8786ec0b8b4c1e27c22bdca2b79186b3888a8c7a9df6bb9c2e8f35",
+    "runtime.zero.partition_parameters.Init._allgather_params_coalesced":
+        "774cce0650d208bb2e82699aae9953c697764b6fc7f226379aed4fb8aa0ddbd3",
+    # not replaced: what calls it (one partition group at a time) and what it leaves as DeepSpeed's
+    "runtime.zero.partition_parameters.Init._all_gather":
+        "24e484914416ddf78633955c6363dc59974c300adef590ec7019a17cb6f1fb6a",
     # not replaced: what that replacement calls as DeepSpeed's code does
     "runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3._unflatten_partitioned_parameters":
         "00cc8a3f65af736fd5e513e270951e6913b4146b4bbdf3fa0b74610eeb349ee1",
@@ -96,7 +107,8 @@ GROUPS = {"overflow_on_device": ("update_offload_overflow_tracker", "has_overflo
           "zero3_quiet_debug_messages": (),
           "zero3_no_nvtx_ranges": (),
           "cuda_current_stream_by_index": (),
-          "zero3_offload_weights_through_pinned": ()}
+          "zero3_offload_weights_through_pinned": (),
+          "zero3_persistent_parameters_in_one_gather": ()}
 # the modules whose print_rank_0 (their own, or partition_parameters' imported) the quiet one replaces
 PRINTING_MODULES = ("partition_parameters", "partitioned_param_coordinator", "parameter_offload", "stage3", "linear")
 _module_originals = {}  # (module or class, name) -> DeepSpeed's object, while the replacements stand
@@ -223,13 +235,13 @@ def _install_module_replacements(groups):
     replacements = {}  # as MODULE_SOURCES names them -> the replacement
     if "zero3_cached_module_parameters" in groups:
         module, name = _deepspeed_attribute("runtime.zero.partitioned_param_coordinator.iter_params")
-        deepspeeds = getattr(module, name)
+        deepspeeds_iter_params = getattr(module, name)
         known = (weakref.WeakKeyDictionary(), weakref.WeakKeyDictionary())  # by recurse: module -> its parameters
 
         def iter_params(module, recurse=False):
             external = module.__dict__.get("_external_params")  # DeepSpeed's registry, read each time as it does
             if external is None:  # not a module DeepSpeed registered: its own code (and its error)
-                return deepspeeds(module, recurse)
+                return deepspeeds_iter_params(module, recurse)
             params = known[bool(recurse)].get(module)
             if params is None:
                 params = known[bool(recurse)][module] = tuple(p for _, p in module.named_parameters(recurse=recurse))
@@ -251,7 +263,7 @@ def _install_module_replacements(groups):
         replacements["accelerator.cuda_accelerator.CUDA_Accelerator.current_stream"] = current_stream
     if "zero3_offload_weights_through_pinned" in groups:
         path = "runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3._reassign_or_swap_out_partitioned_parameters"
-        deepspeeds = inspect.getattr_static(*_deepspeed_attribute(path))
+        deepspeeds_reassign = inspect.getattr_static(*_deepspeed_attribute(path))
 
         from deepspeed.utils.nvtx import instrument_w_nvtx
 
@@ -260,17 +272,65 @@ def _install_module_replacements(groups):
             half = self.fp16_partitioned_groups_flat[sub_group_id]
             full = self.fp32_partitioned_groups_flat[sub_group_id]
             if not through_pinned(half, full):
-                return deepspeeds(self, sub_group_id)
+                return deepspeeds_reassign(self, sub_group_id)
             staging = self._trainer_pinned_weights = staging_buffer(
                 getattr(self, "_trainer_pinned_weights", None), half, pin_memory=True)
             copy_through(half.data.view(-1), full.data.view(-1), staging)
             self._unflatten_partitioned_parameters(sub_group_id)
 
         replacements[path] = _reassign_or_swap_out_partitioned_parameters
+    if "zero3_persistent_parameters_in_one_gather" in groups:
+        path = "runtime.zero.partition_parameters.Init._allgather_params_coalesced"
+        deepspeeds_gather = inspect.getattr_static(*_deepspeed_attribute(path))
+
+        from deepspeed import comm as dist
+        from deepspeed.accelerator import get_accelerator
+
+        def _allgather_params_coalesced(self, param_list, hierarchy=0, quantize=False):
+            if (quantize or len(param_list) < 2 or not self.use_all_gather_into_tensor
+                    or len({p.ds_tensor.dtype for p in param_list}) > 1
+                    or any(self._partition_world_size(p) == 1 for p in param_list)):
+                return deepspeeds_gather(self, param_list, hierarchy, quantize)
+            world_size = self._partition_world_size(param_list[0])  # _all_gather passes one group's
+            group = self.get_partition_dp_group(param_list[0])
+            for params in gather_chunks(param_list, world_size):
+                sizes = [p.ds_tensor.ds_numel for p in params]
+                local = torch.cat([p.ds_tensor.to(get_accelerator().device_name()).view(-1) for p in params])
+                gathered = torch.empty(world_size * local.numel(), dtype=local.dtype, device=self.local_device)
+                dist.all_gather_into_tensor(gathered, local, group=group)
+                # rank-major (each rank's partitions end to end) into parameter-major: each parameter whole
+                wholes = torch.empty_like(gathered).split([world_size * size for size in sizes])
+                torch.split_with_sizes_copy(gathered.view(world_size, -1), sizes, dim=1,
+                                            out=[whole.view(world_size, size) for whole, size in zip(wholes, sizes)])
+                for param, whole in zip(params, wholes):
+                    param.data = whole.narrow(0, 0, param.ds_numel).view(param.ds_shape).data
+            if not get_accelerator().resolves_data_dependency():  # as DeepSpeed's ends
+                get_accelerator().synchronize()
+
+        replacements[path] = _allgather_params_coalesced
     for path, replacement in replacements.items():
         module, name = _deepspeed_attribute(path)
         _module_originals[(module, name)] = inspect.getattr_static(module, name)  # a class's own, as defined
         setattr(module, name, replacement)
+
+
+# elements gathered in one collective: the persistent parameters are a few million, but a whole model gathered
+# at once (GatheredParameters for an export) holds its gathered copy and its parameters' whole ones together
+GATHER_CHUNK = 2**26
+
+
+def gather_chunks(params, world_size):
+    """`params` in order, in runs of at most GATHER_CHUNK gathered elements (a larger parameter alone)."""
+    chunk, elements = [], 0
+    for param in params:
+        size = world_size * param.ds_tensor.ds_numel
+        if chunk and elements + size > GATHER_CHUNK:
+            yield chunk
+            chunk, elements = [], 0
+        chunk.append(param)
+        elements += size
+    if chunk:
+        yield chunk
 
 
 # elements of the pinned buffer the updated weights pass through (128 MB in bf16): the host's memory is what a
