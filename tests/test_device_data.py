@@ -17,7 +17,7 @@ from deepspeed_image_trainer.data.device import (DeviceTrainLoader, DeviceValLoa
 from deepspeed_image_trainer.data.folders import DEFAULT_PREPROCESSING, build_loaders, build_transform, load_datasets
 from deepspeed_image_trainer.models.build import ResNet18Animals90
 
-from conftest import TINY_CLASSES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, data_args, history_of, launch
+from conftest import TINY_CLASSES, TINY_TRAIN_IMAGES, TINY_VAL_IMAGES, data_args, history_of, train_ranks
 
 CPU = torch.device("cpu")
 
@@ -218,7 +218,8 @@ def test_choice_of_data_path(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_training_with_the_dataset_on_the_device(tiny_data, tmp_path):
-    result = launch(data_args(tiny_data) + ["--epochs", "2", "--batch_size", "4", "--image_size", "32",
+    # the trainer in a rank of its own (the device tier is the trainer's; a launcher run adds ~10 s of start-up)
+    result = train_ranks(data_args(tiny_data) + ["--epochs", "2", "--batch_size", "4", "--image_size", "32",
                                             "--save_every", "1", "--data_on_device", "on",
                                             "--device_train_size", "40", "--cache_dir", str(tmp_path / "cache")],
                     tmp_path)
