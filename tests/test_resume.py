@@ -14,7 +14,7 @@ import pytest
 from deepspeed_image_trainer.cli import launch as launch_deepspeed
 
 from conftest import (ROOT, TINY_VAL_IMAGES, assert_usage_error_in_process, data_args, history_of, join_process_group,
-                      launch, make_sample_dataset, spawn_ranks)
+                      launch, make_sample_dataset, spawn_ranks, split_dry_run, train_ranks)
 
 pytestmark = pytest.mark.slow  # every test here but the missing path's starts training processes
 
@@ -102,7 +102,8 @@ def test_keep_last_prunes_old_epoch_checkpoints(uninterrupted):
     assert names == ["best_model", "epoch_2", "last"]
 
 
-def test_kill_9_then_sigterm_mid_epoch_then_resume_equals_an_uninterrupted_run(tiny_data, tmp_path, uninterrupted):
+def test_kill_9_then_sigterm_mid_epoch_then_resume_equals_an_uninterrupted_run(tiny_data, tmp_path, uninterrupted,
+                                                                              monkeypatch, capsys):
     """kill -9 after epoch 1, then a SIGTERM in the middle of the resumed run's epoch 2. With the dataset on the
     device every batch, crop and policy draw of an epoch comes from (seed, rank, epoch), and each mixing from its
     step: the run resumed twice ends with the metrics of one that never stopped, and goes on on two ranks from
@@ -127,8 +128,15 @@ def test_kill_9_then_sigterm_mid_epoch_then_resume_equals_an_uninterrupted_run(t
     mid_epoch = tmp_path / "mid_epoch"  # a copy (hard links) for the resume on 2 ranks below
     shutil.copytree(tmp_path / "checkpoints_deepspeed/last", mid_epoch, copy_function=os.link)
 
-    # Without --zero_stage (auto) the run resumes with the checkpoint's stage, 2, rather than refusing it.
-    result = launch(train_args(tiny_data, stage=()) + ON_DEVICE + ["--resume", "auto"], tmp_path)
+    # Without --zero_stage (auto) the run resumes with the checkpoint's stage, 2, rather than refusing it: the
+    # launcher's config says so, and the training script resumes with it. The launcher's part of a resume (the
+    # runs above) is done: the rest trains in spawn_ranks ranks, without a launcher's ~10 s of start-up each.
+    resumed_argv = train_args(tiny_data, stage=()) + ON_DEVICE + ["--resume", "auto"]
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert launch_deepspeed.main(resumed_argv + ["--dry_run"]) == 0
+    assert split_dry_run(capsys.readouterr().out)[0]["zero_optimization"]["stage"] == 2
+    result = train_ranks(resumed_argv, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"Resumed from checkpoints_deepspeed/last: epoch 2, step {info['interrupted_at']['step']}" in result.stdout
     assert [e["epoch"] for e in history_of(tmp_path)["epochs"]] == [1, 2]
@@ -144,8 +152,8 @@ def test_kill_9_then_sigterm_mid_epoch_then_resume_equals_an_uninterrupted_run(t
     # state is checked in test_universal.py): it goes on at the same sample and learning rate.
     two = tmp_path / "two"
     two.mkdir()
-    result = launch(train_args(tiny_data) + ON_DEVICE + ["--num_gpus", "2", "--batch_size", "2", "--resume",
-                                                          str(mid_epoch)], two)
+    result = train_ranks(train_args(tiny_data) + ON_DEVICE + ["--batch_size", "2", "--resume", str(mid_epoch)], two,
+                         nprocs=2)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "mid_epoch (saved by 1 rank) for 2 ranks with DeepSpeed's universal checkpoint" in result.stdout
     assert f"epoch 2, step {info['interrupted_at']['step']} of 12" in result.stdout
