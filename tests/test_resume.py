@@ -14,7 +14,7 @@ import pytest
 from deepspeed_image_trainer.cli import launch as launch_deepspeed
 
 from conftest import (ROOT, TINY_VAL_IMAGES, assert_usage_error_in_process, data_args, history_of, join_process_group,
-                      launch, make_sample_dataset, spawn_ranks, split_dry_run, train_ranks)
+                      make_sample_dataset, spawn_ranks, split_dry_run, train_ranks)
 
 pytestmark = pytest.mark.slow  # every test here but the missing path's starts training processes
 
@@ -90,7 +90,8 @@ ON_DEVICE = ["--data_on_device", "on", "--auto_augment", "ra", "--random_erase",
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_data, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("uninterrupted")
-    result = launch(train_args(tiny_data) + ON_DEVICE + ["--resume", "auto"], workdir)  # nothing to resume: fresh
+    # nothing to resume: fresh. The training script in a rank of its own (the launcher's runs are the stopped ones)
+    result = train_ranks(train_args(tiny_data) + ON_DEVICE + ["--resume", "auto"], workdir)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Resumed" not in result.stdout
     return workdir
