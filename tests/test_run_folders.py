@@ -18,7 +18,8 @@ from deepspeed_image_trainer.outputs.run_folders import (LAUNCH_LOCK_FILE, LOCK_
                                                          earlier_results, lock, tidy)
 from deepspeed_image_trainer.utils.failures import UsageError
 
-from conftest import ROOT, assert_usage_error_in_process, data_args, digests, history_of, launch, run
+from conftest import (ROOT, assert_usage_error_in_process, data_args, digests, history_of, launch,
+                      train_ranks)
 
 # A process that holds a folder's lock (as a training run's rank 0 does) until killed.
 # It forks a child that outlives it, as a loader worker outlives a rank killed with SIGKILL for a few seconds.
@@ -237,14 +238,15 @@ def test_the_same_command_twice_keeps_the_first_runs_results(trained, tiny_data,
     monkeypatch.chdir(tmp_path)
     assert_usage_error_in_process(launch_deepspeed.main, args, capsys, "an earlier run's results are here")
     assert (tmp_path / "logs/training_history.json").read_bytes() == before
-    # Started without the launcher, the training script stops the same way.
-    result = run([sys.executable, str(ROOT / "src/train_deepspeed.py"), *args], tmp_path)
+    # Started without the launcher, the training script stops the same way (its run_cli(main) in a spawn_ranks
+    # rank: a process of its own without the ~5 s of imports a script pays).
+    result = train_ranks(args, tmp_path)
     assert result.returncode == 2 and "an earlier run's results are here" in result.stderr, result.stderr[-2000:]
     assert (tmp_path / "logs/training_history.json").read_bytes() == before
     # --overwrite that fails before its first checkpoint leaves the earlier run as it was
     (tmp_path / "given.json").write_text('{"gradient_clipping": 0.5}')
     everything = digests(tmp_path)
-    result = run([sys.executable, str(ROOT / "src/train_deepspeed.py"), *args, "--overwrite", "--fp16"], tmp_path)
+    result = train_ranks([*args, "--overwrite", "--fp16"], tmp_path)
     assert result.returncode == 2 and "error: fp16 needs a GPU" in result.stderr, result.stderr[-2000:]
     assert digests(tmp_path) == everything
     monkeypatch.setattr(launch_deepspeed, "run_and_forward_signals", lambda *_: 1)  # ranks that fail at once
