@@ -16,7 +16,7 @@ from deepspeed_image_trainer.cli.options import add_training_args, parse_args
 from deepspeed_image_trainer.engine.config import build_ds_config
 from deepspeed_image_trainer.engine.memory import out_of_memory_advice, zero3_note
 
-from conftest import ROOT, assert_usage_error, data_args, digests, history_of, launch
+from conftest import ROOT, assert_usage_error, data_args, digests, history_of, launch, train_ranks
 
 TINY_RUN = ["--batch_size", "4", "--image_size", "32", "--num_workers", "0"]
 
@@ -49,8 +49,10 @@ def test_a_loss_that_turns_nan_stops_the_run_and_keeps_the_earlier_outputs(earli
     saved["module"]["fc.weight"][0, 0] = float("nan")
     torch.save(saved, states)
     checkpoints = digests(workdir / "checkpoints_deepspeed")
-    result = launch(data_args(tiny_data) + TINY_RUN + ["--zero_stage", "0", "--epochs", "3", "--resume", "auto",
-                                                       "--max_nonfinite_steps", "3"], workdir)
+    # the training script in a spawn_ranks rank (the stop is the trainer's; the launcher passes a rank's status on:
+    # test_launcher), without a launcher's ~10 s of start-up
+    result = train_ranks(data_args(tiny_data) + TINY_RUN + ["--zero_stage", "0", "--epochs", "3", "--resume", "auto",
+                                                            "--max_nonfinite_steps", "3"], workdir)
     assert result.returncode == 3, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     [line] = error_lines(result)  # reported once, by rank 0
@@ -77,8 +79,9 @@ def limit_file_size():
 @pytest.mark.slow
 def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_keeps_the_earlier_ones(earlier_run, tiny_data):
     workdir, checkpoints, history = earlier_run
-    result = launch(data_args(tiny_data) + TINY_RUN + ["--zero_stage", "0", "--epochs", "3", "--save_every", "1",
-                                                       "--resume", "auto"], workdir, preexec_fn=limit_file_size)
+    # the training script in a spawn_ranks rank, its files limited there (a launcher's ~10 s of start-up saved)
+    result = train_ranks(data_args(tiny_data) + TINY_RUN + ["--zero_stage", "0", "--epochs", "3", "--save_every", "1",
+                                                            "--resume", "auto"], workdir, before=limit_file_size)
     assert result.returncode == 4, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Resumed from" in result.stdout and "Traceback" not in result.stderr
     [line] = error_lines(result)
