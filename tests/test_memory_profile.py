@@ -243,7 +243,8 @@ def test_one_rank_out_of_memory_ends_the_search_process_there(monkeypatch):
 
     def run(command, **kwargs):
         commands.append(command)
-        return subprocess.CompletedProcess(command, 1, "\n".join(lines[outcome["case"]]), STDERR)
+        status, stderr = (-9, "") if outcome["case"] == 2 else (1, STDERR)
+        return subprocess.CompletedProcess(command, status, "\n".join(lines[outcome["case"]]), stderr)
 
     monkeypatch.setattr(memory_profile.subprocess, "run", run)
     args = memory_profile.get_args_parser().parse_args(["--num_gpus", "2"])
@@ -254,7 +255,36 @@ def test_one_rank_out_of_memory_ends_the_search_process_there(monkeypatch):
     outcome["case"] = 1  # a failure that is not out of memory: the rank's error, not torchrun's summary after it
     with pytest.raises(RuntimeError) as failed:
         memory_profile.child(args, "search", "ZeRO-3", "{}")
-    assert str(failed.value).endswith("failed:\n[rank1]: ValueError: Expected more than 1 value per channel\n")
+    assert str(failed.value).endswith(
+        "failed (exit status 1):\n[rank1]: ValueError: Expected more than 1 value per channel\n")
+    # killed by a signal (the kernel's out-of-memory killer when the host's memory runs out): no traceback to show
+    lines[2], outcome["case"] = [], 2
+    with pytest.raises(RuntimeError) as failed:
+        memory_profile.child(args, "probe", "ZeRO-2", "10", "--accumulation", "52")
+    assert str(failed.value) == "the probe of ZeRO-2 (10 --accumulation 52) failed (killed by SIGKILL):\n"
+
+
+def test_an_accumulated_probe_that_dies_keeps_the_largest_micro_batch_and_says_why(monkeypatch, tmp_path):
+    # EVA-02-E's optimizer offload on one H200: the search found micro-batch 10, the probe accumulated to 520 was
+    # killed by the host's out-of-memory killer; the row keeps what the search found
+    import report
+
+    def child(args, mode, name, *values, capped=True):
+        if mode == "probe" and "--accumulation" in values:
+            raise RuntimeError(f"the probe of {name} ({' '.join(values)}) failed (killed by SIGKILL):\n")
+        if mode == "probe":
+            return [{"batch": int(values[0]), "fits": True, "images_per_s": 100.0}], True
+        return simulated_process(8 * GIB, GIB / 8, 8 * GIB - 48 * GIB / 8 - 1)[0](json.loads(values[0]))
+
+    monkeypatch.setattr(memory_profile, "child", child)
+    args = memory_profile.get_args_parser().parse_args(
+        ["--find_max_batch", "--gpu_memory_gib", "8", "--global_batch", "512", "--configs",
+         "ZeRO-2 + offload optimizer", "--output_dir", str(tmp_path)])
+    [row] = memory_profile.largest_batches(args, (PSI, PSI))
+    assert row["max_micro_batch"] == 48 and row["images_per_s"] and row["global_batch"] == 48 * 11
+    assert row["global_batch_images_per_s"] is None and "(killed by SIGKILL)" in row["global_batch_error"]
+    assert report.accumulation_failure(row) == "failed (killed by SIGKILL)"
+    assert report.accumulation_failure({"global_batch_images_per_s": None}) == "out of memory"
 
 
 def test_every_configuration_gets_its_largest_batch_its_speed_and_the_reference(monkeypatch, tmp_path, capsys):
