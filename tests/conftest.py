@@ -173,18 +173,19 @@ def _as_rank(rank, fn, port, results, args, environ):
     exit_now()  # its results are with the manager; the trainer's ranks leave the same way
 
 
-def train_ranks(argv, cwd, nprocs=1, before=None):
+def train_ranks(argv, cwd, nprocs=1, before=None, main=None):
     """The training script's run_cli(main) on `nprocs` spawn_ranks ranks in folder `cwd`, as the `deepspeed`
     launcher starts them (RANK, WORLD_SIZE, MASTER_PORT...), each rank's file descriptors 1 and 2 captured: for a
     test whose subject is the run, not the launcher (a launcher run adds ~10 s of process start-up). Returns a
     CompletedProcess-like namespace: returncode (rank 0's exit status; `statuses`: every rank's) and stdout and
     stderr (the ranks' in rank order, as the launcher would pass them on). `before`: a module-level function each
-    rank calls first (what a launch's preexec_fn would do in its processes)."""
+    rank calls first (what a launch's preexec_fn would do in its processes). `main`: another script's module-level
+    main(argv) to run so instead of the training script's."""
     import types
 
     outputs = Path(tempfile.mkdtemp(prefix="rank-output-"))
     try:
-        results = spawn_ranks(_train_with_output, nprocs, str(cwd), list(argv), str(outputs), nprocs, before)
+        results = spawn_ranks(_train_with_output, nprocs, str(cwd), list(argv), str(outputs), nprocs, before, main)
         read = {name: "".join((outputs / f"{rank}.{name}").read_text(errors="replace") for rank in range(nprocs))
                 for name in ("stdout", "stderr")}
     finally:
@@ -193,7 +194,7 @@ def train_ranks(argv, cwd, nprocs=1, before=None):
     return types.SimpleNamespace(returncode=statuses[0], statuses=statuses, args=list(argv), **read)
 
 
-def _train_with_output(rank, port, results, cwd, argv, outputs, nprocs, before):
+def _train_with_output(rank, port, results, cwd, argv, outputs, nprocs, before, main):
     from deepspeed_image_trainer.cli import train
     from deepspeed_image_trainer.cli.options import run_cli
 
@@ -206,7 +207,7 @@ def _train_with_output(rank, port, results, cwd, argv, outputs, nprocs, before):
     if before is not None:
         before()
     try:
-        results[rank] = run_cli(train.main, argv) or 0
+        results[rank] = run_cli(main or train.main, argv) or 0
     except SystemExit as exited:
         results[rank] = exited.code or 0
     finally:

@@ -1,6 +1,7 @@
 """src/memory_profile.py: the ZeRO formulas, and a real two-rank run (gloo) that writes its report."""
 import json
 import math
+import os
 import subprocess
 import sys
 from argparse import Namespace
@@ -14,7 +15,7 @@ from deepspeed_image_trainer.cli.options import run_cli
 from deepspeed_image_trainer.engine.distributed import free_port
 from memory_profile import GIB, paper_formula_bytes, trainer_config
 
-from conftest import ROOT, run
+from conftest import ROOT, run, train_ranks
 
 PSI = 1_000_000
 
@@ -175,8 +176,22 @@ def test_a_search_process_reports_each_try_and_ends_at_the_first_failure(monkeyp
     assert [t["batch"] for t in tries] == [1, 2, 16, 31] and [t["fits"] for t in tries] == [True] * 3 + [False]
 
 
+def children_in_a_rank(monkeypatch):
+    """child()'s one-process commands (no torchrun) run the script's main with the command's arguments in a
+    spawn_ranks rank (conftest's train_ranks: RANK 0 of WORLD_SIZE 1, as child sets them; the rank's exit status,
+    stdout and stderr), not in a Python process of their own (~5 s of imports each). A real process: the ZeRO-3
+    search below (and torchrun's on two ranks)."""
+    def run(command, env, **kwargs):
+        assert command[1] == memory_profile.__file__ and "torch.distributed.run" not in command, command
+        assert (env["RANK"], env["WORLD_SIZE"]) == ("0", "1")
+        result = train_ranks(command[2:], os.getcwd(), main=memory_profile.main)
+        return subprocess.CompletedProcess(command, result.returncode, result.stdout, result.stderr)
+
+    monkeypatch.setattr(memory_profile.subprocess, "run", run)
+
+
 @pytest.mark.slow
-def test_a_search_process_trains_real_steps_and_a_broken_one_is_an_error():
+def test_a_search_process_trains_real_steps_and_a_broken_one_is_an_error(monkeypatch):
     # on the CPU nothing runs out of memory: the search climbs to its limit, timing each try (in fp32: a CPU
     # without oneDNN's bf16 kernels takes seconds a bf16 step)
     args = memory_profile.get_args_parser().parse_args(["--image_size", "64", "--steps", "1"])
@@ -185,12 +200,15 @@ def test_a_search_process_trains_real_steps_and_a_broken_one_is_an_error():
     assert finished and [t["batch"] for t in tries] == [1, 2, 4, 5]
     assert all(t["fits"] and t["host_peak_rss_gib"] > 0.1 for t in tries)
     assert [t["images_per_s"] > 0 if t["images_per_s"] else None for t in tries] == [None, None, True, True]
+    children_in_a_rank(monkeypatch)
     args.model = "resnet_none"  # the child's own checks refuse it: an error, not "out of memory"
-    with pytest.raises(RuntimeError, match="the probe of plain PyTorch \\(2\\) failed"):
+    with pytest.raises(RuntimeError, match="^the probe of plain PyTorch \\(2\\) failed \\(exit status 2\\):\n"
+                                           "error: --model resnet_none: not a torchvision classifier"):
         memory_profile.child(args, "probe", memory_profile.PLAIN, "2")
 
 
-def test_a_coalesced_configuration_tries_two_micro_batches_a_step_inside_deepspeeds_coalescing():
+def test_a_coalesced_configuration_tries_two_micro_batches_a_step_inside_deepspeeds_coalescing(monkeypatch):
+    children_in_a_rank(monkeypatch)
     args = memory_profile.get_args_parser().parse_args(["--image_size", "64", "--bf16", "--steps", "1"])
     # at micro-batch 1 (a CPU's bf16 steps take seconds an image): still two micro-batches a step, coalesced
     tries, finished = memory_profile.child(args, "probe", "ZeRO-2 + offload optimizer, half weights, coalesced", "1")
