@@ -173,19 +173,21 @@ def _as_rank(rank, fn, port, results, args, environ):
     exit_now()  # its results are with the manager; the trainer's ranks leave the same way
 
 
-def train_ranks(argv, cwd, nprocs=1, before=None, main=None):
+def train_ranks(argv, cwd, nprocs=1, before=None, script=None):
     """The training script's run_cli(main) on `nprocs` spawn_ranks ranks in folder `cwd`, as the `deepspeed`
     launcher starts them (RANK, WORLD_SIZE, MASTER_PORT...), each rank's file descriptors 1 and 2 captured: for a
     test whose subject is the run, not the launcher (a launcher run adds ~10 s of process start-up). Returns a
     CompletedProcess-like namespace: returncode (rank 0's exit status; `statuses`: every rank's) and stdout and
     stderr (the ranks' in rank order, as the launcher would pass them on). `before`: a module-level function each
-    rank calls first (what a launch's preexec_fn would do in its processes). `main`: another script's module-level
-    main(argv) to run so instead of the training script's."""
+    rank calls first (what a launch's preexec_fn would do in its processes). `script`: another script's file whose
+    main(argv) runs so instead of the training script's (loaded from that file in the rank: by its module's name
+    the rank's import path may find another file, as src/memory_profile.py forwards to benchmarks/'s)."""
     import types
 
     outputs = Path(tempfile.mkdtemp(prefix="rank-output-"))
     try:
-        results = spawn_ranks(_train_with_output, nprocs, str(cwd), list(argv), str(outputs), nprocs, before, main)
+        results = spawn_ranks(_train_with_output, nprocs, str(cwd), list(argv), str(outputs), nprocs, before,
+                              script and str(script))
         read = {name: "".join((outputs / f"{rank}.{name}").read_text(errors="replace") for rank in range(nprocs))
                 for name in ("stdout", "stderr")}
     finally:
@@ -194,9 +196,15 @@ def train_ranks(argv, cwd, nprocs=1, before=None, main=None):
     return types.SimpleNamespace(returncode=statuses[0], statuses=statuses, args=list(argv), **read)
 
 
-def _train_with_output(rank, port, results, cwd, argv, outputs, nprocs, before, main):
+def _train_with_output(rank, port, results, cwd, argv, outputs, nprocs, before, script):
+    import runpy
+
     from deepspeed_image_trainer.cli import train
     from deepspeed_image_trainer.cli.options import run_cli
+
+    if script is not None:
+        sys.path.insert(0, str(Path(script).parent))  # its sibling modules, as running it would find them
+        main = runpy.run_path(script, run_name=Path(script).stem)["main"]
 
     os.chdir(cwd)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -207,7 +215,7 @@ def _train_with_output(rank, port, results, cwd, argv, outputs, nprocs, before, 
     if before is not None:
         before()
     try:
-        results[rank] = run_cli(main or train.main, argv) or 0
+        results[rank] = run_cli(train.main if script is None else main, argv) or 0
     except SystemExit as exited:
         results[rank] = exited.code or 0
     finally:

@@ -184,7 +184,7 @@ def children_in_a_rank(monkeypatch):
     def run(command, env, **kwargs):
         assert command[1] == memory_profile.__file__ and "torch.distributed.run" not in command, command
         assert (env["RANK"], env["WORLD_SIZE"]) == ("0", "1")
-        result = train_ranks(command[2:], os.getcwd(), main=memory_profile.main)
+        result = train_ranks(command[2:], os.getcwd(), script=memory_profile.__file__)
         return subprocess.CompletedProcess(command, result.returncode, result.stdout, result.stderr)
 
     monkeypatch.setattr(memory_profile.subprocess, "run", run)
