@@ -202,6 +202,7 @@ def _train_with_output(rank, port, results, cwd, argv, outputs, nprocs, before, 
     from deepspeed_image_trainer.cli import train
     from deepspeed_image_trainer.cli.options import run_cli
 
+    main = train.main
     if script is not None:
         sys.path.insert(0, str(Path(script).parent))  # its sibling modules, as running it would find them
         main = runpy.run_path(script, run_name=Path(script).stem)["main"]
@@ -215,7 +216,7 @@ def _train_with_output(rank, port, results, cwd, argv, outputs, nprocs, before, 
     if before is not None:
         before()
     try:
-        results[rank] = run_cli(train.main if script is None else main, argv) or 0
+        results[rank] = run_cli(main, argv) or 0
     except SystemExit as exited:
         results[rank] = exited.code or 0
     finally:
